@@ -1,0 +1,219 @@
+"""Batched, jit-able token sampling with per-row parameters.
+
+Every sampling knob is a per-row array (``temperature [B] f32``, ``top_k [B] i32``, ``top_p [B] f32``,
+``seed [B] u32``, ``step [B] i32``), so requests with different settings share one compiled function and
+joining/leaving requests never recompiles.
+
+Per-request randomness: the key of row ``b`` at generation step ``s`` is
+``fold_in(key(seed_b), s)``; a request therefore draws the same tokens whatever batch row it sits in and
+whoever else is in the batch.
+
+Rules (OpenAI / vLLM conventions):
+  * ``temperature == 0`` → greedy (argmax of the raw logits); top-k / top-p are then irrelevant.
+  * ``top_k <= 0`` or ``top_k >= V`` → disabled. ``top_p >= 1`` → disabled.
+  * top-k is applied first, then top-p on the renormalised temperature-scaled distribution; the most
+    likely token always survives.
+  * Log-probs are those of the *model* distribution (``log_softmax`` of the raw logits, temperature 1),
+    as OpenAI reports them, whatever the sampling settings.
+
+Stop conditions: :func:`hit_stop_token` (device, batched) checks stop token ids; :class:`StopStrings`
+(host) finds stop strings in decoded text, holding back the text that may be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "SamplingParams",
+    "SamplingArrays",
+    "SampleOutput",
+    "sample",
+    "hit_stop_token",
+    "StopStrings",
+    "MAX_STOP_IDS",
+    "stop_id_array",
+]
+
+MAX_STOP_IDS = 8  # stop-token-id slots per row on device (padded with -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Host-side sampling settings of one request (validated by :meth:`validate`)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: no log-probs; n >= 0: chosen token's log-prob + top-n alternatives
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int | None = None, max_logprobs: int = 20) -> SamplingParams:
+        """Raise ``ValueError`` naming the bad field; return self when valid."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0 <= int(self.seed) < 2**32):
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        for t in self.stop_token_ids:
+            if vocab_size is not None and not (0 <= t < vocab_size):
+                raise ValueError(f"stop token id {t} outside the vocabulary [0, {vocab_size})")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= max_logprobs):
+            raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs!r}")
+        return self
+
+
+class SamplingArrays(NamedTuple):
+    """Device-side per-row sampling parameters, all ``[B]``."""
+
+    temperature: jax.Array  # [B] f32, 0 = greedy
+    top_k: jax.Array  # [B] i32, 0 = off
+    top_p: jax.Array  # [B] f32, 1 = off
+    seed: jax.Array  # [B] u32
+    step: jax.Array  # [B] i32, index of the token being generated for that request
+
+    @staticmethod
+    def from_params(params: Sequence[SamplingParams], steps: Sequence[int] | None = None) -> SamplingArrays:
+        n = len(params)
+        return SamplingArrays(
+            temperature=jnp.asarray([p.temperature for p in params], jnp.float32).reshape(n),
+            top_k=jnp.asarray([p.top_k for p in params], jnp.int32).reshape(n),
+            top_p=jnp.asarray([p.top_p for p in params], jnp.float32).reshape(n),
+            seed=jnp.asarray(np.asarray([p.seed for p in params], np.uint32).reshape(n)),
+            step=jnp.asarray(steps if steps is not None else [0] * n, jnp.int32).reshape(n),
+        )
+
+
+class SampleOutput(NamedTuple):
+    tokens: jax.Array  # [B] i32
+    logprob: jax.Array  # [B] f32, log-prob of the chosen token under the model distribution
+    top_ids: jax.Array  # [B, n] i32 (n = num_top_logprobs, may be 0)
+    top_logprobs: jax.Array  # [B, n] f32
+
+
+def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def _filtered_sorted_logits(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Sort ``logits [B, V]`` descending, scale by temperature, mask outside top-k / top-p.
+
+    Returns ``(masked_sorted [B, V] f32 with -inf outside, order [B, V] i32 vocab ids)``.
+    """
+    vocab = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1, stable=True).astype(jnp.int32)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = sorted_logits / safe_t
+    rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)[:, None]
+    scaled = jnp.where(rank < k, scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before this rank
+    keep_p = (cum_before < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0)
+    return jnp.where(keep_p, scaled, -jnp.inf), order
+
+
+@partial(jax.jit, static_argnames=("num_top_logprobs",))
+def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0) -> SampleOutput:
+    """Draw one token per row.
+
+    Args:
+      logits: ``[B, V]`` (any float dtype; computed in f32).
+      params: per-row :class:`SamplingArrays`.
+      num_top_logprobs: static; how many top alternatives' log-probs to return per row.
+    Returns: :class:`SampleOutput`.
+    """
+    logits = logits.astype(jnp.float32)
+    masked, order = _filtered_sorted_logits(logits, params.temperature, params.top_k, params.top_p)
+    keys = jax.vmap(_row_key)(params.seed, params.step)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+    pick_rank = jnp.argmax(masked + gumbel, axis=-1)
+    sampled = jnp.take_along_axis(order, pick_rank[:, None], axis=-1)[:, 0]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(params.temperature > 0, sampled, greedy).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    if num_top_logprobs > 0:
+        top_lp, top_ids = jax.lax.top_k(logp, num_top_logprobs)
+    else:
+        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+
+
+def hit_stop_token(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """``tokens [B] i32`` vs ``stop_ids [B, S] i32`` (padded with -1) → ``[B] bool``."""
+    return jnp.any(tokens[:, None] == stop_ids, axis=-1)
+
+
+def stop_id_array(ids_per_row: Sequence[Sequence[int]]) -> np.ndarray:
+    """Pad per-row stop token id lists to ``[B, MAX_STOP_IDS] i32`` with -1."""
+    out = np.full((len(ids_per_row), MAX_STOP_IDS), -1, np.int32)
+    for b, ids in enumerate(ids_per_row):
+        ids = list(dict.fromkeys(ids))
+        if len(ids) > MAX_STOP_IDS:
+            raise ValueError(f"row {b}: {len(ids)} stop token ids > MAX_STOP_IDS={MAX_STOP_IDS}")
+        out[b, : len(ids)] = ids
+    return out
+
+
+class StopStrings:
+    """Incremental stop-string matcher over streamed text (host side).
+
+    ``push(delta) -> (text_safe_to_emit, stopped)``. Text that could be the beginning of a stop string is
+    held back until it is disambiguated; on a match the text up to (excluding) the stop string is emitted
+    and ``stopped`` is True. ``flush()`` returns the held-back tail at the end of generation.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return delta, False
+        buf = self._held + delta
+        first = min(((buf.find(s), s) for s in self.stops if s in buf), default=None)
+        if first is not None:
+            self.stopped = True
+            self._held = ""
+            return buf[: first[0]], True
+        # hold back the longest suffix of buf that is a proper prefix of some stop string
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
