@@ -1,0 +1,185 @@
+"""Pure-JAX reference for the LatentMoE routed experts (spec b.5, b.8, c.4).
+
+Everything here is jit-able with static shapes and differentiable; the Pallas kernels are tested against it.
+
+Conventions
+- Rows of ``x_sorted`` are sorted by expert; ``group_sizes [E] i32`` counts rows per expert; rows past
+  ``sum(group_sizes)`` produce zeros (``jax.lax.ragged_dot`` semantics).
+- Expert weights: bf16 layout ``w1, w3 [E, L, I]``, ``w2 [E, I, L]`` (Flax ``[in, out]`` per expert), or MXFP4
+  dicts ``{"weight_packed": u8 [E, out, in/2], "weight_scale": u8 [E, out, in/32]}`` (HF ``[out, in]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from k3_jax.quant.mxfp4 import is_mxfp4, unpack_mxfp4
+from k3_jax.quant.mxfp8 import fake_quant_mxfp8
+
+ExpertWeight = jax.Array | dict[str, jax.Array]
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    preferred_element_type: jnp.dtype | None = None,
+) -> jax.Array:
+    """``lhs [M, K]`` x ``rhs [E, K, N]`` per group -> ``[M, N]``.
+
+    Row block ``g`` (``group_sizes[g]`` rows, in order) is multiplied by ``rhs[g]``; trailing rows beyond
+    ``sum(group_sizes)`` give 0. ``rhs`` is cast to ``lhs.dtype``; f32 inputs use HIGHEST precision.
+    Output dtype: ``preferred_element_type`` or ``lhs.dtype``.
+    """
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"grouped_matmul: expected lhs [M, K], rhs [E, K, N]; got {lhs.shape}, {rhs.shape}")
+    if group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(f"grouped_matmul: group_sizes must be [E={rhs.shape[0]}], got {group_sizes.shape}")
+    out_dtype = preferred_element_type or lhs.dtype
+    return jax.lax.ragged_dot(
+        lhs,
+        rhs.astype(lhs.dtype),
+        group_sizes.astype(jnp.int32),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=out_dtype,
+    )
+
+
+def situ_glu(gate: jax.Array, up: jax.Array, beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
+    """SiTU-GLU: ``[b1*tanh(g/b1)*sigmoid(g)] * [b2*tanh(u/b2)]`` in f32, cast back to ``gate.dtype``."""
+    g = gate.astype(jnp.float32)
+    u = up.astype(jnp.float32)
+    act = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
+    lin = beta2 * jnp.tanh(u / beta2)
+    return (act * lin).astype(gate.dtype)
+
+
+def dense_expert_weight(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:
+    """Expert weight in the ``[E, in, out]`` layout: arrays pass through (cast), MXFP4 dicts are dequantized
+    from HF ``[E, out, in]`` and transposed."""
+    if is_mxfp4(w):
+        return jnp.swapaxes(unpack_mxfp4(w["weight_packed"], w["weight_scale"], dtype), -1, -2)
+    if isinstance(w, dict):
+        raise ValueError(f"expert weight dict must have 'weight_packed' and 'weight_scale', got {sorted(w)}")
+    return w.astype(dtype)
+
+
+def expert_ffn(
+    x_sorted: jax.Array,
+    group_sizes: jax.Array,
+    w1: ExpertWeight,
+    w3: ExpertWeight,
+    w2: ExpertWeight,
+    *,
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+    mxfp8_activations: bool = False,
+) -> jax.Array:
+    """Routed experts ``E_e(x) = w2_e(SiTU-GLU(w1_e x, w3_e x))`` on expert-sorted rows.
+
+    Args:
+      x_sorted: ``[M, L]`` (bf16 or f32), sorted by expert.
+      group_sizes: ``[E] i32``.
+      w1, w3: ``[E, L, I]`` or MXFP4 ``{"weight_packed": u8 [E, I, L/2], "weight_scale": u8 [E, I, L/32]}``.
+      w2: ``[E, I, L]`` or MXFP4 ``{"weight_packed": u8 [E, L, I/2], "weight_scale": u8 [E, L, I/32]}``.
+      mxfp8_activations: fake-quantize the inputs of every expert matmul to MXFP8 (SGLang emulation).
+    Returns:
+      ``[M, L]`` in ``x_sorted.dtype``; matmuls accumulate in f32, each product is rounded to the input dtype.
+    """
+    dt = x_sorted.dtype
+    a = fake_quant_mxfp8(x_sorted) if mxfp8_activations else x_sorted
+    gate = grouped_matmul(a, dense_expert_weight(w1, dt), group_sizes, preferred_element_type=jnp.float32)
+    up = grouped_matmul(a, dense_expert_weight(w3, dt), group_sizes, preferred_element_type=jnp.float32)
+    h = situ_glu(gate.astype(dt), up.astype(dt), beta1, beta2)
+    if mxfp8_activations:
+        h = fake_quant_mxfp8(h)
+    out = grouped_matmul(h, dense_expert_weight(w2, dt), group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(dt)
+
+
+def num_experts_of(experts: dict[str, Any]) -> int:
+    """Number of experts E from an experts dict (keys w1, w3, w2; arrays or MXFP4 dicts)."""
+    w1 = experts["w1"]
+    return int((w1["weight_packed"] if is_mxfp4(w1) else w1).shape[0])
+
+
+def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Flatten ``expert_ids [T, k] i32`` and sort stably by expert.
+
+    Returns ``(order [T*k] i32, inverse [T*k] i32, group_sizes [E] i32)`` where ``order`` lists flattened
+    assignment indices (token = index // k) in expert order and ``inverse`` undoes it.
+    """
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    inverse = jnp.argsort(order).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, inverse, group_sizes
+
+
+def dispatch_combine(
+    z: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    num_experts: int,
+    ffn: Callable[[jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+    """Dropless dispatch -> ``ffn(x_sorted [T*k, L], group_sizes [E]) -> [T*k, L]`` -> weighted combine.
+
+    ``u = cast(sum_k weights[t, k] * f32(out[t, k]), z.dtype)``.
+    """
+    t, k = expert_ids.shape
+    if z.shape[0] != t or weights.shape != (t, k):
+        raise ValueError(
+            f"dispatch: z {z.shape}, expert_ids {expert_ids.shape}, weights {weights.shape} are inconsistent"
+        )
+    order, inverse, group_sizes = sort_by_expert(expert_ids, num_experts)
+    x_sorted = jnp.take(z, order // k, axis=0)
+    out_sorted = ffn(x_sorted, group_sizes)
+    out = jnp.take(out_sorted, inverse, axis=0).reshape(t, k, -1).astype(jnp.float32)
+    u = jnp.einsum("tk,tkl->tl", weights.astype(jnp.float32), out, precision=jax.lax.Precision.HIGHEST)
+    return u.astype(z.dtype)
+
+
+def moe_dispatch_combine(
+    z: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    experts: dict[str, Any],
+    *,
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+    mxfp8_activations: bool = False,
+    implementation: str = "reference",
+    interpret: bool = False,
+) -> jax.Array:
+    """Routed-expert part of Stable LatentMoE: ``u = bf16(sum_{e in I} p_e * f32(E_e(z)))``.
+
+    Args:
+      z: ``[T, L]`` latent tokens (bf16 or f32).
+      expert_ids: ``[T, k] i32`` selected experts.
+      weights: ``[T, k] f32`` routing weights.
+      experts: ``{"w1", "w3", "w2"}`` arrays or MXFP4 dicts (see :func:`expert_ffn`).
+      implementation: "reference" here; other values are forwarded to ``pallas_kernels.moe.ops``.
+    Returns:
+      ``[T, L]`` in ``z.dtype``.
+    """
+    if implementation != "reference":
+        from pallas_kernels.moe import ops
+
+        return ops.moe_dispatch_combine(
+            z, expert_ids, weights, experts, beta1=beta1, beta2=beta2,
+            mxfp8_activations=mxfp8_activations, implementation=implementation, interpret=interpret,
+        )
+
+    def ffn(x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return expert_ffn(
+            x_sorted, group_sizes, experts["w1"], experts["w3"], experts["w2"],
+            beta1=beta1, beta2=beta2, mxfp8_activations=mxfp8_activations,
+        )
+
+    return dispatch_combine(z, expert_ids, weights, num_experts_of(experts), ffn)
