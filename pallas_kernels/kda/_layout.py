@@ -1,0 +1,97 @@
+"""Shared input preparation for the KDA Pallas kernels (TPU and GPU).
+
+The kernels see one (batch, head) row at a time, so the wrapper moves heads next to batch and pads T to a
+multiple of the chunk size. Everything here is cheap elementwise / transpose work that XLA fuses:
+
+* ``q, k [BH, Tp, K]``, ``v [BH, Tp, V]`` in the caller's dtype (padding tokens are zeros);
+* ``gam [BH, Tp, K] f32``: chunk-local cumulative log-decay ``G_i = sum_{s<=i in chunk} g_s`` (padding
+  ``g = 0``, so padding tokens neither decay nor write the state);
+* ``beta [BH, Tp, 1] f32`` (padding ``beta = 0``);
+* ``seg_col [B, Tp, 1] i32`` and ``seg_row [B, N, 1, C] i32``: number of document starts inside the chunk
+  up to and including token i (0 = still the document that entered the chunk with the carried state);
+  both layouts are passed so the kernel never has to transpose a vector;
+* ``h0t [BH, V, K] f32``: the initial state, transposed (V-first) so per-key decay is a row broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import reference as ref
+
+
+class ChunkInputs(NamedTuple):
+    q: jax.Array  # [BH, Tp, K]
+    k: jax.Array  # [BH, Tp, K]
+    v: jax.Array  # [BH, Tp, V]
+    gam: jax.Array  # [BH, Tp, K] f32
+    beta: jax.Array  # [BH, Tp, 1] f32
+    seg_col: jax.Array  # [B, Tp, 1] i32
+    seg_row: jax.Array  # [B, N, 1, C] i32
+    h0t: jax.Array  # [BH, V, K] f32
+
+
+def check_chunk_args(q, k, v, g, beta, initial_state, segment_ids, chunk_size: int, name: str) -> None:
+    """Shape checks (delegated to the reference) plus the kernel's own constraints."""
+    ref._check_inputs(q, k, v, g, beta, initial_state, segment_ids, name)
+    if chunk_size % 16 or chunk_size < 16:
+        raise ValueError(f"{name}: chunk_size must be a positive multiple of 16, got {chunk_size}")
+
+
+def prepare_chunk_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size: int) -> ChunkInputs:
+    """Reshape ``[B, T, H, D]`` inputs to the kernels' ``[B*H, Tp, D]`` layout (see module docstring)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    N = -(-T // C)
+    Tp = N * C
+    pad = Tp - T
+
+    def heads_first(x):  # [B, T, H, D] -> [B*H, Tp, D]
+        x = jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        return jnp.swapaxes(x, 1, 2).reshape(B * H, Tp, x.shape[-1])
+
+    gp = heads_first(g.astype(jnp.float32)).reshape(B * H, N, C, K)
+    gam = jnp.cumsum(gp, axis=2).reshape(B * H, Tp, K)
+    bp = heads_first(beta.astype(jnp.float32)[..., None])  # [BH, Tp, 1]
+    reset = ref.segment_resets(segment_ids, B, T).astype(jnp.int32)
+    reset = jnp.pad(reset, [(0, 0), (0, pad)]).reshape(B, N, C)
+    seg = jnp.cumsum(reset, axis=-1)  # [B, N, C]
+    seg_col = seg.reshape(B, Tp, 1)
+    seg_row = seg.reshape(B, N, 1, C)
+    if initial_state is None:
+        h0t = jnp.zeros((B * H, V, K), jnp.float32)
+    else:
+        h0t = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2).reshape(B * H, V, K)
+    return ChunkInputs(heads_first(q), heads_first(k), heads_first(v), gam, bp, seg_col, seg_row, h0t)
+
+
+def finish_chunk_outputs(o: jax.Array, ht: jax.Array, B: int, T: int, H: int) -> tuple[jax.Array, jax.Array]:
+    """``o [BH, Tp, V] -> [B, T, H, V]``; ``ht [BH, V, K] -> [B, H, K, V] f32``."""
+    V = o.shape[-1]
+    K = ht.shape[-1]
+    o = jnp.swapaxes(o.reshape(B, H, -1, V), 1, 2)[:, :T]
+    return o, jnp.swapaxes(ht.reshape(B, H, V, K), -1, -2)
+
+
+def neumann_inverse(n: jax.Array, size: int, dot) -> jax.Array:
+    """``(I + N)^-1`` for strictly lower-triangular ``N [C, C]`` (nilpotent: ``N^C = 0``) as matmuls.
+
+    ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(C/2))``: ``2 log2(C) - 1`` products of ``C x C``
+    matrices, all on the matrix unit (no row-by-row substitution). ``dot(a, b)`` is the caller's fp32
+    matmul. ``size`` must be a power of two.
+    """
+    row = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    eye = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
+    x = eye - n
+    p = n
+    step = 2
+    while step < size:
+        p = dot(p, p)
+        x = x + dot(x, p)
+        step *= 2
+    return x
