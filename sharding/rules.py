@@ -1,0 +1,382 @@
+"""Logical axis names → mesh axes: the one table that says how k3-jax is laid out on a device mesh.
+
+Parameters and activations carry *logical* names (``embed``, ``heads``, ``experts`` … see
+:data:`LOGICAL_AXES`); a *preset* is an ordered list of rules ``(logical_name, mesh_axes)`` in the
+``flax.linen`` format (``mesh_axes`` is a mesh axis name, a tuple of them, or ``None``). Rules are tried in
+order; a rule applies when its mesh axes are not yet used by another dimension of the same array (so a
+logical name may have several rules, the later ones being fallbacks) — exactly
+``flax.linen.logical_to_mesh_axes``. On top of flax, :func:`logical_to_pspec` drops mesh axes that are not in
+the mesh and, given a shape, drops mesh axes a dimension is not divisible by (with a
+:class:`ShardingFallbackWarning`) instead of failing.
+
+Built-in presets:
+
+* ``train`` — FSDP + expert + tensor: batch over (data, fsdp, expert); parameters' ``embed``/``latent``
+  dimension over (fsdp, expert) (ZeRO-3), heads / MLP widths / vocabulary over ``tensor``, routed experts
+  over ``expert``. ``length`` is not sharded.
+* ``serve`` — tensor + expert, replicated batch (decode): only heads / widths / vocabulary over ``tensor``
+  and experts over ``expert``; ``embed`` replicated, batch over ``data`` (replicas) only.
+* ``long-context`` — ``train`` plus ``length`` over ``sequence`` (and ``sequence`` joins the FSDP group of the
+  parameters so those devices do not hold replicated weights).
+
+User presets: :func:`register_preset` ``(name, rules)`` or JSON files ``configs/sharding/<name>.json``
+(``{"name": ..., "rules": [["embed", ["fsdp", "expert"]], ["heads", "tensor"], ["norm", null], ...]}``),
+loaded by :func:`load_preset_file` / discovered by :func:`get_preset`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+LOGICAL_AXES: tuple[str, ...] = (
+    "vocab", "embed", "layers", "kda_heads", "heads", "head_dim", "q_lora", "kv_lora", "experts",
+    "expert_mlp", "latent", "mlp", "conv", "batch", "length", "norm",
+)
+
+_TRAIN: Rules = (
+    # activations first: the batch claims the data-parallel axes, so `embed` of an activation falls through
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", None),
+    # tensor-parallel widths
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kda_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert_mlp", "tensor"),
+    # routed experts
+    ("experts", "expert"),
+    # FSDP (ZeRO-3) dimension of the parameters; fallbacks when `expert` is taken (router, expert weights)
+    ("embed", ("fsdp", "expert")),
+    ("embed", "fsdp"),
+    ("latent", ("fsdp", "expert")),
+    ("latent", "fsdp"),
+    ("q_lora", ("fsdp", "expert")),
+    ("q_lora", "fsdp"),
+    ("kv_lora", ("fsdp", "expert")),
+    ("kv_lora", "fsdp"),
+    ("layers", None),
+    ("head_dim", None),
+    ("conv", None),
+    ("norm", None),
+)
+
+_SERVE: Rules = (
+    ("batch", "data"),
+    ("length", None),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kda_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert_mlp", "tensor"),
+    ("experts", "expert"),
+    ("embed", None),
+    ("latent", None),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("layers", None),
+    ("head_dim", None),
+    ("conv", None),
+    ("norm", None),
+)
+
+_LONG_CONTEXT: Rules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", "sequence"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kda_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert_mlp", "tensor"),
+    ("experts", "expert"),
+    ("embed", ("fsdp", "sequence", "expert")),
+    ("embed", ("fsdp", "sequence")),
+    ("embed", "fsdp"),
+    ("latent", ("fsdp", "sequence", "expert")),
+    ("latent", ("fsdp", "sequence")),
+    ("q_lora", ("fsdp", "sequence", "expert")),
+    ("q_lora", ("fsdp", "sequence")),
+    ("kv_lora", ("fsdp", "sequence", "expert")),
+    ("kv_lora", ("fsdp", "sequence")),
+    ("layers", None),
+    ("head_dim", None),
+    ("conv", None),
+    ("norm", None),
+)
+
+_PRESETS: dict[str, Rules] = {"train": _TRAIN, "serve": _SERVE, "long-context": _LONG_CONTEXT}
+
+PRESET_DIR_ENV = "K3_SHARDING_PRESETS"  # extra directory of JSON presets
+
+
+class ShardingFallbackWarning(UserWarning):
+    """A mesh axis was dropped for a dimension it does not divide (the dimension is less sharded)."""
+
+
+class PresetError(KeyError):
+    """Unknown or malformed sharding preset."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+# ----------------------------------------------------------------------------- presets
+def _normalize_rules(rules: Any, where: str) -> Rules:
+    out: list[tuple[str, MeshAxes]] = []
+    if isinstance(rules, Mapping):
+        rules = list(rules.items())
+    for i, item in enumerate(rules):
+        if not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[0], str):
+            raise PresetError(f"{where}: rule {i} must be [logical_name, mesh_axes], got {item!r}")
+        name, axes = item
+        if isinstance(axes, list | tuple):
+            axes = tuple(str(a) for a in axes)
+            if not all(isinstance(a, str) for a in axes):
+                raise PresetError(f"{where}: rule {i} ({name!r}) mesh axes must be strings, got {axes!r}")
+        elif axes is not None and not isinstance(axes, str):
+            raise PresetError(f"{where}: rule {i} ({name!r}) mesh axes must be a name, a list or null, "
+                              f"got {axes!r}")
+        out.append((name, axes))
+    return tuple(out)
+
+
+def register_preset(name: str, rules: Sequence[tuple[str, MeshAxes]] | Mapping[str, MeshAxes],
+                    overwrite: bool = False) -> Rules:
+    """Add a named preset (flax-style ordered rules or a ``{logical: mesh_axes}`` mapping)."""
+    if name in _PRESETS and not overwrite:
+        raise PresetError(f"sharding preset {name!r} already exists; pass overwrite=True to replace it")
+    _PRESETS[name] = _normalize_rules(rules, f"preset {name!r}")
+    return _PRESETS[name]
+
+
+def load_preset_file(path: str | os.PathLike[str], overwrite: bool = True) -> str:
+    """Register the preset in a JSON file ``{"name": ..., "rules": [[logical, mesh_axes], ...]}``; returns its name."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PresetError(f"sharding preset file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise PresetError(f"sharding preset file {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict) or "rules" not in raw:
+        raise PresetError(f"sharding preset file {str(path)!r}: expected an object with key 'rules'")
+    name = raw.get("name", path.stem)
+    register_preset(name, _normalize_rules(raw["rules"], str(path)), overwrite=overwrite)
+    return name
+
+
+def _preset_dirs() -> list[Path]:
+    dirs = [Path(__file__).resolve().parents[1] / "configs" / "sharding"]
+    if os.environ.get(PRESET_DIR_ENV):
+        dirs.append(Path(os.environ[PRESET_DIR_ENV]))
+    return dirs
+
+
+def preset_names() -> list[str]:
+    """Names of the registered presets plus those found as JSON in the preset directories."""
+    names = set(_PRESETS)
+    for d in _preset_dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.json"))
+    return sorted(names)
+
+
+def get_preset(preset: str | Sequence[tuple[str, MeshAxes]]) -> Rules:
+    """Rules of a preset by name (registered, or ``configs/sharding/<name>.json``), a JSON path, or rules."""
+    if not isinstance(preset, str):
+        return _normalize_rules(preset, "rules")
+    if preset in _PRESETS:
+        return _PRESETS[preset]
+    if preset.endswith(".json") and os.path.exists(preset):
+        return _PRESETS[load_preset_file(preset)]
+    for d in _preset_dirs():
+        p = d / f"{preset}.json"
+        if p.exists():
+            return _PRESETS[load_preset_file(p)]
+    raise PresetError(f"unknown sharding preset {preset!r}; known: {preset_names()}")
+
+
+# ----------------------------------------------------------------------------- resolution
+def _axes_tuple(a: MeshAxes) -> tuple[str, ...]:
+    if a is None:
+        return ()
+    return (a,) if isinstance(a, str) else tuple(a)
+
+
+def _mesh_sizes(mesh: Mesh | Mapping[str, int] | None) -> dict[str, int] | None:
+    if mesh is None:
+        return None
+    if isinstance(mesh, Mapping):
+        return dict(mesh)
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def logical_to_pspec(names: Sequence[str | None] | None, rules: Rules | str,
+                     mesh: Mesh | Mapping[str, int] | None = None,
+                     shape: Sequence[int] | None = None, what: str = "") -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry logical ``names``.
+
+    Same priority semantics as ``flax.linen.logical_to_mesh_axes``. With ``mesh``, mesh axes absent from it or
+    of size 1 are dropped; with ``shape``, trailing mesh axes of a dimension are dropped until the dimension is
+    divisible by the product of the rest (``ShardingFallbackWarning`` naming ``what``).
+    """
+    if names is None:
+        return PartitionSpec()
+    rules = get_preset(rules) if isinstance(rules, str) else rules
+    names = tuple(names)
+    dups = {n for n in names if isinstance(n, str) and names.count(n) > 1}
+    if dups:
+        raise ValueError(f"{what or 'array'}: logical names {sorted(dups)} occur more than once in {names}")
+    result: list[tuple[str, ...] | None] = [None] * len(names)
+    assigned = [False] * len(names)
+    used: set[str] = set()
+    for lname, maxes in rules:
+        if lname not in names:
+            continue
+        pos = names.index(lname)
+        axes = _axes_tuple(maxes)
+        if assigned[pos] or used.intersection(axes):
+            continue
+        result[pos] = axes
+        assigned[pos] = True
+        used.update(axes)
+    sizes = _mesh_sizes(mesh)
+    out: list[Any] = []
+    for i, axes in enumerate(result):
+        axes = tuple(axes or ())
+        if sizes is not None:
+            axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
+        if shape is not None and sizes is not None and axes:
+            dim = int(shape[i])
+            kept = axes
+            while kept and dim % math.prod(sizes[a] for a in kept):
+                kept = kept[:-1]
+            if kept != axes:
+                warnings.warn(
+                    f"{what or 'array'} dim {i} ({names[i]!r}, size {dim}) is not divisible by mesh axes "
+                    f"{axes} (sizes {[sizes[a] for a in axes]}); sharding it over {kept or 'nothing'} instead",
+                    ShardingFallbackWarning, stacklevel=3)
+            axes = kept
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec) or (
+        isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x))
+
+
+def _path_str(path: Any) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def logical_to_sharding(logical_specs_tree: Any, mesh: Mesh, rules: Rules | str,
+                        shapes_tree: Any = None) -> Any:
+    """Tree of logical specs (``nn.get_partition_spec`` output) → tree of :class:`NamedSharding`.
+
+    ``shapes_tree`` (arrays or ``ShapeDtypeStruct`` with the same structure) enables the divisibility
+    fallback.
+    """
+    rules = get_preset(rules)
+    if shapes_tree is None:
+        return jax.tree_util.tree_map_with_path(
+            lambda p, s: NamedSharding(mesh, logical_to_pspec(s, rules, mesh, what=_path_str(p))),
+            logical_specs_tree, is_leaf=_is_spec_leaf)
+    specs_flat, treedef = jax.tree_util.tree_flatten_with_path(logical_specs_tree, is_leaf=_is_spec_leaf)
+    shapes_flat = treedef.flatten_up_to(shapes_tree)
+    out = [NamedSharding(mesh, logical_to_pspec(s, rules, mesh, shape=getattr(x, "shape", None),
+                                                what=_path_str(p)))
+           for (p, s), x in zip(specs_flat, shapes_flat, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _is_boxed(x: Any) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+def param_shardings(params_boxed: Any, mesh: Mesh, preset: Rules | str) -> Any:
+    """Shardings (plain tree, matching ``nn.unbox(params_boxed)``) for boxed params or their abstract shapes
+    (``jax.eval_shape(model.init, ...)``)."""
+    specs = nn.get_partition_spec(params_boxed)
+    shapes = nn.unbox(params_boxed)
+    return logical_to_sharding(specs, mesh, preset, shapes)
+
+
+def shard_params(params_boxed: Any, mesh: Mesh, preset: Rules | str) -> Any:
+    """Place boxed (``nn.LogicallyPartitioned``) params on ``mesh`` per ``preset``; returns plain arrays."""
+    shardings = param_shardings(params_boxed, mesh, preset)
+    return jax.device_put(nn.unbox(params_boxed), shardings)
+
+
+def flax_rules(preset: Rules | str, mesh: Mesh | Mapping[str, int] | None = None) -> Rules:
+    """Rules for ``nn.logical_axis_rules(...)``; with ``mesh``, mesh axes of size 1 / absent are removed (so a
+    dimension is not constrained over axes that do nothing)."""
+    rules = get_preset(preset)
+    sizes = _mesh_sizes(mesh)
+    if sizes is None:
+        return rules
+    out = []
+    for name, axes in rules:
+        kept = tuple(a for a in _axes_tuple(axes) if sizes.get(a, 1) > 1)
+        out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, preset: Rules | str) -> Iterator[Rules]:
+    """Context: ``mesh`` as the current mesh and the preset's rules as flax's logical axis rules, so
+    ``nn.with_logical_constraint`` inside the model (and :func:`with_logical_constraint`) take effect."""
+    rules = flax_rules(preset, mesh)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield rules
+
+
+def with_logical_constraint(x: jax.Array, names: Sequence[str | None], rules: Rules | str | None = None,
+                            mesh: Mesh | None = None) -> jax.Array:
+    """Shape-aware sharding constraint for an activation from logical ``names``.
+
+    Uses ``rules`` (default: the active flax rules) and ``mesh`` (default: the current mesh); a no-op when no
+    rules or no mesh are active. Unlike flax's version, non-divisible dimensions fall back to fewer mesh axes.
+    """
+    if rules is None:
+        rules = tuple(nn.get_logical_axis_rules())
+    if not rules:
+        return x
+    if mesh is None:
+        abstract = jax.sharding.get_abstract_mesh()
+        if abstract.empty:
+            return x
+        spec = logical_to_pspec(names, rules, abstract, shape=x.shape)
+        return jax.lax.with_sharding_constraint(x, spec)
+    spec = logical_to_pspec(names, rules, mesh, shape=x.shape)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def replicated_params(params_boxed: Any, mesh: Mesh, preset: Rules | str,
+                      min_bytes: int = 1 << 20) -> list[tuple[str, tuple[int, ...], int]]:
+    """Parameters larger than ``min_bytes`` that the preset leaves fully replicated on ``mesh``:
+    ``[(path, shape, bytes)]`` (for the "nothing big is replicated" check)."""
+    shardings = param_shardings(params_boxed, mesh, preset)
+    values = nn.unbox(params_boxed)
+    out = []
+    for (path, sh), v in zip(jax.tree_util.tree_flatten_with_path(shardings)[0],
+                             jax.tree_util.tree_leaves(values), strict=True):
+        nbytes = math.prod(v.shape) * jax.numpy.dtype(v.dtype).itemsize
+        if nbytes > min_bytes and all(e is None for e in sh.spec):
+            out.append((_path_str(path), tuple(v.shape), nbytes))
+    return out
