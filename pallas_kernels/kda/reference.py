@@ -1,0 +1,376 @@
+"""Pure-JAX reference for Kimi Delta Attention (KDA), spec section b.2.
+
+Conventions follow flash-linear-attention (``fla/ops/kda``):
+
+* ``q, k``: ``[B, T, H, K]``; ``v``: ``[B, T, H, V]``; ``g``: log-decay ``[B, T, H, K]`` (natural log,
+  expected ``<= 0``; K3 produces it with :func:`kda_gate`, so it lies in ``(-5, 0)``);
+  ``beta``: ``[B, T, H]``; recurrent state ``[B, H, K, V]`` fp32 (key-first, fla's default layout).
+* ``scale`` defaults to ``K ** -0.5`` and multiplies ``q`` (after any L2-norm the caller applied).
+* ``segment_ids [B, T]`` int (optional): packed documents. The state resets to zero *before* token ``t``
+  whenever ``segment_ids[:, t] != segment_ids[:, t - 1]``. ``initial_state`` therefore only reaches the
+  first document of each row; token 0 never resets (carry a state across calls by passing the previous
+  call's final state).
+* Both forms compute in fp32 with ``precision=HIGHEST``; outputs are cast to ``v.dtype``, the final state
+  stays fp32. Both return ``(o, final_state)`` (``final_state`` is ``None`` unless requested).
+
+Recurrence (per head, ``S`` is ``K x V``)::
+
+    S_t = diag(exp(g_t)) S_{t-1}
+    S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T
+    o_t = S_t^T (scale * q_t)
+
+Chunked (UT / WY) form, chunk ``C``; inside a chunk ``G_i = sum_{s<=i} g_s`` (per channel)::
+
+    A_kk[i,j] = sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])   (j < i)
+    A_qk[i,j] = sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])   (j <= i)
+    [W | U]   = (I + diag(beta) A_kk)^-1 diag(beta) [exp(G) * K | V]   (unit lower-triangular solve)
+    O         = (q * exp(G)) S_in + A_qk (U - W S_in)
+    S_out     = diag(exp(G_C)) S_in + (exp(G_C - G) * K)^T (U - W S_in)
+
+Implementation notes:
+
+* Everything that does not depend on the carried state (A_kk, A_qk, the solve, W, U) is computed for all
+  chunks at once; the ``lax.scan`` over chunks only applies the per-chunk affine state map
+  ``S_{n+1} = M_n S_n + B_n`` with ``M_n = diag(exp(G_C)) - (exp(G_C - G) * K)^T W`` and
+  ``B_n = (exp(G_C - G) * K)^T U`` (the same maps :mod:`pallas_kernels.kda.state_map` composes for
+  sequence parallelism). Outputs follow as ``O = (q exp(G) - A_qk W) S_n + A_qk U``.
+* exp-overflow (spec b.2): ``exp(G_i - G_j)`` is never factored as ``exp(G_i) exp(-G_j)`` over a chunk.
+  The chunk is split into sub-tiles of ``sub_chunk_size`` tokens. For ``j`` in an earlier sub-tile ``b``
+  than ``i``, the factorisation is taken at ``r_b`` = ``G`` at the last token of tile ``b``:
+  ``exp(G_i - r_b) * exp(r_b - G_j)``, and both exponents are ``<= 0`` for any ``g <= 0`` (no lower bound
+  needed, nothing can overflow; underflow only happens where the true product is below ~1e-38). Inside a
+  sub-tile the pairwise difference is formed and masked (``j <= i``) *before* ``exp``.
+* Segment resets inside a chunk: pair terms across documents are masked to zero, the carried state only
+  reaches tokens before the first reset of the chunk, and only the chunk's last document contributes to
+  the outgoing state. Padding tokens (``T`` not a multiple of ``C``) have ``k = v = beta = g = 0`` and are
+  exact no-ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+__all__ = [
+    "l2norm",
+    "kda_gate",
+    "recurrent_kda",
+    "chunk_kda",
+    "segment_resets",
+    "chunk_state_maps",
+]
+
+
+def _ein(eq: str, *operands: jax.Array) -> jax.Array:
+    return jnp.einsum(eq, *operands, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """``x / sqrt(sum(x**2, -1) + eps)`` computed in fp32, returned in ``x.dtype`` (fla ``l2norm``)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("lower_bound",))
+def kda_gate(
+    f: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float = -5.0,
+) -> jax.Array:
+    """K3's lower-bounded log-decay ``g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))``.
+
+    Args:
+      f: raw gate ``[B, T, H, K]`` (any float dtype).
+      A_log: ``[H]`` per-head log rate (the checkpoint's zero padding must be sliced off by the loader).
+      dt_bias: ``[H * K]`` or ``[H, K]`` (optional).
+      lower_bound: negative float, ``-5.0`` for K3.
+
+    Returns:
+      ``g [B, T, H, K] f32``, strictly inside ``(lower_bound, 0)`` for every finite or infinite ``f``.
+      In fp32 the sigmoid saturates to exactly 1 (argument >~ 17) or 0 (argument <~ -104), which would
+      give ``g == lower_bound`` or ``g == 0``; the result is therefore clamped to
+      ``[nextafter(lower_bound, 0), -FLT_MIN]`` (``FLT_MIN`` = smallest normal fp32, so ``exp(g)``
+      rounds to 1, a harmless no-decay step). The clamp only touches saturated values (its gradient is
+      zero there, as is the sigmoid's). NaN inputs propagate as NaN.
+    """
+    if f.ndim != 4:
+        raise ValueError(f"kda_gate: f must be [B, T, H, K], got shape {f.shape}")
+    H, K = f.shape[2], f.shape[3]
+    if A_log.shape != (H,):
+        raise ValueError(f"kda_gate: A_log must be [H]=[{H}], got shape {A_log.shape}")
+    if lower_bound >= 0:
+        raise ValueError(f"kda_gate: lower_bound must be negative, got {lower_bound}")
+    x = f.astype(jnp.float32)
+    if dt_bias is not None:
+        if dt_bias.size != H * K:
+            raise ValueError(f"kda_gate: dt_bias must have H*K={H * K} entries, got shape {dt_bias.shape}")
+        x = x + dt_bias.astype(jnp.float32).reshape(H, K)
+    rate = jnp.exp(A_log.astype(jnp.float32))[:, None]
+    g = lower_bound * jax.nn.sigmoid(rate * x)
+    lo = jnp.nextafter(jnp.float32(lower_bound), jnp.float32(0.0))
+    hi = -jnp.finfo(jnp.float32).tiny
+    return jnp.clip(g, lo, hi)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, segment_ids, name: str) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"{name}: q must be [B, T, H, K], got shape {q.shape}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"{name}: k shape {k.shape} must equal q shape {q.shape}")
+    if g.shape != q.shape:
+        raise ValueError(f"{name}: g shape {g.shape} must equal q shape {q.shape} ([B, T, H, K])")
+    if v.ndim != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"{name}: v must be [B, T, H, V]=[{B}, {T}, {H}, V], got shape {v.shape}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"{name}: beta must be [B, T, H]=[{B}, {T}, {H}], got shape {beta.shape}")
+    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+        raise ValueError(
+            f"{name}: initial_state must be [B, H, K, V]=[{B}, {H}, {K}, {v.shape[-1]}], "
+            f"got shape {initial_state.shape}"
+        )
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"{name}: segment_ids must be [B, T]=[{B}, {T}], got shape {segment_ids.shape}")
+    if T < 1:
+        raise ValueError(f"{name}: need at least one token, got T={T}")
+
+
+def segment_resets(
+    segment_ids: jax.Array | None, batch: int, length: int, prev_segment_ids: jax.Array | None = None
+) -> jax.Array:
+    """``[B, T] bool``: True where the state resets before token t (document id changes from t-1 to t).
+
+    ``prev_segment_ids [B]`` (optional) is the id of the token just before this range (e.g. the last token
+    of the previous sequence shard); without it token 0 never resets.
+    """
+    if segment_ids is None:
+        return jnp.zeros((batch, length), dtype=bool)
+    seg = segment_ids.astype(jnp.int32)
+    first = (
+        jnp.zeros((batch, 1), dtype=bool)
+        if prev_segment_ids is None
+        else (seg[:, :1] != prev_segment_ids.astype(jnp.int32)[:, None])
+    )
+    return jnp.concatenate([first, seg[:, 1:] != seg[:, :-1]], axis=1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Recurrent form
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state"))
+def recurrent_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Token-by-token KDA (``lax.scan`` over T). Shapes/semantics: see the module docstring.
+
+    Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32 or None)``.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, segment_ids, "recurrent_kda")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K**-0.5
+    f32 = jnp.float32
+    qs = q.astype(f32) * scale
+    S0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    reset = segment_resets(segment_ids, B, T)
+
+    def step(S, xs):
+        qt, kt, vt, gt, bt, rt = xs  # [B,H,K] [B,H,K] [B,H,V] [B,H,K] [B,H] [B]
+        S = jnp.where(rt[:, None, None, None], 0.0, S)
+        S = S * jnp.exp(gt)[..., None]
+        pred = _ein("bhk,bhkv->bhv", kt, S)
+        S = S + _ein("bhk,bhv->bhkv", bt[..., None] * kt, vt - pred)
+        o = _ein("bhk,bhkv->bhv", qt, S)
+        return S, o
+
+    xs = tuple(
+        jnp.moveaxis(x, 1, 0)
+        for x in (qs, k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), reset)
+    )
+    S, o = jax.lax.scan(step, S0, xs)
+    o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chunked (UT / WY) form
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _pairwise_decay_products(x, k, G, sub: int, strict: bool):
+    """``A[.., i, j] = sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d])`` for ``j < i`` (strict) or ``j <= i``.
+
+    x, k, G: ``[..., C, K] f32`` (G = in-chunk cumulative log-decay, non-increasing). Returns ``[..., C, C]``.
+    Overflow-free for any non-positive g (see module docstring).
+    """
+    C, K = x.shape[-2], x.shape[-1]
+    n = C // sub
+    batch = x.shape[:-2]
+    xt = x.reshape(*batch, n, sub, K)
+    kt = k.reshape(*batch, n, sub, K)
+    Gt = G.reshape(*batch, n, sub, K)
+    # --- off-diagonal tiles: i in tile a, j in tile b < a, factorised at r_b = G[end of tile b].
+    r = Gt[..., :, -1, :]  # [..., n, K]
+    tile_of_token = jnp.arange(C) // sub  # [C]
+    later = tile_of_token[None, :] > jnp.arange(n)[:, None]  # [n(b), C(i)]
+    expo = G[..., None, :, :] - r[..., :, None, :]  # [..., n(b), C(i), K]
+    left = jnp.where(later[..., None], jnp.exp(jnp.where(later[..., None], expo, 0.0)), 0.0)
+    left = left * x[..., None, :, :]  # [..., n, C, K]
+    right = kt * jnp.exp(r[..., :, None, :] - Gt)  # [..., n(b), sub(j), K], exponent <= 0
+    off = _ein("...bik,...bjk->...ibj", left, right).reshape(*batch, C, C)
+    # --- diagonal tiles: masked pairwise differences inside each tile.
+    ii = jnp.arange(sub)
+    lower = (ii[:, None] > ii[None, :]) if strict else (ii[:, None] >= ii[None, :])
+    dexp = Gt[..., :, :, None, :] - Gt[..., :, None, :, :]  # [..., n, i, j, K]
+    dexp = jnp.where(lower[..., None], jnp.exp(jnp.where(lower[..., None], dexp, 0.0)), 0.0)
+    diag = _ein("...aik,...ajk,...aijk->...aij", xt, kt, dexp)  # [..., n, sub, sub]
+    diag = _ein("...aij,ab->...aibj", diag, jnp.eye(n, dtype=jnp.float32)).reshape(*batch, C, C)
+    return off + diag
+
+
+def _chunk_prepare(k, v, g, beta, reset, chunk_size: int, sub_chunk_size: int, q=None):
+    """State-independent part of the chunked form, for all chunks at once.
+
+    Inputs are ``[B, T, H, D]`` f32 (``q`` already scaled, optional), ``beta [B, T, H]``, ``reset [B, T]``.
+    Returns a dict of ``[B, H, N, ...]`` f32 arrays: ``M`` (``[K, K]`` chunk state maps), ``Bm``
+    (``[K, V]``), and when ``q`` is given ``Qp`` (``[C, K]``: q exp(G) - A_qk W) and ``Ointra``
+    (``[C, V]``: A_qk U).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    N = -(-T // C)
+    Tp = N * C
+    pad = Tp - T
+
+    def prep(x):  # [B, T, H, ...] -> [B, H, N, C, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(B, N, C, *x.shape[2:])
+        return jnp.moveaxis(x, 3, 1)
+
+    kc, vc, gc, bc = prep(k), prep(v), prep(g), prep(beta)  # bc: [B, H, N, C]
+    rc = jnp.pad(reset, [(0, 0), (0, pad)]).reshape(B, N, C)
+    segidx = jnp.cumsum(rc.astype(jnp.int32), axis=-1)  # document index inside the chunk
+    carry = (segidx == 0)[:, None, :, :, None].astype(jnp.float32)  # [B,1,N,C,1] sees S_in
+    same = (segidx[..., :, None] == segidx[..., None, :])[:, None]  # [B,1,N,C,C]
+    lastseg = (segidx == segidx[..., -1:])[:, None, :, :, None].astype(jnp.float32)
+
+    G = jnp.cumsum(gc, axis=-2)  # [B,H,N,C,K], <= 0
+    Glast = G[..., -1:, :]
+    Akk = jnp.where(same, _pairwise_decay_products(kc, kc, G, sub_chunk_size, strict=True), 0.0)
+    L = bc[..., None] * Akk  # strictly lower
+    rhs = bc[..., None] * jnp.concatenate([kc * jnp.exp(G) * carry, vc], axis=-1)  # [.., C, K+V]
+    WU = jax.lax.linalg.triangular_solve(L, rhs, left_side=True, lower=True, unit_diagonal=True)
+    W, U = WU[..., :K], WU[..., K:]
+    kdec = kc * jnp.exp(Glast - G) * lastseg  # [.., C, K]
+    decay = jnp.exp(Glast[..., 0, :]) * carry[..., -1, :]  # [B,H,N,K]
+    M = decay[..., :, None] * jnp.eye(K, dtype=jnp.float32) - _ein("...ck,...cj->...kj", kdec, W)
+    Bm = _ein("...ck,...cv->...kv", kdec, U)
+    out = {"M": M, "Bm": Bm}
+    if q is not None:
+        qc = prep(q)
+        Aqk = jnp.where(same, _pairwise_decay_products(qc, kc, G, sub_chunk_size, strict=False), 0.0)
+        out["Qp"] = qc * jnp.exp(G) * carry - _ein("...ij,...jk->...ik", Aqk, W)
+        out["Ointra"] = _ein("...ij,...jv->...iv", Aqk, U)
+    return out
+
+
+def _check_chunking(chunk_size: int, sub_chunk_size: int, name: str) -> None:
+    if chunk_size < 1 or sub_chunk_size < 1 or chunk_size % sub_chunk_size:
+        raise ValueError(
+            f"{name}: chunk_size ({chunk_size}) must be a positive multiple of sub_chunk_size ({sub_chunk_size})"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "sub_chunk_size"))
+def chunk_state_maps(
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    reset: jax.Array,
+    chunk_size: int = 64,
+    sub_chunk_size: int = 16,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-chunk affine state maps ``S_{n+1} = M[:, :, n] S_n + Bm[:, :, n]``.
+
+    Args: ``k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``, ``reset [B, T] bool`` (see
+    :func:`segment_resets`). Returns ``M [B, H, N, K, K] f32`` and ``Bm [B, H, N, K, V] f32``,
+    ``N = ceil(T / chunk_size)``.
+    """
+    _check_chunking(chunk_size, sub_chunk_size, "chunk_state_maps")
+    f32 = jnp.float32
+    out = _chunk_prepare(
+        k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), reset, chunk_size, sub_chunk_size
+    )
+    return out["M"], out["Bm"]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "output_final_state", "chunk_size", "sub_chunk_size")
+)
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
+    chunk_size: int = 64,
+    sub_chunk_size: int = 16,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Chunked (UT / WY) KDA; any ``T`` (padded internally). Same semantics as :func:`recurrent_kda`.
+
+    ``sub_chunk_size`` is the tile used for the overflow-safe intra-chunk products (must divide
+    ``chunk_size``). Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32 or None)``.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, segment_ids, "chunk_kda")
+    sub_chunk_size = min(sub_chunk_size, chunk_size)
+    _check_chunking(chunk_size, sub_chunk_size, "chunk_kda")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K**-0.5
+    f32 = jnp.float32
+    reset = segment_resets(segment_ids, B, T)
+    p = _chunk_prepare(
+        k.astype(f32),
+        v.astype(f32),
+        g.astype(f32),
+        beta.astype(f32),
+        reset,
+        chunk_size,
+        sub_chunk_size,
+        q=q.astype(f32) * scale,
+    )
+    S0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
+
+    def step(S, mb):
+        M, Bm = mb
+        return _ein("bhkj,bhjv->bhkv", M, S) + Bm, S
+
+    S_final, S_starts = jax.lax.scan(step, S0, (jnp.moveaxis(p["M"], 2, 0), jnp.moveaxis(p["Bm"], 2, 0)))
+    S_starts = jnp.moveaxis(S_starts, 0, 2)  # [B, H, N, K, V]: state entering each chunk
+    o = _ein("bhnck,bhnkv->bhncv", p["Qp"], S_starts) + p["Ointra"]  # [B, H, N, C, V]
+    N = o.shape[2]
+    o = jnp.moveaxis(o, 1, 3).reshape(B, N * chunk_size, H, V)[:, :T]
+    return o.astype(v.dtype), (S_final if output_final_state else None)

@@ -1,0 +1,215 @@
+"""Tests for the pure-JAX KDA reference (pallas_kernels/kda/reference.py), spec b.2."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda.reference import chunk_kda, kda_gate, l2norm, recurrent_kda
+
+GOLDEN = Path(__file__).resolve().parent / "fixtures" / "kda_golden.npz"
+
+
+def _rel(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+def make_inputs(B, T, H, K, V, seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    q = l2norm(jax.random.normal(ks[0], (B, T, H, K)))
+    k = l2norm(jax.random.normal(ks[1], (B, T, H, K)))
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    f = 2.0 * jax.random.normal(ks[3], (B, T, H, K))
+    g = kda_gate(f, jax.random.normal(ks[4], (H,)), jax.random.normal(ks[5], (H * K,)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[6], (B, T, H)))
+    s0 = 0.5 * jax.random.normal(ks[7], (B, H, K, V))
+    return tuple(x.astype(dtype) for x in (q, k, v)) + (g, beta.astype(dtype), s0)
+
+
+@pytest.mark.parametrize("T", [1, 15, 64, 200])
+def test_chunk_matches_recurrent(T):
+    q, k, v, g, beta, s0 = make_inputs(2, T, 2, 16, 12, seed=T)
+    o1, s1 = recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o2, s2 = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert o2.shape == (2, T, 2, 12) and o2.dtype == jnp.float32
+    assert s2.shape == (2, 2, 16, 12) and s2.dtype == jnp.float32
+    assert _rel(o2, o1) <= 1e-5
+    assert _rel(s2, s1) <= 1e-5
+
+
+def test_chunk_sizes_and_no_final_state():
+    q, k, v, g, beta, s0 = make_inputs(1, 70, 2, 8, 8, seed=3)
+    ref, _ = recurrent_kda(q, k, v, g, beta, initial_state=s0)
+    for cs, sub in [(16, 16), (32, 8), (64, 16), (64, 64)]:
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=cs, sub_chunk_size=sub)
+        assert s is None
+        assert _rel(o, ref) <= 1e-5, (cs, sub)
+
+
+def test_scale_argument():
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 8, 8, seed=4)
+    o_def, _ = recurrent_kda(q, k, v, g, beta)
+    o_exp, _ = recurrent_kda(q, k, v, g, beta, scale=8**-0.5)
+    o_two, _ = chunk_kda(q, k, v, g, beta, scale=2 * 8**-0.5)
+    np.testing.assert_allclose(o_def, o_exp, rtol=0, atol=0)
+    np.testing.assert_allclose(o_two, 2 * o_def, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [recurrent_kda, chunk_kda])
+def test_state_carry_across_calls(fn):
+    q, k, v, g, beta, s0 = make_inputs(2, 150, 2, 16, 8, seed=5)
+    full, s_full = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    cut = 77
+    a, s_a = fn(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], initial_state=s0,
+                output_final_state=True)
+    b, s_b = fn(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=s_a,
+                output_final_state=True)
+    assert _rel(jnp.concatenate([a, b], axis=1), full) <= 1e-5
+    assert _rel(s_b, s_full) <= 1e-5
+
+
+@pytest.mark.parametrize("fn", [recurrent_kda, chunk_kda])
+def test_packed_segments_equal_separate_documents(fn):
+    # Row 0: documents of lengths 10, 70, 1, 49 (boundaries inside chunks, at a chunk edge, single token).
+    # Row 1: one document of 130 tokens (no reset). initial_state only reaches each row's first document.
+    lengths = [[10, 70, 1, 49], [130]]
+    T = 130
+    q, k, v, g, beta, s0 = make_inputs(2, T, 2, 16, 8, seed=6)
+    seg = np.zeros((2, T), np.int32)
+    for r, ls in enumerate(lengths):
+        seg[r] = np.repeat(np.arange(len(ls)) + 7, ls)
+    o, s = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True, segment_ids=jnp.asarray(seg))
+    for r, ls in enumerate(lengths):
+        start = 0
+        for d, n in enumerate(ls):
+            sl = slice(start, start + n)
+            init = s0[r : r + 1] if d == 0 else None
+            od, sd = recurrent_kda(q[r : r + 1, sl], k[r : r + 1, sl], v[r : r + 1, sl], g[r : r + 1, sl],
+                                   beta[r : r + 1, sl], initial_state=init, output_final_state=True)
+            assert _rel(o[r : r + 1, sl], od) <= 1e-5, (r, d)
+            start += n
+        assert _rel(s[r : r + 1], sd) <= 1e-5, r
+
+
+def test_chunk_matches_recurrent_with_segments_dense_boundaries():
+    T = 96
+    q, k, v, g, beta, s0 = make_inputs(1, T, 1, 8, 8, seed=7)
+    seg = jnp.asarray(np.random.default_rng(0).integers(0, 3, size=(1, T)), jnp.int32)  # many resets
+    o1, s1 = recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, segment_ids=seg)
+    o2, s2 = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, segment_ids=seg)
+    assert _rel(o2, o1) <= 1e-5 and _rel(s2, s1) <= 1e-5
+
+
+def test_gate_strictly_inside_bounds_for_extreme_inputs():
+    H, K = 3, 4
+    vals = jnp.array([-jnp.inf, -1e30, -1e4, -100.0, -20.0, 0.0, 20.0, 100.0, 1e4, 1e30, jnp.inf])
+    f = jnp.broadcast_to(vals[None, :, None, None], (1, vals.size, H, K))
+    A_log = jnp.array([-3.0, 0.0, 3.0])
+    dt_bias = jnp.linspace(-2, 2, H * K)
+    for lb in (-5.0, -1.0):
+        g = kda_gate(f, A_log, dt_bias, lower_bound=lb)
+        assert g.dtype == jnp.float32 and g.shape == f.shape
+        assert bool(jnp.all(jnp.isfinite(g)))
+        assert bool(jnp.all(g > lb)) and bool(jnp.all(g < 0))
+        assert bool(jnp.all(jnp.exp(g) <= 1.0))
+    # bf16 f and [H, K] dt_bias are accepted; unsaturated values equal the formula.
+    f2 = jax.random.normal(jax.random.PRNGKey(0), (2, 5, H, K))
+    g2 = kda_gate(f2.astype(jnp.bfloat16), A_log, dt_bias.reshape(H, K))
+    expect = -5.0 * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f2.astype(jnp.bfloat16).astype(jnp.float32)
+                                                                + dt_bias.reshape(H, K)))
+    np.testing.assert_allclose(g2, expect, rtol=1e-6)
+    with pytest.raises(ValueError, match="A_log"):
+        kda_gate(f2, jnp.zeros((H + 1,)), dt_bias)
+
+
+def test_gate_gradient_finite():
+    f = jnp.array([-1e4, -10.0, 0.0, 10.0, 1e4]).reshape(1, 5, 1, 1)
+    dg = jax.grad(lambda x: kda_gate(x, jnp.zeros((1,))).sum())(f)
+    assert bool(jnp.all(jnp.isfinite(dg)))
+
+
+@pytest.mark.parametrize("fn", [recurrent_kda, chunk_kda])
+def test_long_minimum_decay_is_finite(fn):
+    B, T, H, K = 1, 1024, 2, 16
+    q, k, v, _, beta, s0 = make_inputs(B, T, H, K, K, seed=8)
+    g = kda_gate(jnp.full((B, T, H, K), 1e4), jnp.zeros((H,)))  # saturated: g ~ -5 everywhere
+    o, s = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(s)))
+    # and the no-decay extreme (g ~ -1e-38) too
+    g0 = kda_gate(jnp.full((B, T, H, K), -1e4), jnp.zeros((H,)))
+    o0, s0_ = fn(q, k, v, g0, beta, initial_state=s0, output_final_state=True)
+    assert bool(jnp.all(jnp.isfinite(o0))) and bool(jnp.all(jnp.isfinite(s0_)))
+
+
+def test_chunk_matches_recurrent_at_minimum_decay():
+    q, k, v, _, beta, s0 = make_inputs(1, 130, 2, 16, 16, seed=9)
+    g = jnp.full(q.shape, -5.0) + 1e-3 * jax.random.uniform(jax.random.PRNGKey(1), q.shape)
+    o1, s1 = recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o2, s2 = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert _rel(o2, o1) <= 1e-5 and _rel(s2, s1) <= 1e-5
+
+
+def test_bf16_inputs():
+    q, k, v, g, beta, s0 = make_inputs(2, 100, 2, 16, 16, seed=10)
+    ref, _ = recurrent_kda(q, k, v, g, beta, initial_state=s0)
+    qb, kb, vb, bb = (x.astype(jnp.bfloat16) for x in (q, k, v, beta))
+    for fn in (recurrent_kda, chunk_kda):
+        o, s = fn(qb, kb, vb, g, bb, initial_state=s0, output_final_state=True)
+        assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+        assert _rel(o.astype(jnp.float32), ref) <= 2e-2, fn.__name__
+    ob_r, _ = recurrent_kda(qb, kb, vb, g, bb, initial_state=s0)
+    ob_c, _ = chunk_kda(qb, kb, vb, g, bb, initial_state=s0)
+    assert _rel(ob_c.astype(jnp.float32), ob_r.astype(jnp.float32)) <= 1e-2
+
+
+def test_gradients_chunk_vs_recurrent():
+    q, k, v, g, beta, s0 = make_inputs(1, 40, 2, 8, 8, seed=11)
+    seg = jnp.asarray(np.repeat([0, 1], [25, 15])[None], jnp.int32)
+    w = jax.random.normal(jax.random.PRNGKey(2), (1, 40, 2, 8))
+    ws = jax.random.normal(jax.random.PRNGKey(3), s0.shape)
+
+    def loss(fn, *args):
+        o, s = fn(*args[:5], initial_state=args[5], output_final_state=True, segment_ids=seg, **(
+            {"chunk_size": 16} if fn is chunk_kda else {}))
+        return jnp.sum(o * w) + jnp.sum(s * ws)
+
+    gr = jax.grad(lambda *a: loss(recurrent_kda, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+    gc = jax.grad(lambda *a: loss(chunk_kda, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+    for name, a, b in zip("q k v g beta s0".split(), gc, gr, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), name
+        assert _rel(a, b) <= 1e-4, name
+
+
+def test_shape_errors_name_the_tensor():
+    q, k, v, g, beta, s0 = make_inputs(1, 8, 2, 8, 4)
+    with pytest.raises(ValueError, match="beta"):
+        chunk_kda(q, k, v, g, beta[..., :1])
+    with pytest.raises(ValueError, match="initial_state"):
+        recurrent_kda(q, k, v, g, beta, initial_state=s0[:, :1])
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda(q, k, v, g, beta, chunk_size=48, sub_chunk_size=32)
+
+
+@pytest.mark.parametrize("fn", [recurrent_kda, chunk_kda])
+def test_matches_fla_golden(fn):
+    """fla's naive_recurrent_kda / naive_chunk_kda outputs (tests/fixtures/make_kda_golden.py)."""
+    if not GOLDEN.exists():
+        pytest.skip(f"golden file {GOLDEN} missing (generate with tests/fixtures/make_kda_golden.py)")
+    data = np.load(GOLDEN)
+    cases = sorted({key.split("/")[0] for key in data.files})
+    assert cases, "golden file holds no cases"
+    for case in cases:
+        d = {key.split("/", 1)[1]: data[key] for key in data.files if key.startswith(case + "/")}
+        o, s = fn(*(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), scale=float(d["scale"]),
+                  initial_state=jnp.asarray(d["initial_state"]), output_final_state=True)
+        for form in ("recurrent", "chunk"):
+            assert _rel(o, d[f"o_{form}"]) <= 1e-5, (case, form)
+            assert _rel(s, d[f"s_{form}"]) <= 1e-5, (case, form)
