@@ -200,8 +200,7 @@ def recurrent_kda(
         return S, o
 
     xs = tuple(
-        jnp.moveaxis(x, 1, 0)
-        for x in (qs, k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), reset)
+        jnp.moveaxis(x, 1, 0) for x in (qs, k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), reset)
     )
     S, o = jax.lax.scan(step, S0, xs)
     o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
@@ -253,7 +252,6 @@ def _chunk_prepare(k, v, g, beta, reset, chunk_size: int, sub_chunk_size: int, q
     (``[C, V]``: A_qk U).
     """
     B, T, H, K = k.shape
-    V = v.shape[-1]
     C = chunk_size
     N = -(-T // C)
     Tp = N * C
@@ -322,9 +320,7 @@ def chunk_state_maps(
     return out["M"], out["Bm"]
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "output_final_state", "chunk_size", "sub_chunk_size")
-)
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size", "sub_chunk_size"))
 def chunk_kda(
     q: jax.Array,
     k: jax.Array,
