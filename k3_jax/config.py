@@ -75,7 +75,6 @@ class K3Config:
     # --- runtime (not part of the checkpoint)
     dtype: str = "bfloat16"  # activation / matmul compute dtype
     param_dtype: str = "float32"  # dtype of non-fp32-by-spec parameters at init
-    scan_layers: bool = True
     remat: Literal["none", "full", "dots"] = "none"
     kda_chunk_size: int = 64
     kda_implementation: str = "auto"

@@ -1,0 +1,130 @@
+"""Shared building blocks: dtype lookup, logically-partitioned initialisers, bias-free Dense, RMSNorm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3_jax.config import K3Config
+
+HIGHEST = jax.lax.Precision.HIGHEST
+Initializer = Callable[..., jax.Array]
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def compute_dtype(cfg: K3Config) -> jnp.dtype:
+    return jnp.dtype(cfg.dtype)
+
+
+def param_dtype(cfg: K3Config) -> jnp.dtype:
+    return jnp.dtype(cfg.param_dtype)
+
+
+def matmul_precision(cfg: K3Config) -> jax.lax.Precision:
+    """fp32 runs (tests, references) get exact fp32 matmuls; bf16 runs use the default (native bf16)."""
+    return HIGHEST if jnp.dtype(cfg.dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def logical(init: Initializer, names: Sequence[str | None]) -> Initializer:
+    """Attach logical axis names to an initialiser (the param is boxed in ``nn.LogicallyPartitioned``)."""
+    return nn.with_logical_partitioning(init, tuple(names))
+
+
+def normal_init(cfg_or_std: K3Config | float = 0.02) -> Initializer:
+    std = cfg_or_std if isinstance(cfg_or_std, float) else 0.02
+    return nn.initializers.normal(stddev=std)
+
+
+class LinearKernel(nn.Module):
+    """Holds a linear ``kernel`` [in, out] (same path/init as :class:`Linear`) and returns it, unapplied.
+
+    For layers that use one weight in two ways (MLA's ``kv_b_proj`` expanded vs absorbed).
+    """
+
+    in_features: int
+    features: int
+    names: tuple[str | None, str | None]
+    cfg: K3Config
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param(
+            "kernel", logical(nn.initializers.normal(self.init_std), self.names),
+            (self.in_features, self.features), param_dtype(self.cfg),
+        )
+
+
+class Linear(nn.Module):
+    """Bias-free linear layer ``y = x @ kernel``; ``kernel`` [in, out] carries logical axis names.
+
+    Input ``[..., in]`` (any dtype) -> output ``[..., out]`` in ``cfg.dtype``.
+    """
+
+    features: int
+    names: tuple[str | None, str | None]
+    cfg: K3Config
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel", logical(nn.initializers.normal(self.init_std), self.names),
+            (x.shape[-1], self.features), param_dtype(self.cfg),
+        )
+        dt = compute_dtype(self.cfg)
+        return jnp.matmul(x.astype(dt), kernel.astype(dt), precision=matmul_precision(self.cfg))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm as in the official ``KimiRMSNorm``: normalise in fp32, cast back to ``x.dtype``, times weight.
+
+    ``x`` [..., D] any float dtype; ``weight`` [D] or None; result has ``x.dtype``.
+    """
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = y.astype(x.dtype)
+    if weight is None:
+        return y
+    return y * weight.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a ``weight`` parameter [D] (logical name ``names``) initialised to ones."""
+
+    eps: float
+    names: tuple[str | None] = ("norm",)
+    dtype: str = "float32"  # parameter dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", logical(nn.initializers.ones, self.names), (x.shape[-1],),
+                       jnp.dtype(self.dtype))
+        return rms_norm(x, w, self.eps)
+
+
+class Weight(nn.Module):
+    """A module holding one parameter (default name ``weight``) so its path reads ``<module>.<leaf>``.
+
+    ``init`` is ``"ones" | "zeros" | "normal"`` (std 0.02) or an initialiser ``(key, shape, dtype)``.
+    """
+
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    init: Any = "ones"
+    dtype: str = "float32"
+    leaf: str = "weight"
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        named = {"ones": nn.initializers.ones, "zeros": nn.initializers.zeros,
+                 "normal": nn.initializers.normal(0.02)}
+        init = named[self.init] if isinstance(self.init, str) else self.init
+        return self.param(self.leaf, logical(init, self.names), self.shape, jnp.dtype(self.dtype))

@@ -1,0 +1,140 @@
+"""Kimi Delta Attention layer (spec b.2): projections, causal short conv, lower-bounded gate, delta rule, gated norm.
+
+The delta-rule recurrence itself lives in ``pallas_kernels.kda`` (pure-JAX reference + kernels); this module is
+the layer around it and matches the checkpoint's ``self_attn.*`` names for KDA layers.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3_jax.config import K3Config
+from k3_jax.layers.common import Linear, Weight, compute_dtype, logical, rms_norm
+from pallas_kernels.kda import reference as kda_reference
+
+
+def _kda_ops():
+    """The dispatching KDA ops when the kernel package provides them, else the reference module."""
+    try:
+        from pallas_kernels.kda import ops  # noqa: PLC0415
+
+        return ops
+    except ImportError:  # kernels not built yet
+        return None
+
+
+def causal_depthwise_conv(
+    u: jax.Array,
+    kernel: jax.Array,
+    conv_state: jax.Array | None,
+    segment_ids: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise conv over time, fp32 inside (tap ``W-1`` multiplies the current token).
+
+    Args:
+      u: ``[B, T, C]`` inputs.
+      kernel: ``[W, C]`` f32 taps (``kernel[j, c] == torch_weight[c, 0, j]``).
+      conv_state: ``[B, W-1, C]`` the previous ``W-1`` inputs (zeros = start of sequence) or None.
+      segment_ids: ``[B, T]`` int; a tap never reaches into an earlier document.
+    Returns:
+      ``([B, T, C]`` outputs in ``u.dtype``, new conv state ``[B, W-1, C]`` in ``u.dtype``).
+    """
+    b, t, c = u.shape
+    w = kernel.shape[0]
+    if conv_state is None:
+        conv_state = jnp.zeros((b, w - 1, c), u.dtype)
+    full = jnp.concatenate([conv_state.astype(u.dtype), u], axis=1)  # [B, W-1+T, C]
+    full32 = full.astype(jnp.float32)
+    kernel32 = kernel.astype(jnp.float32)
+    if segment_ids is not None:
+        # Positions of the conv state continue the first token's document.
+        seg_full = jnp.concatenate([jnp.repeat(segment_ids[:, :1], w - 1, axis=1), segment_ids], axis=1)
+    out = jnp.zeros((b, t, c), jnp.float32)
+    for j in range(w):
+        tap = full32[:, j : j + t, :] * kernel32[j]
+        if segment_ids is not None:
+            same = seg_full[:, j : j + t] == segment_ids
+            tap = jnp.where(same[..., None], tap, 0.0)
+        out = out + tap
+    new_state = full[:, -(w - 1):, :] if w > 1 else full[:, :0, :]
+    return out.astype(u.dtype), new_state
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA mixer. ``x`` [B, T, D] -> ``y`` [B, T, D] (cfg.dtype), plus the new cache entry when given one.
+
+    Cache entry (decode): ``{"state": [B, H, K, V] f32, "conv": [B, W-1, 3·H·K]}`` (q, k, v pre-conv inputs).
+    """
+
+    cfg: K3Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+        cfg = self.cfg
+        h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+        hk = h * dk
+        w = cfg.short_conv_kernel_size
+        b, t, _ = x.shape
+        dt = compute_dtype(cfg)
+
+        q = Linear(hk, ("embed", "kda_heads"), cfg, name="q_proj")(x)
+        k = Linear(hk, ("embed", "kda_heads"), cfg, name="k_proj")(x)
+        v = Linear(hk, ("embed", "kda_heads"), cfg, name="v_proj")(x)
+
+        def conv_kernel(name: str) -> jax.Array:
+            # torch's default Conv1d init is U(-1/sqrt(W), 1/sqrt(W)) for a depthwise conv
+            bound = 1.0 / (w ** 0.5)
+            init = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+            return Weight((w, hk), ("conv", "kda_heads"), init, "float32", leaf="kernel", name=name)()
+
+        kernels = [conv_kernel(n) for n in ("q_conv1d", "k_conv1d", "v_conv1d")]
+        conv_states = [None, None, None]
+        if cache is not None:
+            conv_states = jnp.split(cache["conv"], 3, axis=-1)
+        outs, new_conv = [], []
+        for u, ker, st in zip((q, k, v), kernels, conv_states, strict=True):
+            o, ns = causal_depthwise_conv(u, ker, st, segment_ids)
+            outs.append(jax.nn.silu(o.astype(jnp.float32)))
+            new_conv.append(ns)
+        q, k, v = (o.reshape(b, t, h, dk) for o in outs)
+        q = kda_reference.l2norm(q).astype(dt)
+        k = kda_reference.l2norm(k).astype(dt)
+        v = v.astype(dt)
+
+        f = Linear(dk, ("embed", None), cfg, name="f_a_proj")(x)
+        f = Linear(hk, (None, "kda_heads"), cfg, name="f_b_proj")(f).reshape(b, t, h, dk)
+        a_log = self.param(
+            "A_log",
+            logical(lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0)),
+                    ("kda_heads",)),
+            (h,), jnp.float32,
+        )
+        dt_bias = self.param("dt_bias", logical(nn.initializers.zeros, ("kda_heads",)), (hk,), jnp.float32)
+        g = kda_reference.kda_gate(f, a_log, dt_bias, lower_bound=cfg.gate_lower_bound)
+        beta = jax.nn.sigmoid(
+            Linear(h, ("embed", "kda_heads"), cfg, name="b_proj")(x).astype(jnp.float32))
+
+        initial_state = None if cache is None else cache["state"]
+        ops = _kda_ops()
+        kwargs = dict(initial_state=initial_state, output_final_state=cache is not None,
+                      segment_ids=segment_ids, chunk_size=cfg.kda_chunk_size)
+        if ops is not None:
+            o, final_state = ops.chunk_kda(q, k, v, g, beta, implementation=cfg.kda_implementation, **kwargs)
+        else:
+            o, final_state = kda_reference.chunk_kda(q, k, v, g, beta, **kwargs)
+
+        o_norm = Weight((dk,), ("head_dim",), "ones", "float32", name="o_norm")()
+        gate = Linear(hk, ("embed", "kda_heads"), cfg, name="g_proj")(x).reshape(b, t, h, dk)
+        y = rms_norm(o.astype(jnp.float32), o_norm, cfg.rms_norm_eps) * jax.nn.sigmoid(
+            gate.astype(jnp.float32))
+        y = y.reshape(b, t, hk).astype(dt)
+        y = Linear(cfg.hidden_size, ("kda_heads", "embed"), cfg, name="o_proj")(y)
+
+        new_cache = None
+        if cache is not None:
+            new_cache = {"state": final_state.astype(jnp.float32),
+                         "conv": jnp.concatenate(new_conv, axis=-1).astype(cache["conv"].dtype)}
+        return y, new_cache

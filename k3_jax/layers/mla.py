@@ -1,0 +1,139 @@
+"""Gated Multi-head Latent Attention with NoPE (spec b.3).
+
+Training / prefill without a cache uses the expanded form (per-head K/V from ``kv_b_proj``). With a cache the
+layer stores only the normalised latent ``ĉ`` [kv_lora] and the shared unrotated key part ``k_rot`` [rope] per
+token and attends in the absorbed form (:func:`absorbed_attention`), so decode never materialises per-head K/V.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3_jax.config import K3Config
+from k3_jax.layers.common import HIGHEST, Linear, LinearKernel, RMSNorm, compute_dtype, matmul_precision
+
+NEG_INF = -1e30
+
+
+def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked softmax over the last axis in fp32; fully masked rows give zeros."""
+    scores = jnp.where(mask, scores, NEG_INF)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - m) * mask
+    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+
+
+def expanded_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Plain attention. q, k ``[B, T, H, Dqk]``, v ``[B, S, H, Dv]``, mask ``[B, T, S]`` bool -> ``[B, T, H, Dv]``.
+
+    Scores and softmax in fp32; the probabilities are cast to ``v.dtype`` for the value product.
+    """
+    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32,
+                   precision=HIGHEST if q.dtype == jnp.float32 else None) * scale
+    p = _softmax_attend(s, mask[:, None, :, :])
+    return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                      precision=HIGHEST if v.dtype == jnp.float32 else None).astype(v.dtype)
+
+
+def absorbed_attention(
+    q_nope: jax.Array,
+    q_rot: jax.Array,
+    latent: jax.Array,
+    k_rot: jax.Array,
+    w_uk: jax.Array,
+    w_uv: jax.Array,
+    mask: jax.Array,
+    scale: float,
+) -> jax.Array:
+    """MLA attention straight from the latent cache (weight absorption).
+
+    Args:
+      q_nope: ``[B, T, H, Dn]`` no-position query part.  q_rot: ``[B, T, H, Dr]`` (unrotated, NoPE).
+      latent: ``[B, S, C]`` cached normalised latent ĉ.  k_rot: ``[B, S, Dr]`` cached shared key part.
+      w_uk: ``[C, H, Dn]`` key up-projection.  w_uv: ``[C, H, Dv]`` value up-projection.
+      mask: ``[B, T, S]`` bool, True where query t may attend to cached position s.
+    Returns:
+      ``[B, T, H, Dv]`` in ``q_nope.dtype``; scores/softmax fp32.
+    """
+    prec = HIGHEST if q_nope.dtype == jnp.float32 else None
+    dt = q_nope.dtype
+    q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk.astype(dt), precision=prec,
+                       preferred_element_type=jnp.float32).astype(dt)
+    s = jnp.einsum("bthc,bsc->bhts", q_lat, latent.astype(dt), precision=prec,
+                   preferred_element_type=jnp.float32)
+    s = s + jnp.einsum("bthr,bsr->bhts", q_rot, k_rot.astype(dt), precision=prec,
+                       preferred_element_type=jnp.float32)
+    p = _softmax_attend(s * scale, mask[:, None, :, :])
+    o_lat = jnp.einsum("bhts,bsc->bthc", p.astype(dt), latent.astype(dt), precision=prec,
+                       preferred_element_type=jnp.float32).astype(dt)
+    return jnp.einsum("bthc,chd->bthd", o_lat, w_uv.astype(dt), precision=prec,
+                      preferred_element_type=jnp.float32).astype(dt)
+
+
+def causal_segment_mask(segment_ids: jax.Array | None, b: int, t: int) -> jax.Array:
+    """``[B, T, T]`` bool: causal, and within one document when ``segment_ids`` [B, T] is given."""
+    causal = jnp.tril(jnp.ones((t, t), bool))[None]
+    if segment_ids is None:
+        return jnp.broadcast_to(causal, (b, t, t))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal & same
+
+
+class KimiMLAAttention(nn.Module):
+    """Gated MLA (NoPE). ``x`` [B, T, D] -> ``y`` [B, T, D]; with ``cache`` also the new cache entry.
+
+    Cache entry: ``{"latent": [B, S_max, kv_lora + rope]}``; ``lengths`` [B] = tokens already cached per row
+    (the new T tokens are written at ``lengths .. lengths+T-1``).
+    """
+
+    cfg: K3Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, cache: dict | None = None,
+                 lengths: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        h, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        c = cfg.kv_lora_rank
+        dt = compute_dtype(cfg)
+        scale = (dn + dr) ** -0.5
+
+        q_a = Linear(cfg.q_lora_rank, ("embed", "q_lora"), cfg, name="q_a_proj")(x)
+        q_a = RMSNorm(cfg.mla_norm_eps, ("q_lora",), cfg.param_dtype, name="q_a_layernorm")(q_a)
+        q = Linear(h * (dn + dr), ("q_lora", "heads"), cfg, name="q_b_proj")(q_a).reshape(b, t, h, dn + dr)
+        q_nope, q_rot = q[..., :dn], q[..., dn:]
+
+        ckv = Linear(c + dr, ("embed", "kv_lora"), cfg, name="kv_a_proj_with_mqa")(x)
+        latent = RMSNorm(cfg.mla_norm_eps, ("kv_lora",), cfg.param_dtype, name="kv_a_layernorm")(ckv[..., :c])
+        k_rot = ckv[..., c:]
+        kv_kernel = LinearKernel(c, h * (dn + dv), ("kv_lora", "heads"), cfg, name="kv_b_proj")()
+
+        new_cache = None
+        if cache is None:
+            kv = jnp.matmul(latent.astype(dt), kv_kernel.astype(dt), precision=matmul_precision(cfg))
+            kv = kv.reshape(b, t, h, dn + dv)
+            k_nope, v = kv[..., :dn], kv[..., dn:]
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None, :], (b, t, h, dr))], axis=-1)
+            mask = causal_segment_mask(segment_ids, b, t)
+            o = expanded_attention(q.astype(dt), k.astype(dt), v.astype(dt), mask, scale)
+        else:
+            if lengths is None:
+                raise ValueError("MLA with a cache needs `lengths` [B] (tokens already cached per row)")
+            store = cache["latent"]
+            new_entries = jnp.concatenate([latent, k_rot], axis=-1).astype(store.dtype)  # [B, T, C+Dr]
+            store = jax.vmap(lambda s, n, pos: jax.lax.dynamic_update_slice(s, n, (pos, 0)))(
+                store, new_entries, lengths)
+            new_cache = {"latent": store}
+            s_max = store.shape[1]
+            pos_q = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+            mask = jnp.arange(s_max)[None, None, :] <= pos_q[:, :, None]  # [B, T, S]
+            kv_kernel = kv_kernel.reshape(c, h, dn + dv)
+            o = absorbed_attention(q_nope.astype(dt), q_rot.astype(dt), store[..., :c], store[..., c:],
+                                   kv_kernel[..., :dn], kv_kernel[..., dn:], mask, scale)
+
+        gate = Linear(h * dv, ("embed", "heads"), cfg, name="g_proj")(x)
+        y = o.reshape(b, t, h * dv).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+        y = Linear(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(y.astype(dt))
+        return y, new_cache

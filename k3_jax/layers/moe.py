@@ -1,0 +1,161 @@
+"""SiTU-GLU MLPs and Stable LatentMoE (spec b.5).
+
+* :class:`SituMLP` — dense SiTU-GLU MLP (layer 0's ``mlp`` and the fused shared experts).
+* :func:`route` — fp32 sigmoid router; the correction bias steers *selection only*.
+* :class:`LatentMoE` — router → latent down-projection → routed experts (dropless sort-based dispatch) →
+  RMSNorm of the aggregated routed output → up-projection, plus the shared SiTU MLP on full width.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3_jax.config import K3Config
+from k3_jax.layers.common import HIGHEST, Linear, RMSNorm, logical, param_dtype
+from k3_jax.quant.mxfp4 import pack_mxfp4
+from pallas_kernels.moe import reference as moe_reference
+
+situ_glu = moe_reference.situ_glu
+
+
+class SituMLP(nn.Module):
+    """``down(SiTU-GLU(gate(x), up(x)))``; x [..., D] -> [..., D] (cfg.dtype). SiTU in fp32."""
+
+    cfg: K3Config
+    intermediate: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        gate = Linear(self.intermediate, ("embed", "mlp"), cfg, name="gate_proj")(x)
+        up = Linear(self.intermediate, ("embed", "mlp"), cfg, name="up_proj")(x)
+        act = situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
+        return Linear(cfg.hidden_size, ("mlp", "embed"), cfg, name="down_proj")(act)
+
+
+def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, k: int, renormalize: bool = True,
+          scaling: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sigmoid router (fp32, HIGHEST precision).
+
+    Args:
+      x: ``[N, D]`` normalised tokens.  router_kernel: ``[D, E]``.  bias: ``[E]`` f32 correction bias.
+    Returns:
+      ``scores [N, E] f32`` (σ(x·W)), ``expert_ids [N, k] i32`` = top-k of ``scores + bias``,
+      ``weights [N, k] f32`` = the selected *raw* scores, renormalised to sum 1 (+1e-20) and scaled.
+      The bias enters only through the (integer) selection, so it receives no gradient.
+    """
+    logits = jnp.matmul(x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(scores + bias.astype(jnp.float32)), k)
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return scores, expert_ids.astype(jnp.int32), weights * scaling
+
+
+class Router(nn.Module):
+    """``gate.kernel`` [D, E] and ``gate.e_score_correction_bias`` [E] f32 (names of the checkpoint)."""
+
+    cfg: K3Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        kernel = self.param("kernel", logical(nn.initializers.normal(0.02), ("embed", None)),
+                            (x.shape[-1], cfg.num_experts), param_dtype(cfg))
+        bias = self.param("e_score_correction_bias", logical(nn.initializers.zeros, (None,)),
+                          (cfg.num_experts,), jnp.float32)
+        return route(x, kernel, bias, cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
+
+
+class RoutedExperts(nn.Module):
+    """Expert weights, in the layout of ``cfg.expert_format``; returns them as the dict the MoE ops take.
+
+    bf16: ``w1, w3 [E, L, I]``, ``w2 [E, I, L]`` ([in, out] per expert, logical ``experts/latent/expert_mlp``).
+    mxfp4: ``w{1,3}.weight_packed u8 [E, I, L/2]`` + ``weight_scale u8 [E, I, L/32]``; ``w2`` the same over
+    ``[E, L, I/…]`` (HF [out, in] orientation, as stored in the release).
+    """
+
+    cfg: K3Config
+
+    @nn.compact
+    def __call__(self) -> dict:
+        cfg = self.cfg
+        e, lat, im = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+        shapes = {"w1": (lat, im), "w3": (lat, im), "w2": (im, lat)}
+        names = {"w1": ("experts", "latent", "expert_mlp"), "w3": ("experts", "latent", "expert_mlp"),
+                 "w2": ("experts", "expert_mlp", "latent")}
+        out: dict = {}
+        for w, (din, dout) in shapes.items():
+            if cfg.expert_format == "bf16":
+                out[w] = self.param(w, logical(nn.initializers.normal(0.02), names[w]), (e, din, dout),
+                                    param_dtype(cfg))
+            else:
+                out[w] = PackedExpertWeight((e, dout, din), (names[w][0], names[w][2], names[w][1]),
+                                            name=w)()
+        return out
+
+
+class PackedExpertWeight(nn.Module):
+    """MXFP4 expert weight ``{"weight_packed": u8 [E, out, in/2], "weight_scale": u8 [E, out, in/32]}``.
+
+    Random init quantises a normal(0.02) dense weight (only used for synthetic models and shape inference).
+    """
+
+    shape: tuple[int, int, int]  # [E, out, in]
+    names: tuple[str, str, str]
+
+    @nn.compact
+    def __call__(self) -> dict:
+        e, dout, din = self.shape
+
+        def dense(key):
+            return jax.random.normal(key, (e, dout, din), jnp.float32) * 0.02
+
+        packed = self.param("weight_packed", logical(lambda key, s, dt: pack_mxfp4(dense(key))[0], self.names),
+                            (e, dout, din // 2), jnp.uint8)
+        scale = self.param("weight_scale", logical(lambda key, s, dt: pack_mxfp4(dense(key))[1], self.names),
+                           (e, dout, din // 32), jnp.uint8)
+        return {"weight_packed": packed, "weight_scale": scale}
+
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE. ``x`` [B, T, D] (already ``post_attention_layernorm``-ed) -> [B, T, D].
+
+    Sows ``intermediates/router_scores`` [B·T, E] f32 and ``intermediates/expert_ids`` [B·T, k] i32 for
+    Quantile Balancing and load statistics.
+    """
+
+    cfg: K3Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        scores, expert_ids, weights = Router(cfg, name="gate")(flat)
+        self.sow("intermediates", "router_scores", scores)
+        self.sow("intermediates", "expert_ids", expert_ids)
+        z = Linear(cfg.routed_expert_hidden_size, ("embed", "latent"), cfg, name="routed_expert_down_proj")(flat)
+        experts = RoutedExperts(cfg, name="experts")()
+        u = moe_reference.moe_dispatch_combine(
+            z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
+            implementation=_moe_implementation(cfg))
+        if cfg.latent_moe_use_norm:
+            u = RMSNorm(cfg.rms_norm_eps, ("latent",), cfg.param_dtype, name="routed_expert_norm")(u)
+        y = Linear(d, ("latent", "embed"), cfg, name="routed_expert_up_proj")(u)
+        if cfg.num_shared_experts > 0:
+            y = y + SituMLP(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size, name="shared_experts")(flat)
+        return y.reshape(b, t, d)
+
+
+def _moe_implementation(cfg: K3Config) -> str:
+    if cfg.moe_implementation in ("auto",):
+        try:
+            from pallas_kernels.moe import ops  # noqa: F401, PLC0415
+        except ImportError:
+            return "reference"
+        return "auto"
+    return cfg.moe_implementation

@@ -1,0 +1,242 @@
+"""K3ForCausalLM: embedding → scanned layer segments → output AttnRes mix → norm → lm_head (spec b.1).
+
+Depth is compiled per *segment*, not per layer: :func:`layer_plan` splits the layer sequence into runs of a
+repeating group of layer kinds (for K3: layer 0, 22 × [KDA, KDA, MLA, KDA], 2 × KDA, 2 × MLA) and each run is
+one ``nn.scan`` whose parameters carry a leading ``layers`` axis. Block Attention Residuals need no per-layer
+Python control flow (see :mod:`k3_jax.layers.attn_res`), so the scan body is the same for every repeat.
+
+Parameter tree (names follow the checkpoint)::
+
+    params["model"]["embed_tokens"]["embedding"]                      [V, D]
+    params["model"]["segment_{s}"]["layer_{j}"][...]                  [repeats, ...] per leaf
+    params["model"]["output_attn_res_norm" | "output_attn_res_proj"]["weight"]   [D]
+    params["model"]["norm"]["weight"]                                 [D]
+    params["lm_head"]["kernel"]                                       [D, V]
+
+Layer ``l = segment.start + r * segment.period + j`` lives at ``segment_{s}/layer_{j}`` index ``r``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3_jax.config import FfnKind, K3Config, MixerKind
+from k3_jax.layers.attn_res import (
+    attn_res_point,
+    attn_sources_count,
+    mlp_sources_count,
+    num_sources,
+    output_slot,
+)
+from k3_jax.layers.common import LinearKernel, RMSNorm, compute_dtype, logical, param_dtype
+from k3_jax.layers.kda import KimiDeltaAttention
+from k3_jax.layers.mla import KimiMLAAttention
+from k3_jax.layers.moe import LatentMoE, SituMLP
+
+LayerKind = tuple[MixerKind, FfnKind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """``repeats`` consecutive copies of a group of ``period`` layers starting at layer ``start``."""
+
+    start: int
+    period: int
+    repeats: int
+    kinds: tuple[LayerKind, ...]
+
+    def layer(self, repeat: int, position: int) -> int:
+        return self.start + repeat * self.period + position
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.start + self.period * self.repeats)
+
+
+def _greedy_plan(kinds: tuple[LayerKind, ...], period: int) -> list[Segment]:
+    segments: list[Segment] = []
+    i, n = 0, len(kinds)
+    while i < n:
+        pattern = kinds[i : i + period]
+        reps = 0
+        if len(pattern) == period:
+            while kinds[i + reps * period : i + (reps + 1) * period] == pattern:
+                reps += 1
+        if reps >= 2:
+            segments.append(Segment(i, period, reps, pattern))
+            i += reps * period
+            continue
+        run = 1
+        while i + run < n and kinds[i + run] == kinds[i]:
+            run += 1
+        segments.append(Segment(i, 1, run, (kinds[i],)))
+        i += run
+    return segments
+
+
+def layer_plan(cfg: K3Config, max_period: int = 8) -> list[Segment]:
+    """Split the layers into the fewest scanned segments (ties: the smaller period)."""
+    kinds = cfg.layer_kinds()
+    best: list[Segment] | None = None
+    for period in range(1, max_period + 1):
+        plan = _greedy_plan(kinds, period)
+        if best is None or len(plan) < len(best):
+            best = plan
+    assert best is not None
+    return best
+
+
+class DecoderLayer(nn.Module):
+    """One K3 layer. Updates the AttnRes source array ``[R, B, T, D]`` in place of a residual stream."""
+
+    cfg: K3Config
+    kind: LayerKind
+
+    @nn.compact
+    def __call__(self, sources: jax.Array, layer: jax.Array, segment_ids: jax.Array | None,
+                 cache: dict | None, lengths: jax.Array | None) -> tuple[jax.Array, dict | None]:
+        cfg = self.cfg
+        mixer_kind, ffn_kind = self.kind
+        bs = cfg.attn_res_block_size
+        pd = cfg.param_dtype
+        slot = output_slot(layer, bs)
+
+        h = attn_res_point(cfg, "self_attention_res", sources, attn_sources_count(layer, bs))
+        h = RMSNorm(cfg.rms_norm_eps, ("embed",), pd, name="input_layernorm")(h)
+        if mixer_kind == "kda":
+            a, new_cache = KimiDeltaAttention(cfg, name="self_attn")(h, segment_ids, cache)
+        else:
+            a, new_cache = KimiMLAAttention(cfg, name="self_attn")(h, segment_ids, cache, lengths)
+        sources = _add_to_slot(sources, slot, a)
+
+        m = attn_res_point(cfg, "mlp_res", sources, mlp_sources_count(layer, bs))
+        m = RMSNorm(cfg.rms_norm_eps, ("embed",), pd, name="post_attention_layernorm")(m)
+        if ffn_kind == "dense":
+            f = SituMLP(cfg, cfg.intermediate_size, name="mlp")(m)
+        else:
+            f = LatentMoE(cfg, name="block_sparse_moe")(m)
+        sources = _add_to_slot(sources, slot, f)
+        return sources, new_cache
+
+
+def _add_to_slot(sources: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    current = jax.lax.dynamic_index_in_dim(sources, slot, axis=0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(sources, (current + value).astype(sources.dtype), slot, 0)
+
+
+class LayerGroup(nn.Module):
+    """``period`` consecutive layers (one scan step of a :class:`Segment`), named ``layer_{j}``."""
+
+    cfg: K3Config
+    segment: Segment
+
+    @nn.compact
+    def __call__(self, sources: jax.Array, repeat: jax.Array, cache: dict | None,
+                 segment_ids: jax.Array | None, lengths: jax.Array | None) -> tuple[jax.Array, dict | None]:
+        new_cache: dict | None = None if cache is None else {}
+        layer_cls = _maybe_remat(DecoderLayer, self.cfg)
+        for j, kind in enumerate(self.segment.kinds):
+            layer = self.segment.start + repeat * self.segment.period + j
+            entry = None if cache is None else cache[f"layer_{j}"]
+            sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
+                sources, layer, segment_ids, entry, lengths)
+            if new_cache is not None:
+                new_cache[f"layer_{j}"] = entry
+        return sources, new_cache
+
+
+def _maybe_remat(cls: type[nn.Module], cfg: K3Config) -> Any:
+    if cfg.remat == "none":
+        return cls
+    policy = None if cfg.remat == "full" else jax.checkpoint_policies.checkpoint_dots
+    return nn.remat(cls, policy=policy, prevent_cse=False)
+
+
+class K3Model(nn.Module):
+    """Embedding + layers + output AttnRes + final norm. tokens [B, T] i32 -> hidden [B, T, D] (cfg.dtype)."""
+
+    cfg: K3Config
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+        cfg = self.cfg
+        dt = compute_dtype(cfg)
+        b, t = tokens.shape
+        embedding = self.param("embed_tokens", _embedding_init(cfg), cfg.vocab_size, cfg.hidden_size)
+        e = jnp.take(embedding["embedding"], tokens, axis=0).astype(dt)
+        sources = jnp.zeros((num_sources(cfg), b, t, cfg.hidden_size), dt).at[0].set(e)
+        sources = nn.with_logical_constraint(sources, (None, "batch", "length", "embed"))
+        lengths = None if cache is None else cache["lengths"]
+
+        new_segments = []
+        for s, seg in enumerate(layer_plan(cfg)):
+            scanned = nn.scan(
+                LayerGroup,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True},
+                in_axes=(0, 0, nn.broadcast, nn.broadcast),
+                length=seg.repeats,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            seg_cache = None if cache is None else cache["segments"][s]
+            sources, seg_new = scanned(cfg, seg, name=f"segment_{s}")(
+                sources, jnp.arange(seg.repeats), seg_cache, segment_ids, lengths)
+            new_segments.append(seg_new)
+
+        out = attn_res_point(cfg, "output_attn_res", sources, num_sources(cfg))
+        hidden = RMSNorm(cfg.rms_norm_eps, ("embed",), cfg.param_dtype, name="norm")(out)
+        new_cache = None
+        if cache is not None:
+            new_cache = {"lengths": cache["lengths"] + t, "segments": new_segments}
+        return hidden, new_cache
+
+
+def _embedding_init(cfg: K3Config):
+    def init(key, vocab: int, dim: int) -> dict:
+        return {"embedding": logical(nn.initializers.normal(0.02), ("vocab", "embed"))(
+            key, (vocab, dim), param_dtype(cfg))}
+
+    return init
+
+
+class K3ForCausalLM(nn.Module):
+    """The K3 text model.
+
+    ``apply(variables, tokens [B, T] i32, segment_ids=None) -> logits [B, T, V] f32``;
+    ``return_hidden=True`` returns the final normalised hidden ``[B, T, D]`` instead (for chunked losses);
+    with ``cache=`` (see :mod:`k3_jax.cache`) returns ``(logits_or_hidden, new_cache)``.
+    ``segment_ids`` [B, T] marks packed documents: KDA state, short convs and MLA attention never cross them.
+    """
+
+    cfg: K3Config
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, cache: dict | None = None,
+                 return_hidden: bool = False) -> Any:
+        cfg = self.cfg
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T] int, got shape {tokens.shape}")
+        if segment_ids is not None and segment_ids.shape != tokens.shape:
+            raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids are not supported together with a decode cache")
+        hidden, new_cache = K3Model(cfg, name="model")(tokens, segment_ids, cache)
+        if return_hidden:
+            out = hidden
+        else:
+            if cfg.tie_word_embeddings:
+                kernel = self.variables["params"]["model"]["embed_tokens"]["embedding"].T
+            else:
+                kernel = LinearKernel(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, name="lm_head")()
+            dt = compute_dtype(cfg)
+            out = jnp.matmul(hidden.astype(dt), kernel.astype(dt), preferred_element_type=jnp.float32,
+                             precision=jax.lax.Precision.HIGHEST if dt == jnp.float32 else None)
+        if cache is not None:
+            return out, new_cache
+        return out
