@@ -439,7 +439,9 @@ def _prepare(hf_dir) -> tuple[Index, dict[str, Any], K3Config, str]:
     raw = read_raw_config(idx.root)
     rep = verify(hf_dir)
     if not rep.ok:
-        raise CheckpointError(f"{hf_dir}: checkpoint does not match its config:\n  " + "\n  ".join(rep.errors))
+        raise CheckpointError(
+            f"{hf_dir}: checkpoint failed verification ({len(rep.errors)} problem(s)):\n  " + "\n  ".join(rep.errors)
+        )
     if rep.vision:
         log.warning("skipped %d vision tensors (the vision tower is not part of k3-jax yet)", rep.vision)
     cfg = config_from_dict(raw)
