@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3_jax.quant import pack_mxfp4, unpack_mxfp4
+from k3_jax.quant import pack_mxfp4
 from pallas_kernels import moe
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.moe import tpu
@@ -46,20 +46,6 @@ def test_gmm_bf16_loose():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
 
 
-def test_mxfp4_kernel_equals_dequantized():
-    k0, k1 = jax.random.split(jax.random.key(2))
-    x = jax.random.normal(k0, (48, 256), jnp.float32).astype(jnp.bfloat16)
-    w_hf = jax.random.normal(k1, (3, 128, 256)) * 0.1  # [E, N, K]
-    packed, scale = pack_mxfp4(w_hf)
-    gs = jnp.array([20, 0, 20], jnp.int32)
-    got = moe.grouped_matmul(x, {"weight_packed": packed, "weight_scale": scale}, gs,
-                             implementation="pallas_tpu", interpret=True)
-    deq = jnp.swapaxes(unpack_mxfp4(packed, scale, jnp.bfloat16), 1, 2)
-    want = ref.grouped_matmul(x, deq, gs, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
-    assert np.all(np.asarray(got[40:], np.float32) == 0)
-
-
 def _moe_problem(t=16, k=2, e=4, lat=128, inter=128, dtype=jnp.float32, seed=3):
     ks = jax.random.split(jax.random.key(seed), 6)
     z = jax.random.normal(ks[0], (t, lat), jnp.float32).astype(dtype)
@@ -96,5 +82,12 @@ def test_dispatch_mxfp4_bf16():
         p, s = pack_mxfp4(jnp.swapaxes(arr, 1, 2))
         q[name] = {"weight_packed": p, "weight_scale": s}
     got = moe.moe_dispatch_combine(z, ids, w, q, implementation="pallas_tpu", interpret=True)
-    want = ref.moe_dispatch_combine(z, ids, w, q)
+    want = ref.moe_dispatch_combine(z, ids, w, q)  # dequantize-then-bf16 path
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)
+    # direct MXFP4 grouped matmul with trailing rows (beyond sum(group_sizes)) -> zeros
+    gs = jnp.array([5, 0, 6, 0], jnp.int32)
+    out = moe.grouped_matmul(z, q["w1"], gs, implementation="pallas_tpu", interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.asarray(ref.grouped_matmul(z, ref.dense_expert_weight(q["w1"], z.dtype), gs),
+                                          np.float32), rtol=2e-2, atol=2e-2)
+    assert np.all(np.asarray(out[11:], np.float32) == 0)

@@ -78,7 +78,7 @@ def grouped_matmul(
 
 
 @functools.cache
-def _tpu_glu_fn(beta1: float, beta2: float, interpret: bool):
+def tpu_glu_fn(beta1: float, beta2: float, interpret: bool):
     """``f(x, w1, w3, group_sizes) -> [M, I]``: fused kernel forward, grouped-matmul-kernel backward."""
     from pallas_kernels.moe import tpu
 
@@ -136,7 +136,7 @@ def expert_ffn(
             out = tpu.gmm_mxfp4(quant(h), [lay(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret)
             return out.astype(dt)
         d1, d3, d2 = (ref.dense_expert_weight(w, dt) for w in (w1, w3, w2))
-        h = _tpu_glu_fn(float(beta1), float(beta2), bool(interpret))(a, d1, d3, group_sizes)
+        h = tpu_glu_fn(float(beta1), float(beta2), bool(interpret))(a, d1, d3, group_sizes)
         out = tpu.gmm(quant(h), d2, group_sizes, preferred_element_type=jnp.float32, interpret=interpret)
         return out.astype(dt)
     from pallas_kernels.moe import gpu
