@@ -46,7 +46,7 @@ def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpr
     return gpu.chunk_kda_fwd(q, k, v, g, beta, scale, h0, seg, chunk_size, interpret=interpret)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pallas_chunk_fn(impl: str, scale: float, chunk_size: int, interpret):
     """``f(q, k, v, g, beta, h0, seg) -> (o, ht)`` with the reference-recompute VJP."""
 

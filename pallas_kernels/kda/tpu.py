@@ -168,21 +168,30 @@ def chunk_kda_fwd(
 # ------------------------------------------------------------------------------------------------------
 
 
+def _row_to_col(row, n: int):
+    """``[1, n] -> [n, 1]`` without a transpose: mask the broadcast with the identity and reduce lanes."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    return jnp.sum(jnp.where(r == c, row, 0.0), axis=1, keepdims=True)
+
+
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref, *, scale):
     del slots_ref  # used by the index maps only
     f32 = jnp.float32
-    s = pool_in_ref[...]  # [hb, K, V] f32
-    qc = q_ref[...].astype(f32)  # [hb, K, 1]
-    kc = k_ref[...].astype(f32)  # [hb, K, 1]
-    gc = g_ref[...].astype(f32)  # [hb, K, 1]
-    vr = v_ref[...].astype(f32)  # [hb, 1, V]
-    b = beta_ref[...].astype(f32)  # [hb, 1, 1]
-    s = s * jnp.exp(gc)
-    pred = jnp.sum(kc * s, axis=1, keepdims=True)  # [hb, 1, V]
-    s = s + (b * kc) * (vr - pred)
-    o = jnp.sum((qc * scale) * s, axis=1, keepdims=True)  # [hb, 1, V]
-    o_ref[...] = o.astype(o_ref.dtype)
-    pool_out_ref[...] = s
+    hb, K = q_ref.shape
+    for h in range(hb):
+        one = pl.ds(h, 1)
+        s = pool_in_ref[h]  # [K, V] f32
+        q = q_ref[one, :].astype(f32) * scale  # [1, K]
+        k = k_ref[one, :].astype(f32)
+        v = v_ref[one, :].astype(f32)  # [1, V]
+        b = beta_ref[one, :].astype(f32)  # [1, 1]
+        s = s * _row_to_col(jnp.exp(g_ref[one, :].astype(f32)), K)
+        pred = jax.lax.dot_general(k, s, NN, precision=HIGHEST, preferred_element_type=f32)  # [1, V]
+        s = s + _row_to_col(b * k, K) * (v - pred)
+        o = jax.lax.dot_general(q, s, NN, precision=HIGHEST, preferred_element_type=f32)
+        o_ref[one, :] = o.astype(o_ref.dtype)
+        pool_out_ref[h] = s
 
 
 def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, heads_per_block: int = 8,
@@ -193,30 +202,28 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, heads_p
       q, k, g: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``.
       state_pool: ``[P, H, K, V] f32``; state_slots: ``[B] i32`` (row of the pool for each sequence; slots
         must be distinct).
-    Returns ``(o [B, H, V] in v.dtype, new_pool [P, H, K, V] f32)`` (the pool buffer is aliased).
+    Returns ``(o [B, H, V] in v.dtype, new_pool [P, H, K, V] f32)`` (the pool buffer is aliased: donate it).
     """
     B, H, K = q.shape
     V = v.shape[-1]
-    hb = heads_per_block if H % heads_per_block == 0 else 1
+    hb = heads_per_block if H % heads_per_block == 0 else H
     if interpret is True:
         interpret = pltpu.InterpretParams()
-    col = lambda x: x[..., None]  # [B, H, D] -> [B, H, D, 1]
-    hspec = lambda d1, d2: pl.BlockSpec((None, hb, d1, d2), lambda b, h, slots: (b, h, 0, 0))
+    hspec = lambda d: pl.BlockSpec((None, hb, d), lambda b, h, slots: (b, h, 0))
     pool_spec = pl.BlockSpec((None, hb, K, V), lambda b, h, slots: (slots[b], h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(B, H // hb),
-        in_specs=[hspec(K, 1), hspec(K, 1), hspec(1, V), hspec(K, 1), hspec(1, 1), pool_spec],
-        out_specs=[hspec(1, V), pool_spec],
+        in_specs=[hspec(K), hspec(K), hspec(V), hspec(K), hspec(1), pool_spec],
+        out_specs=[hspec(V), pool_spec],
     )
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, scale=float(scale)),
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((B, H, 1, V), v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B, H, V), v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
         input_output_aliases={6: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="kda_decode",
-    )(state_slots.astype(jnp.int32), col(q), col(k), v[:, :, None, :], col(g), beta[:, :, None, None],
-      state_pool.astype(jnp.float32))
-    return o[:, :, 0, :], pool
+    )(state_slots.astype(jnp.int32), q, k, v, g, beta[..., None], state_pool.astype(jnp.float32))
+    return o, pool

@@ -1,0 +1,249 @@
+"""KDA kernel benchmark on a GPU: this repo's Pallas (Triton) kernels vs the pure-JAX reference vs
+flash-linear-attention's Triton kernels (``fla-core``), in one run.
+
+Prints one JSON line on stdout (progress goes to stderr). Times are milliseconds per call (median of
+repeats, after warm-up); ``speed_vs_fla`` = fla time / our time (>= 1 means we are faster).
+
+    python benchmarks/kda.py                       # the issue-4 shapes + decode
+    python benchmarks/kda.py --shapes 1x8192x96 --no-reference --configs 64:4:1,32:4:1
+
+Shapes are ``BxTxH`` with K = V = 128, bf16 q/k/v/beta, fp32 log-decay from ``kda_gate`` (in (-5, 0)).
+fla is called as ``chunk_kda(..., safe_gate=True, lower_bound=-5.0)`` and ``fused_recurrent_kda`` for
+decode. Without torch/fla installed the fla columns are null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.kda import gpu as kgpu  # noqa: E402
+from pallas_kernels.kda import ops  # noqa: E402
+from pallas_kernels.kda import reference as ref  # noqa: E402
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def make_inputs(B, T, H, K, V, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    bf = jnp.bfloat16
+    q = ref.l2norm(jax.random.normal(ks[0], (B, T, H, K), bf))
+    k = ref.l2norm(jax.random.normal(ks[1], (B, T, H, K), bf))
+    v = jax.random.normal(ks[2], (B, T, H, V), bf)
+    g = ref.kda_gate(jax.random.normal(ks[3], (B, T, H, K), jnp.float32), jnp.zeros((H,), jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H), jnp.float32)).astype(bf)
+    return q, k, v, g, beta
+
+
+def time_jax(fn, *args, iters=10, repeats=3):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters * 1e3)
+    return float(np.median(times))
+
+
+def jax_fns(impl, K, gpu_cfg=None):
+    def fwd(q, k, v, g, beta):
+        if impl == "pallas_gpu" and gpu_cfg is not None:
+            bv, nw, ns = gpu_cfg
+            return kgpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, None, None, 64, block_v=bv, num_warps=nw,
+                                      num_stages=ns)
+        return ops.chunk_kda(q, k, v, g, beta, output_final_state=True, implementation=impl)
+
+    def loss(q, k, v, g, beta, do):
+        o, _ = ops.chunk_kda(q, k, v, g, beta, output_final_state=True, implementation=impl)
+        return jnp.sum(o.astype(jnp.float32) * do)
+
+    return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def to_torch(x, dtype=None):
+    import torch
+
+    t = torch.from_numpy(np.asarray(jnp.asarray(x, jnp.float32))).cuda()
+    return t.to(dtype) if dtype is not None else t
+
+
+def bench_fla_chunk(q, k, v, g, beta, do):
+    try:
+        import torch
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+        from triton.testing import do_bench
+    except Exception as e:  # noqa: BLE001
+        log("fla unavailable:", repr(e))
+        return None, None, None
+    bf = torch.bfloat16
+    tq, tk, tv, tb = (to_torch(x, bf) for x in (q, k, v, beta))
+    tg = to_torch(g)
+    tdo = to_torch(do, bf)
+
+    def fwd():
+        return fla_chunk_kda(tq, tk, tv, tg, tb, output_final_state=True, safe_gate=True, lower_bound=-5.0)
+
+    with torch.no_grad():
+        o_fla, _ = fwd()
+    t_fwd = do_bench(lambda: fwd(), warmup=5, rep=50)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (tq, tk, tv, tg, tb)]
+
+    def fwdbwd():
+        for x in leaves:
+            x.grad = None
+        o, _ = fla_chunk_kda(*leaves, output_final_state=True, safe_gate=True, lower_bound=-5.0)
+        o.backward(tdo)
+
+    t_fb = do_bench(fwdbwd, warmup=3, rep=50)
+    return t_fwd, t_fb, o_fla.float().cpu().numpy()
+
+
+def bench_shape(B, T, H, args, gpu_cfg):
+    K = V = 128
+    q, k, v, g, beta = make_inputs(B, T, H, K, V)
+    do = jax.random.normal(jax.random.PRNGKey(7), (B, T, H, V), jnp.float32)
+    res = {"shape": f"B={B},T={T},H={H},K={K},V={V}", "dtype": "bf16"}
+    t0 = time.perf_counter()
+    fwd, grad = jax_fns("pallas_gpu", K, gpu_cfg)
+    o_ours = fwd(q, k, v, g, beta)[0]
+    res["ours_compile_s"] = round(time.perf_counter() - t0, 1)
+    res["ours_fwd_ms"] = time_jax(fwd, q, k, v, g, beta)
+    log(res)
+    if not args.no_bwd:
+        res["ours_fwdbwd_ms"] = time_jax(grad, q, k, v, g, beta, do, iters=3, repeats=2)
+        log(res)
+    if not args.no_reference:
+        rfwd, rgrad = jax_fns("reference", K)
+        o_ref = rfwd(q, k, v, g, beta)[0]
+        res["ref_fwd_ms"] = time_jax(rfwd, q, k, v, g, beta, iters=3, repeats=2)
+        if not args.no_bwd:
+            res["ref_fwdbwd_ms"] = time_jax(rgrad, q, k, v, g, beta, do, iters=2, repeats=2)
+        of, orf = np.asarray(o_ours, np.float32), np.asarray(o_ref, np.float32)
+        res["ours_vs_ref_rel_err"] = float(np.linalg.norm(of - orf) / np.linalg.norm(orf))
+        log(res)
+    if not args.no_fla:
+        t_fwd, t_fb, o_fla = bench_fla_chunk(q, k, v, g, beta, do)
+        res["fla_fwd_ms"], res["fla_fwdbwd_ms"] = t_fwd, t_fb
+        if o_fla is not None:
+            of = np.asarray(o_ours, np.float32)
+            res["ours_vs_fla_rel_err"] = float(np.linalg.norm(of - o_fla) / np.linalg.norm(o_fla))
+            res["speed_vs_fla_fwd"] = t_fwd / res["ours_fwd_ms"]
+            if "ours_fwdbwd_ms" in res:
+                res["speed_vs_fla_fwdbwd"] = t_fb / res["ours_fwdbwd_ms"]
+    log(res)
+    return res
+
+
+def bench_decode(B, H, args):
+    K = V = 128
+    q, k, v, g, beta = make_inputs(B, 1, H, K, V, seed=3)
+    pool = jax.random.normal(jax.random.PRNGKey(5), (B, H, K, V), jnp.float32) * 0.1
+    slots = jnp.arange(B, dtype=jnp.int32)[::-1]
+    step = jax.jit(
+        lambda q, k, v, g, b, pool, slots: kgpu.decode_step(q, k, v, g, b, K**-0.5, pool, slots),
+        donate_argnums=(5,),
+    )
+    a = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    ro, rh = ref.recurrent_kda(q, k, v, g, beta, None, pool[slots], True)
+    o, pool2 = step(*a, pool, slots)
+    res = {"shape": f"decode B={B},H={H},K={K},V={V}"}
+    res["ours_vs_ref_rel_err"] = float(jnp.linalg.norm(o - ro[:, 0].astype(o.dtype)) / jnp.linalg.norm(ro))
+    res["state_rel_err"] = float(jnp.linalg.norm(pool2[slots] - rh) / jnp.linalg.norm(rh))
+    iters = 200
+    p = pool2
+    for _ in range(5):
+        o, p = step(*a, p, slots)
+    jax.block_until_ready(p)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        o, p = step(*a, p, slots)
+    jax.block_until_ready(p)
+    t_ours = (time.perf_counter() - t0) / iters * 1e3
+    res["ours_us"] = t_ours * 1e3
+    res["ours_state_TBps"] = 2 * B * H * K * V * 4 / (t_ours * 1e-3) / 1e12
+    if not args.no_fla:
+        try:
+            import torch
+            from fla.ops.kda import fused_recurrent_kda
+            from triton.testing import do_bench
+
+            bf = torch.bfloat16
+            tq, tk, tv, tb = (to_torch(x, bf) for x in (q, k, v, beta))
+            tg = to_torch(g)
+            th = to_torch(pool)
+            with torch.no_grad():
+                t_fla = do_bench(
+                    lambda: fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=th, output_final_state=True),
+                    warmup=10, rep=100,
+                )
+            res["fla_us"] = t_fla * 1e3
+            res["speed_vs_fla"] = t_fla / t_ours
+        except Exception as e:  # noqa: BLE001
+            log("fla decode unavailable:", repr(e))
+    log(res)
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="1x8192x96,1x32768x32,8x4096x32")
+    p.add_argument("--configs", default="64:4:1", help="GPU kernel block_v:num_warps:num_stages, comma list; "
+                   "the fastest on the first shape is used for the rest")
+    p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--no-bwd", action="store_true")
+    p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--reference-shapes", type=int, default=1, help="time the reference on the first N shapes")
+    args = p.parse_args()
+    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "results": []}
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
+    cfgs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    if len(cfgs) > 1 and shapes:
+        B, T, H = shapes[0]
+        q, k, v, g, beta = make_inputs(B, T, H, 128, 128)
+        sweep = {}
+        for cfg in cfgs:
+            try:
+                fwd, _ = jax_fns("pallas_gpu", 128, cfg)
+                sweep[":".join(map(str, cfg))] = time_jax(fwd, q, k, v, g, beta)
+            except Exception as e:  # noqa: BLE001
+                sweep[":".join(map(str, cfg))] = repr(e)[:200]
+            log("sweep", sweep)
+        out["config_sweep_fwd_ms"] = sweep
+        ok = {c: t for c, t in sweep.items() if isinstance(t, float)}
+        best = min(ok, key=ok.get)
+        cfgs = [tuple(int(x) for x in best.split(":"))]
+    out["gpu_config"] = ":".join(map(str, cfgs[0]))
+    for i, (B, T, H) in enumerate(shapes):
+        no_ref = args.no_reference or i >= args.reference_shapes
+        a = argparse.Namespace(**{**vars(args), "no_reference": no_ref})
+        try:
+            out["results"].append(bench_shape(B, T, H, a, cfgs[0]))
+        except Exception as e:  # noqa: BLE001
+            out["results"].append({"shape": f"{B}x{T}x{H}", "error": repr(e)[:500]})
+            log("error", repr(e))
+    if not args.no_decode:
+        try:
+            out["decode"] = bench_decode(64, 96, args)
+        except Exception as e:  # noqa: BLE001
+            out["decode"] = {"error": repr(e)[:500]}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
