@@ -14,13 +14,14 @@ Built-in presets:
 * ``train`` — FSDP + expert + tensor: batch over (data, fsdp, expert); parameters' ``embed``/``latent``
   dimension over (fsdp, expert) (ZeRO-3), heads / MLP widths / vocabulary over ``tensor``, routed experts
   over ``expert``. ``length`` is not sharded.
-* ``serve`` — tensor + expert, replicated batch (decode): only heads / widths / vocabulary over ``tensor``
-  and experts over ``expert``; ``embed`` replicated, batch over ``data`` (replicas) only.
+* ``serve`` — tensor + expert, replicated batch (decode): heads / widths / vocabulary / LatentMoE latent over
+  ``tensor`` and experts over ``expert``; ``embed`` replicated, batch over ``data`` (replicas) only.
 * ``long-context`` — ``train`` plus ``length`` over ``sequence`` (and ``sequence`` joins the FSDP group of the
   parameters so those devices do not hold replicated weights).
 
 User presets: :func:`register_preset` ``(name, rules)`` or JSON files ``configs/sharding/<name>.json``
-(``{"name": ..., "rules": [["embed", ["fsdp", "expert"]], ["heads", "tensor"], ["norm", null], ...]}``),
+(``{"name": ..., "rules": [["embed", ["fsdp", "expert"]], ["heads", "tensor"], ["norm", null], ...],
+"replicated_ok": [path substrings]}``),
 loaded by :func:`load_preset_file` / discovered by :func:`get_preset`.
 """
 
@@ -60,6 +61,8 @@ _TRAIN: Rules = (
     # routed experts
     ("experts", "expert"),
     # FSDP (ZeRO-3) dimension of the parameters; fallbacks when `expert` is taken (router, expert weights)
+    # (`tensor` joins when the other dimension has no tensor-parallel name, e.g. the router / latent projections)
+    ("embed", ("fsdp", "expert", "tensor")),
     ("embed", ("fsdp", "expert")),
     ("embed", "fsdp"),
     ("latent", ("fsdp", "expert")),
@@ -83,8 +86,8 @@ _SERVE: Rules = (
     ("mlp", "tensor"),
     ("expert_mlp", "tensor"),
     ("experts", "expert"),
+    ("latent", "tensor"),  # LatentMoE down/up projections; expert weights already took `tensor` for I
     ("embed", None),
-    ("latent", None),
     ("q_lora", None),
     ("kv_lora", None),
     ("layers", None),
@@ -102,6 +105,7 @@ _LONG_CONTEXT: Rules = (
     ("mlp", "tensor"),
     ("expert_mlp", "tensor"),
     ("experts", "expert"),
+    ("embed", ("fsdp", "sequence", "expert", "tensor")),
     ("embed", ("fsdp", "sequence", "expert")),
     ("embed", ("fsdp", "sequence")),
     ("embed", "fsdp"),
@@ -154,11 +158,14 @@ def _normalize_rules(rules: Any, where: str) -> Rules:
 
 
 def register_preset(name: str, rules: Sequence[tuple[str, MeshAxes]] | Mapping[str, MeshAxes],
-                    overwrite: bool = False) -> Rules:
-    """Add a named preset (flax-style ordered rules or a ``{logical: mesh_axes}`` mapping)."""
+                    overwrite: bool = False, replicated_ok: Sequence[str] = ()) -> Rules:
+    """Add a named preset (flax-style ordered rules or a ``{logical: mesh_axes}`` mapping); ``replicated_ok``
+    lists path substrings of parameters the preset deliberately leaves replicated."""
     if name in _PRESETS and not overwrite:
         raise PresetError(f"sharding preset {name!r} already exists; pass overwrite=True to replace it")
     _PRESETS[name] = _normalize_rules(rules, f"preset {name!r}")
+    if replicated_ok:
+        REPLICATED_OK[name] = tuple(replicated_ok)
     return _PRESETS[name]
 
 
@@ -174,7 +181,8 @@ def load_preset_file(path: str | os.PathLike[str], overwrite: bool = True) -> st
     if not isinstance(raw, dict) or "rules" not in raw:
         raise PresetError(f"sharding preset file {str(path)!r}: expected an object with key 'rules'")
     name = raw.get("name", path.stem)
-    register_preset(name, _normalize_rules(raw["rules"], str(path)), overwrite=overwrite)
+    register_preset(name, _normalize_rules(raw["rules"], str(path)), overwrite=overwrite,
+                    replicated_ok=raw.get("replicated_ok", ()))
     return name
 
 
@@ -367,16 +375,28 @@ def with_logical_constraint(x: jax.Array, names: Sequence[str | None], rules: Ru
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def replicated_params(params_boxed: Any, mesh: Mesh, preset: Rules | str,
+def replicated_params(params_boxed: Any, mesh: Mesh | Mapping[str, int], preset: Rules | str,
                       min_bytes: int = 1 << 20) -> list[tuple[str, tuple[int, ...], int]]:
-    """Parameters larger than ``min_bytes`` that the preset leaves fully replicated on ``mesh``:
-    ``[(path, shape, bytes)]`` (for the "nothing big is replicated" check)."""
-    shardings = param_shardings(params_boxed, mesh, preset)
+    """Parameters larger than ``min_bytes`` that the preset leaves fully replicated on ``mesh`` (a Mesh or
+    ``{axis: size}``; boxed arrays or abstract shapes): ``[(path, shape, bytes)]``."""
+    rules = get_preset(preset)
+    specs = nn.get_partition_spec(params_boxed)
     values = nn.unbox(params_boxed)
+    flat_specs = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec_leaf)[0]
     out = []
-    for (path, sh), v in zip(jax.tree_util.tree_flatten_with_path(shardings)[0],
-                             jax.tree_util.tree_leaves(values), strict=True):
-        nbytes = math.prod(v.shape) * jax.numpy.dtype(v.dtype).itemsize
-        if nbytes > min_bytes and all(e is None for e in sh.spec):
-            out.append((_path_str(path), tuple(v.shape), nbytes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardingFallbackWarning)
+        for (path, names), v in zip(flat_specs, jax.tree_util.tree_leaves(values), strict=True):
+            nbytes = math.prod(v.shape) * jax.numpy.dtype(v.dtype).itemsize
+            spec = logical_to_pspec(names, rules, mesh, shape=v.shape)
+            if nbytes > min_bytes and all(e is None for e in spec):
+                out.append((_path_str(path), tuple(v.shape), nbytes))
     return out
+
+
+#: Parameters a preset deliberately keeps replicated (path substrings), e.g. small projections whose
+#: replication saves a collective per token in decode. Checked by tests; extend with :func:`register_preset`.
+REPLICATED_OK: dict[str, tuple[str, ...]] = {
+    "serve": ("block_sparse_moe/gate/kernel", "self_attn/q_a_proj", "self_attn/kv_a_proj_with_mqa",
+              "self_attn/f_a_proj"),
+}

@@ -1,0 +1,264 @@
+"""Memory plan: per-device bytes of a K3 model for a sharding preset and mesh, from the model's abstract shapes.
+
+``python -m sharding.plan --config configs/k3.json --preset serve --mesh tensor=8 --seq-len 1048576
+--latent-dtype float8_e4m3fn`` prints a table (and ``--json`` one JSON line) with, per device:
+
+* **params** — every leaf of ``jax.eval_shape(K3ForCausalLM(cfg).init, ...)`` (bf16 weights, the six fp32
+  kinds, MXFP4 ``u8`` experts when ``--experts mxfp4``), sharded by the preset's rules (mesh axes a dimension is
+  not divisible by are dropped, as :mod:`sharding.rules` does). ``checkpoint_bytes`` adds the release's A_log
+  zero padding (stored ``[128]`` per KDA layer, held as ``[H]``); ``checkpoint_bytes_with_vision`` adds the
+  vision tower + projector (spec b.9, not part of the text model) and equals the index's ``total_size``.
+* **optimizer** (``--optimizer adamw|muon|none``) — fp32 moments (2 for AdamW, 1 for Muon) per trainable
+  element (MXFP4 experts count their dequantized elements; scales are not trained) plus an fp32 master copy
+  with ``--master-fp32``, sharded like the parameters.
+* **KDA state / conv / MLA latent cache** for ``--batch`` sequences of ``--seq-len`` tokens (state f32
+  ``[B, H, K, V]`` sharded over ``kda_heads``; latent ``[B, S, 576]`` in ``--latent-dtype``, sharded over
+  ``batch``/``length`` only — tensor parallelism replicates it, as MLA TP does).
+* **activations** (estimate) — the AttnRes source bank ``[blocks, tokens, D]`` plus the largest per-layer
+  working set of one layer (``--prefill-chunk`` tokens for serving; the whole local batch for training).
+
+The figures are analytical (no compiler): communication buffers, grouped-GEMM workspaces, allocator
+fragmentation and XLA temporaries are not included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3_jax.config import K3Config, load_config
+from sharding import rules
+from sharding.mesh import parse_axes, resolve_axes
+
+GB = 1e9
+GIB = 1 << 30
+
+CACHE_NAMES = {
+    "kda_state": ("batch", "kda_heads", None, None),  # [B, H, K, V]
+    "conv": ("batch", None, "kda_heads"),  # [B, W-1, 3·H·K]
+    "mla_latent": ("batch", "length", "kv_lora"),  # [B, S, C + Dr]
+}
+
+
+@dataclass
+class MemoryPlan:
+    """Per-device bytes by category (plus totals and a few whole-model figures)."""
+
+    mesh: dict[str, int]
+    preset: str
+    per_device: dict[str, float] = field(default_factory=dict)
+    whole: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.per_device.values()))
+
+    @property
+    def loaded(self) -> float:
+        """Parameters + caches/states (what a server loads before running anything), per device."""
+        return float(sum(v for k, v in self.per_device.items() if k not in ("activations_est", "optimizer")))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mesh": self.mesh, "preset": self.preset, "per_device_bytes": self.per_device,
+                "per_device_total_bytes": self.total,
+                "per_device_loaded_bytes": self.loaded, "whole_model": self.whole, "notes": self.notes}
+
+    def table(self, capacity_gib: float | None = None) -> str:
+        lines = [f"K3 memory plan — preset {self.preset!r}, mesh "
+                 + ",".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1)
+                 + f" ({math.prod(self.mesh.values())} devices)",
+                 f"{'category':<28}{'per device (GB)':>16}{'per device (GiB)':>18}"]
+        for k, v in self.per_device.items():
+            lines.append(f"{k:<28}{v / GB:>16.3f}{v / GIB:>18.3f}")
+        lines.append(f"{'loaded (params+states)':<28}{self.loaded / GB:>16.3f}{self.loaded / GIB:>18.3f}")
+        lines.append(f"{'total':<28}{self.total / GB:>16.3f}{self.total / GIB:>18.3f}")
+        if capacity_gib:
+            lines.append(f"{'capacity':<28}{capacity_gib * GIB / GB:>16.3f}{capacity_gib:>18.3f}"
+                         f"   -> {'fits' if self.total <= capacity_gib * GIB else 'DOES NOT FIT'}"
+                         f" ({100 * self.total / (capacity_gib * GIB):.1f}% used)")
+        lines.append("whole model / per sequence:")
+        for k, v in self.whole.items():
+            lines.append(f"  {k:<26}{v / GB:>16.3f} GB")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def abstract_params(cfg: K3Config) -> Any:
+    """Boxed abstract parameters (``ShapeDtypeStruct`` leaves in ``nn.LogicallyPartitioned``) of the model."""
+    from k3_jax.model import K3ForCausalLM
+
+    model = K3ForCausalLM(cfg)
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)["params"]
+
+
+def _local_elems(shape: tuple[int, ...], spec: jax.sharding.PartitionSpec, sizes: dict[str, int]) -> int:
+    n = 1
+    for i, d in enumerate(shape):
+        axes = spec[i] if i < len(spec) else None
+        f = 1 if axes is None else math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+        n *= -(-d // f)
+    return n
+
+
+def param_bytes(boxed: Any, sizes: dict[str, int], preset: str) -> dict[str, float]:
+    """Whole-model and per-device parameter bytes, and trainable elements (MXFP4 counted dequantized)."""
+    specs = nn.get_partition_spec(boxed)
+    values = nn.unbox(boxed)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    flat_specs = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+    flat_vals = jax.tree.leaves(values)
+    r = rules.get_preset(preset)
+    out = {"total": 0.0, "local": 0.0, "train_elems_total": 0.0, "train_elems_local": 0.0, "replicated_big": 0.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rules.ShardingFallbackWarning)
+        for (path, names), v in zip(flat_specs, flat_vals, strict=True):
+            pspec = rules.logical_to_pspec(tuple(names), r, sizes, shape=v.shape)
+            item = np.dtype(v.dtype).itemsize
+            n_all = math.prod(v.shape)
+            n_loc = _local_elems(tuple(v.shape), pspec, sizes)
+            out["total"] += n_all * item
+            out["local"] += n_loc * item
+            key = jax.tree_util.keystr(path)
+            if "weight_scale" in key:
+                continue
+            mult = 2 if "weight_packed" in key else 1
+            out["train_elems_total"] += n_all * mult
+            out["train_elems_local"] += n_loc * mult
+    return out
+
+
+def vision_tower_bytes() -> int:
+    """bf16 bytes of the release's MoonViT3d tower + projector (spec b.9), which the text model does not hold.
+
+    patch_embed 1024·3·14·14 + pos_emb 64·64·1024 + 27 blocks × (wqkv 4608·1024 + wo 1024·1536 + fc0/fc1
+    2·4096·1024 + 2 norms·1024) + final norm 1024 + projector 4096·4096 + 7168·4096 + 7168.
+    """
+    block = 4608 * 1024 + 1024 * 1536 + 2 * 4096 * 1024 + 2 * 1024
+    n = 1024 * 3 * 14 * 14 + 64 * 64 * 1024 + 27 * block + 1024 + 4096 * 4096 + 7168 * 4096 + 7168
+    return 2 * n
+
+
+def a_log_padding_bytes(cfg: K3Config) -> int:
+    """The release stores A_log as ``[ceil(H/128)·128]`` f32 per KDA layer; the model holds ``[H]``."""
+    padded = -(-cfg.kda_num_heads // 128) * 128
+    return len(cfg.kda_layers) * (padded - cfg.kda_num_heads) * 4
+
+
+def _cache_local(kind: str, shape: tuple[int, ...], item: float, sizes: dict[str, int], preset: str) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rules.ShardingFallbackWarning)
+        spec = rules.logical_to_pspec(CACHE_NAMES[kind], preset, sizes, shape=shape)
+    return _local_elems(shape, spec, sizes) * item
+
+
+def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices: int | None = None,
+         batch: int = 1, seq_len: int = 1 << 20, latent_dtype: str = "float8_e4m3fn",
+         conv_dtype: str = "bfloat16", optimizer: str = "none", master_fp32: bool = False,
+         prefill_chunk: int = 8192, train_tokens_per_device: int | None = None,
+         boxed: Any = None) -> MemoryPlan:
+    """Memory plan of ``cfg`` (its ``param_dtype`` and ``expert_format`` decide parameter dtypes)."""
+    if num_devices is None:
+        parsed = parse_axes(mesh)
+        if any(v == -1 for v in parsed.values()):
+            raise ValueError("plan: a mesh axis of -1 needs num_devices")
+        num_devices = math.prod(parsed.values())
+    sizes = resolve_axes(mesh, num_devices)
+    boxed = abstract_params(cfg) if boxed is None else boxed
+    p = param_bytes(boxed, sizes, preset)
+    res = MemoryPlan(mesh=sizes, preset=preset)
+    res.per_device["params"] = p["local"]
+    res.whole["params"] = p["total"]
+    res.whole["text_checkpoint_bytes"] = p["total"] + a_log_padding_bytes(cfg)
+    res.whole["checkpoint_bytes_with_vision"] = res.whole["text_checkpoint_bytes"] + vision_tower_bytes()
+    if optimizer != "none":
+        moments = {"adamw": 2, "muon": 1, "sgd": 0}[optimizer]
+        per_elem = 4 * moments + (4 if master_fp32 else 0)
+        res.per_device["optimizer"] = p["train_elems_local"] * per_elem
+        res.whole["optimizer"] = p["train_elems_total"] * per_elem
+
+    n_kda = len(cfg.kda_layers)
+    n_mla = len(cfg.mla_layers)
+    h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+    latent_item = np.dtype(jnp.dtype(latent_dtype)).itemsize
+    conv_item = np.dtype(jnp.dtype(conv_dtype)).itemsize
+    if seq_len > 0 and batch > 0:
+        state_shape = (batch, h, dk, dk)
+        conv_shape = (batch, cfg.short_conv_kernel_size - 1, 3 * h * dk)
+        lat_shape = (batch, seq_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        res.per_device["kda_state"] = n_kda * _cache_local("kda_state", state_shape, 4, sizes, preset)
+        res.per_device["kda_conv_state"] = n_kda * _cache_local("conv", conv_shape, conv_item, sizes, preset)
+        res.per_device["mla_latent_cache"] = n_mla * _cache_local("mla_latent", lat_shape, latent_item, sizes,
+                                                                  preset)
+        res.whole["kda_state_per_sequence"] = n_kda * h * dk * dk * 4
+        res.whole["kda_conv_per_sequence"] = n_kda * math.prod(conv_shape[1:]) * conv_item
+        res.whole["mla_latent_per_sequence"] = n_mla * math.prod(lat_shape[1:]) * latent_item
+
+    # activations (estimate)
+    d = cfg.hidden_size
+    act_item = np.dtype(jnp.dtype(cfg.dtype)).itemsize
+    tok_div = math.prod(sizes[a] for a in ("data", "fsdp", "expert", "sequence") if sizes[a] > 1) or 1
+    if optimizer == "none":  # serving: one prefill chunk, batch replicated over tensor/expert
+        tokens_local = prefill_chunk // max(sizes["sequence"], 1)
+        res.notes.append(f"activations: one prefill chunk of {prefill_chunk} tokens")
+    else:
+        tokens_local = train_tokens_per_device or max(batch * seq_len // tok_div, 1)
+        res.notes.append(f"activations: {tokens_local} tokens per device, per-layer remat (layer inputs kept)")
+    bank = cfg.num_attn_res_blocks * tokens_local * d * act_item
+    widest = max(3 * h * dk, cfg.intermediate_size // max(sizes["tensor"], 1),
+                 cfg.num_experts_per_token * cfg.routed_expert_hidden_size,
+                 cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) // max(sizes["tensor"], 1))
+    layer_ws = tokens_local * (4 * d + 3 * widest) * act_item
+    act = bank + layer_ws
+    if optimizer != "none":
+        act += cfg.num_hidden_layers * tokens_local * d * act_item  # remat boundaries (one [T, D] per layer)
+    res.per_device["activations_est"] = act
+    res.whole["attn_res_bank_per_chunk"] = bank * max(sizes["sequence"], 1)
+    res.notes.append("not included: communication buffers, GEMM workspaces, allocator fragmentation")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/k3.json")
+    ap.add_argument("--preset", default="serve")
+    ap.add_argument("--mesh", default="tensor=8", help="e.g. expert=64,tensor=4 (one axis may be -1)")
+    ap.add_argument("--devices", type=int, default=None, help="device count (needed when an axis is -1)")
+    ap.add_argument("--experts", choices=["bf16", "mxfp4", "config"], default="config")
+    ap.add_argument("--param-dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=1 << 20)
+    ap.add_argument("--latent-dtype", default="float8_e4m3fn")
+    ap.add_argument("--optimizer", choices=["none", "adamw", "muon"], default="none")
+    ap.add_argument("--master-fp32", action="store_true")
+    ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--capacity-gib", type=float, default=None, help="per-device memory, e.g. 141 (H200), 95 (v5p)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    a = ap.parse_args(argv)
+    over: dict[str, Any] = {"param_dtype": a.param_dtype, "dtype": "bfloat16"}
+    if a.experts != "config":
+        over["expert_format"] = a.experts
+    cfg = load_config(a.config, **over)
+    res = plan(cfg, a.preset, a.mesh, num_devices=a.devices, batch=a.batch, seq_len=a.seq_len,
+               latent_dtype=a.latent_dtype, optimizer=a.optimizer, master_fp32=a.master_fp32,
+               prefill_chunk=a.prefill_chunk)
+    if a.json:
+        print(json.dumps(res.as_dict()))
+    else:
+        print(res.table(a.capacity_gib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
