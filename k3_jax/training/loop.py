@@ -1,0 +1,263 @@
+"""The training loop: builds model, optimizer, data, mesh and checkpoints from a :class:`TrainConfig`, and runs.
+
+``Trainer(TrainConfig(...)).run()`` trains, evaluates, logs and checkpoints; it resumes from the latest
+checkpoint in ``workdir`` when one exists (``resume=True``), continuing the exact loss trajectory.
+``stop_at`` ends a run early at that step (saving a checkpoint) without changing the LR schedule, which is
+what a preempted-then-resumed run looks like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3_jax.config import K3Config, load_config
+from k3_jax.model import K3ForCausalLM
+from k3_jax.training.checkpoint import Checkpointer, PreemptionFlag
+from k3_jax.training.data import DataConfig, DataIterator, make_dataset
+from k3_jax.training.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
+from k3_jax.training.optim import OptimConfig, build_optimizer, count_groups, lr_schedule, param_labels
+from k3_jax.training.step import StepConfig, make_eval_step, make_train_step
+
+BATCH_AXES = ("data", "fsdp", "expert")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run needs; ``python train.py --set key=value`` sets these or model-config fields."""
+
+    config: str = "configs/k3-tiny.json"
+    model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    workdir: str = "runs/k3-tiny"
+    steps: int = 300
+    stop_at: int | None = None  # end this run at this step (checkpointed); the schedule still uses `steps`
+    seq_len: int = 128
+    batch_size: int = 16  # global rows per step (all processes, all micro-batches)
+    accum: int = 1
+    seed: int = 0
+    data: tuple[str, ...] = ()  # token shards (.npz); empty = bundled corpus
+    # optimizer
+    optimizer: str = "muon"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_frac: float = 0.01
+    weight_decay: float = 0.1
+    clip_norm: float | None = 1.0
+    weight_clip: float | None = 8.0
+    # step
+    loss_chunk: int = 1024
+    qb: bool = True
+    qb_method: str = "histogram"
+    # eval / logging / checkpoints
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    save_every: int = 0  # 0: only at the end / on SIGTERM
+    keep: int = 3
+    async_checkpoint: bool = True
+    resume: bool = True
+    tensorboard: bool = True
+    peak_tflops: float | None = None
+    # parallelism
+    mesh: str | None = None  # e.g. "fsdp=-1" or "data=2,fsdp=4"; None: one device, or fsdp over all
+    preset: str = "train"
+
+
+class Trainer:
+    def __init__(self, tc: TrainConfig):
+        self.tc = tc
+        cfg = load_config(tc.config, **tc.model_overrides)
+        if cfg.expert_format != "bf16":
+            raise ValueError(f"training needs expert_format='bf16' (MXFP4 codes are not trainable), "
+                             f"got {cfg.expert_format!r}")
+        self.cfg: K3Config = cfg
+        self.model = K3ForCausalLM(cfg)
+        self.mesh = self._make_mesh()
+        self.rules_ctx = None
+        abstract = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((1, tc.seq_len), jnp.int32))
+        abstract_params = nn.unbox(abstract)["params"]
+        self.labels = param_labels(abstract_params, cfg, tc.optimizer)
+        self.optim_cfg = OptimConfig(name=tc.optimizer, lr=tc.lr, min_lr_ratio=tc.min_lr_ratio,
+                                     warmup_frac=tc.warmup_frac, total_steps=tc.steps,
+                                     weight_decay=tc.weight_decay, clip_norm=tc.clip_norm,
+                                     weight_clip=tc.weight_clip)
+        self.schedule = lr_schedule(self.optim_cfg)
+        self.tx = build_optimizer(self.optim_cfg, self.labels)
+        self.step_cfg = StepConfig(accum=tc.accum, loss_chunk=tc.loss_chunk, qb=tc.qb,
+                                   qb_method=tc.qb_method, weight_clip=tc.weight_clip,
+                                   pad_id=cfg.pad_token_id)
+        self.param_groups = count_groups(self.labels, abstract_params)
+        self._param_shardings = None
+        if self.mesh is not None:
+            from sharding.rules import param_shardings
+
+            self._param_shardings = param_shardings(abstract["params"], self.mesh, tc.preset)
+        self.flops = flops_per_token(cfg, tc.seq_len)
+        self.peak = peak_flops_per_device(tc.peak_tflops)
+
+    # ------------------------------------------------------------------ setup
+    def _make_mesh(self):
+        tc = self.tc
+        if tc.mesh is None and jax.device_count() == 1:
+            return None
+        from sharding.mesh import make_mesh
+
+        return make_mesh(tc.mesh or {"fsdp": -1})
+
+    def _context(self):
+        if self.mesh is None:
+            import contextlib
+
+            return contextlib.nullcontext()
+        from sharding.rules import activate
+
+        return activate(self.mesh, self.tc.preset)
+
+    def init_state(self) -> dict:
+        """Fresh train state, params placed per the sharding preset."""
+        model, tx, tc = self.model, self.tx, self.tc
+        rng = jax.random.key(tc.seed)
+        init_rng, state_rng = jax.random.split(rng)
+
+        def init_params(r):
+            return nn.unbox(model.init(r, jnp.zeros((1, tc.seq_len), jnp.int32)))["params"]
+
+        with self._context():
+            params = jax.jit(init_params, out_shardings=self._param_shardings)(init_rng)
+            opt_state = jax.jit(tx.init)(params)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state,
+                 "rng": jax.random.key_data(state_rng)}
+        if self.mesh is not None:  # anything not laid out on the mesh (counters, rng): replicate
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            rep = NamedSharding(self.mesh, PartitionSpec())
+
+            def place(x):
+                sh = getattr(x, "sharding", None)
+                if isinstance(sh, NamedSharding) and sh.mesh == self.mesh:
+                    return x
+                return jax.device_put(x, rep)
+
+            state = jax.tree.map(place, state)
+        return state
+
+    def _batch_sharding(self):
+        if self.mesh is None:
+            return None
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        axes = tuple(a for a in BATCH_AXES if a in self.mesh.axis_names)
+        return NamedSharding(self.mesh, PartitionSpec(axes))
+
+    def _to_global(self, batch: dict) -> dict:
+        sh = self._batch_sharding()
+        if sh is None:
+            return jax.tree.map(jnp.asarray, batch)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sh, x), batch)
+
+    def data_iterator(self, split: str = "train") -> DataIterator:
+        tc, cfg = self.tc, self.cfg
+        dc = DataConfig(paths=tuple(tc.data), seq_len=tc.seq_len, batch_size=tc.batch_size, seed=tc.seed,
+                        bos_id=cfg.bos_token_id if cfg.bos_token_id is not None else 1,
+                        eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else 2)
+        return DataIterator(make_dataset(dc, split=split, process_index=jax.process_index(),
+                                         process_count=jax.process_count()))
+
+    def compiled_steps(self, state: dict):
+        """(train_step, eval_step) jitted with the state's shardings; cached on the trainer."""
+        if getattr(self, "_compiled", None) is None:
+            self._compiled = self._compile(state)
+        return self._compiled
+
+    def _compile(self, state: dict):
+        shardings = jax.tree.map(lambda x: x.sharding, state) if self.mesh is not None else None
+        train = make_train_step(self.model, self.tx, self.labels, self.cfg, self.step_cfg)
+        evals = make_eval_step(self.model, self.step_cfg)
+        if shardings is None:
+            return jax.jit(train, donate_argnums=0), jax.jit(evals)
+        bs = self._batch_sharding()
+        return (jax.jit(train, in_shardings=(shardings, bs), out_shardings=(shardings, None),
+                        donate_argnums=0),
+                jax.jit(evals, in_shardings=(shardings["params"], bs)))
+
+    # ------------------------------------------------------------------ run
+    def evaluate(self, eval_step, params) -> dict[str, float]:
+        it = self.data_iterator("eval")
+        tot = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0}
+        with self._context():
+            for _ in range(self.tc.eval_batches):
+                out = jax.device_get(eval_step(params, self._to_global(next(it))))
+                for k in tot:
+                    tot[k] += float(out[k])
+        n = max(tot["tokens"], 1.0)
+        return {"eval_loss": tot["loss_sum"] / n, "eval_accuracy": tot["correct"] / n}
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``stop_at`` or ``steps``; returns ``{"losses": {step: loss}, "eval": [...], ...}``."""
+        tc = self.tc
+        t_start = time.time()
+        state = self.init_state()
+        it = self.data_iterator("train")
+        ckpt = Checkpointer(Path(tc.workdir) / "checkpoints", keep=tc.keep, save_every=tc.save_every,
+                            async_save=tc.async_checkpoint)
+        start = 0
+        if tc.resume and ckpt.latest_step() is not None:
+            state, data_state, start = ckpt.restore(state)
+            it.set_state(data_state)
+        end = min(tc.steps, tc.stop_at) if tc.stop_at is not None else tc.steps
+        logger = MetricsLogger(tc.workdir, tc.steps, print_every=tc.log_every, tensorboard=tc.tensorboard,
+                               start_step=start)
+        logger.log(start, {"event": "start", "resumed": start > 0, "devices": jax.device_count(),
+                           "mesh": None if self.mesh is None else dict(self.mesh.shape),
+                           "params": self.param_groups, "flops_per_token": self.flops["total"]}, kind="meta")
+        train_step, eval_step = self.compiled_steps(state)
+        flag = PreemptionFlag()
+        losses: dict[int, float] = {}
+        evals: list[dict] = []
+        tokens_per_step = tc.batch_size * tc.seq_len
+        n_dev = jax.device_count()
+        compile_s = None
+        step = start
+        try:
+            with self._context():
+                while step < end:
+                    batch = self._to_global(next(it))
+                    t0 = time.time()
+                    state, m = train_step(state, batch)
+                    m = jax.device_get(m)
+                    dt = time.time() - t0
+                    if compile_s is None:
+                        compile_s = dt
+                    step += 1
+                    row = {k: (float(v) if np.ndim(v) == 0 else v) for k, v in m.items()}
+                    row.update({"lr": float(self.schedule(step - 1)), "step_time_s": dt,
+                                "tokens_per_s": tokens_per_step / dt})
+                    achieved = self.flops["total"] * tokens_per_step / dt
+                    row["tflops_per_device"] = achieved / n_dev / 1e12
+                    row["mfu"] = achieved / (self.peak * n_dev) if self.peak else None
+                    losses[step] = row["loss"]
+                    logger.log(step, row)
+                    if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
+                        ev = self.evaluate(eval_step, state["params"])
+                        evals.append({"step": step, **ev})
+                        logger.log(step, ev, kind="eval")
+                    if ckpt.should_save(step) or flag.triggered:
+                        ckpt.save(step, state, it.get_state(), force=flag.triggered)
+                    if flag.triggered:
+                        logger.log(step, {"event": "preempted", "signal": flag.signum}, kind="meta")
+                        break
+            if step > start or ckpt.latest_step() is None:
+                ckpt.save(step, state, it.get_state(), force=True)
+        finally:
+            ckpt.close()
+            flag.restore_handlers()
+            logger.close()
+        return {"losses": losses, "eval": evals, "final_step": step, "wall_s": time.time() - t_start,
+                "compile_s": compile_s, "state": state}

@@ -1,0 +1,114 @@
+"""Train a K3 model: ``python train.py`` trains ``configs/k3-tiny.json`` on the bundled corpus (CPU, minutes).
+
+Examples::
+
+    python train.py                                   # tiny model, bundled corpus, loss falls
+    python train.py --config configs/k3-small.json --steps 2000 --batch-size 64 --seq-len 1024
+    python train.py --set lr=1e-3 --set dtype=float32 # --set: TrainConfig fields or model-config fields
+    python train.py --mesh fsdp=-1 --preset train     # shard over all devices (sharding/ presets)
+    python train.py --data my_tokens.npz               # shards from python -m k3_jax.training.tokenize
+
+The same command runs on one CPU, one GPU, a multi-GPU host or a TPU pod: on several processes
+``jax.distributed`` is initialised from the launcher's environment (TPU pod metadata, SLURM, Open MPI, or
+``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``), each process reads its own slice of
+the documents, and checkpoints are written by all processes into one orbax directory.
+Re-running with the same ``--workdir`` resumes from the latest checkpoint (exact same loss trajectory);
+SIGTERM saves a checkpoint and exits. Metrics: ``<workdir>/metrics.jsonl`` (+ TensorBoard if installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def build_train_config(argv: list[str] | None = None):
+    from k3_jax.training.loop import TrainConfig
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--config", default=None, help="model config json (default configs/k3-tiny.json)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a TrainConfig field or a model-config field (repeatable; JSON values)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="global rows per step")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--accum", type=int, default=None, help="gradient-accumulation micro-batches")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--optimizer", choices=("muon", "adamw"), default=None)
+    p.add_argument("--data", action="append", default=None, help="token shard .npz (repeatable)")
+    p.add_argument("--mesh", default=None, help='mesh axes, e.g. "fsdp=-1" or "data=2,fsdp=4,tensor=2"')
+    p.add_argument("--preset", default=None, help="sharding preset (train, long-context, or a json name)")
+    p.add_argument("--save-every", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --workdir")
+    p.add_argument("--seed", type=int, default=None)
+    args = p.parse_args(argv)
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    hints = typing.get_type_hints(TrainConfig)
+    train_kw: dict = {}
+    model_kw: dict = {}
+    for item in args.set:
+        if "=" not in item:
+            p.error(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        value = _parse_value(value)
+        if key in fields and key != "model_overrides":
+            if hints[key] is tuple[str, ...] or key == "data":
+                value = tuple(value) if isinstance(value, list) else (value,)
+            train_kw[key] = value
+        else:
+            model_kw[key] = tuple(value) if isinstance(value, list) else value
+    direct = {"config": args.config, "workdir": args.workdir, "steps": args.steps,
+              "batch_size": args.batch_size, "seq_len": args.seq_len, "accum": args.accum, "lr": args.lr,
+              "optimizer": args.optimizer, "mesh": args.mesh, "preset": args.preset,
+              "save_every": args.save_every, "eval_every": args.eval_every, "seed": args.seed,
+              "data": tuple(args.data) if args.data else None}
+    train_kw.update({k: v for k, v in direct.items() if v is not None})
+    if args.no_resume:
+        train_kw["resume"] = False
+    if "workdir" not in train_kw and "config" in train_kw:
+        from pathlib import Path
+
+        train_kw["workdir"] = f"runs/{Path(train_kw['config']).stem}"
+    return TrainConfig(model_overrides=model_kw, **train_kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        from sharding.mesh import initialize_distributed
+    except ImportError:  # sharding package absent: single process only
+        initialize_distributed = None
+    if initialize_distributed is not None:
+        initialize_distributed()
+    tc = build_train_config(argv)
+    from k3_jax.training.loop import Trainer
+
+    trainer = Trainer(tc)
+    print(f"k3-jax train: {tc.config} | steps {tc.steps} | batch {tc.batch_size}x{tc.seq_len} | "
+          f"optimizer {tc.optimizer} | params {trainer.param_groups} | workdir {tc.workdir}", flush=True)
+    out = trainer.run()
+    losses = out["losses"]
+    if losses:
+        steps = sorted(losses)
+        first, last = losses[steps[0]], losses[steps[-1]]
+        print(json.dumps({"first_step": steps[0], "first_loss": round(first, 4), "last_step": steps[-1],
+                          "last_loss": round(last, 4), "eval": out["eval"][-1:] or None,
+                          "wall_s": round(out["wall_s"], 1), "compile_s": round(out["compile_s"] or 0, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
