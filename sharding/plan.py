@@ -11,7 +11,8 @@
 * **optimizer** (``--optimizer adamw|muon|none``) — fp32 moments (2 for AdamW, 1 for Muon) per trainable
   element (MXFP4 experts count their dequantized elements; scales are not trained) plus an fp32 master copy
   with ``--master-fp32``, sharded like the parameters.
-* **KDA state / conv / MLA latent cache** for ``--batch`` sequences of ``--seq-len`` tokens (state f32
+* **KDA state / conv / MLA latent cache** (serving, i.e. ``--optimizer none``) for ``--batch`` sequences of
+  ``--seq-len`` tokens (state f32
   ``[B, H, K, V]`` sharded over ``kda_heads``; latent ``[B, S, 576]`` in ``--latent-dtype``, sharded over
   ``batch``/``length`` only — tensor parallelism replicates it, as MLA TP does).
 * **activations** (estimate) — the AttnRes source bank ``[blocks, tokens, D]`` plus the largest per-layer
@@ -193,7 +194,7 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
     latent_item = np.dtype(jnp.dtype(latent_dtype)).itemsize
     conv_item = np.dtype(jnp.dtype(conv_dtype)).itemsize
-    if seq_len > 0 and batch > 0:
+    if optimizer == "none" and seq_len > 0 and batch > 0:  # decode caches: serving only
         state_shape = (batch, h, dk, dk)
         conv_shape = (batch, cfg.short_conv_kernel_size - 1, 3 * h * dk)
         lat_shape = (batch, seq_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
@@ -243,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", choices=["none", "adamw", "muon"], default="none")
     ap.add_argument("--master-fp32", action="store_true")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--tokens-per-device", type=int, default=None,
+                    help="training: tokens per device per micro-step (default batch*seq-len / data axes)")
     ap.add_argument("--capacity-gib", type=float, default=None, help="per-device memory, e.g. 141 (H200), 95 (v5p)")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     a = ap.parse_args(argv)
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(a.config, **over)
     res = plan(cfg, a.preset, a.mesh, num_devices=a.devices, batch=a.batch, seq_len=a.seq_len,
                latent_dtype=a.latent_dtype, optimizer=a.optimizer, master_fp32=a.master_fp32,
-               prefill_chunk=a.prefill_chunk)
+               prefill_chunk=a.prefill_chunk, train_tokens_per_device=a.tokens_per_device)
     if a.json:
         print(json.dumps(res.as_dict()))
     else:
