@@ -56,10 +56,10 @@ def random_params(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict[s
         elif last == "weight" and "proj" not in rule.param[-2]:
             x = 1.0 + rng.normal(0.0, 0.05, shape)
         elif rule.transform == "conv":
-            x = rng.normal(0.0, 0.3, shape)
+            x = 0.3 * rng.standard_normal(shape, dtype=np.float32)
         else:
             fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
-            x = rng.normal(0.0, fan_in**-0.5, shape)
+            x = np.float32(fan_in**-0.5) * rng.standard_normal(shape, dtype=np.float32)
         return x.astype(_checkpoint_dtype(rule.param))
 
     for layer in range(cfg.num_hidden_layers):
