@@ -111,9 +111,7 @@ def init_paged_cache(spec: PagedCacheSpec) -> PagedCache:
     """All-zero cache (every page-table entry points to the null page)."""
     hk = spec.kda_heads * spec.kda_head_dim
     return PagedCache(
-        latent=jnp.zeros(
-            (spec.num_mla_layers, spec.num_pages, spec.page_size, spec.latent_dim), spec.latent_dtype
-        ),
+        latent=jnp.zeros((spec.num_mla_layers, spec.num_pages, spec.page_size, spec.latent_dim), spec.latent_dtype),
         latent_scale=jnp.ones((spec.num_mla_layers, spec.num_pages, spec.page_size), jnp.float32),
         page_table=jnp.zeros((spec.num_slots, spec.max_pages_per_slot), jnp.int32),
         lengths=jnp.zeros((spec.num_slots,), jnp.int32),
@@ -121,9 +119,7 @@ def init_paged_cache(spec: PagedCacheSpec) -> PagedCache:
             (spec.num_kda_layers, spec.num_slots, spec.kda_heads, spec.kda_head_dim, spec.kda_head_dim),
             jnp.float32,
         ),
-        kda_conv=jnp.zeros(
-            (spec.num_kda_layers, spec.num_slots, spec.conv_width - 1, 3 * hk), spec.conv_dtype
-        ),
+        kda_conv=jnp.zeros((spec.num_kda_layers, spec.num_slots, spec.conv_width - 1, 3 * hk), spec.conv_dtype),
     )
 
 
@@ -236,9 +232,9 @@ def reset_slots(cache: PagedCache, slot_mask: jax.Array) -> PagedCache:
 
     MLA pages need no zeroing: they are returned to the allocator and masked by length on read.
     """
-    keep = ~slot_mask
-    state = cache.kda_state * keep[None, :, None, None, None].astype(cache.kda_state.dtype)
-    conv = cache.kda_conv * keep[None, :, None, None].astype(cache.kda_conv.dtype)
+    # where (not a multiply): a NaN left by an idle slot must not survive the reset
+    state = jnp.where(slot_mask[None, :, None, None, None], 0, cache.kda_state).astype(cache.kda_state.dtype)
+    conv = jnp.where(slot_mask[None, :, None, None], 0, cache.kda_conv).astype(cache.kda_conv.dtype)
     return cache._replace(kda_state=state, kda_conv=conv, lengths=jnp.where(slot_mask, 0, cache.lengths))
 
 

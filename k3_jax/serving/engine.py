@@ -1,0 +1,443 @@
+"""Decoding engine: fixed decode slots, continuous batching, chunked prefill, one jitted decode step.
+
+Slots are the batch rows of the model's decode cache (:func:`k3_jax.cache.init_cache`): per slot the KDA
+states + conv tails of every KDA layer and the MLA latent of every MLA layer. A request is admitted into a
+free slot (the slot's row is zeroed, then its prompt is prefilled in chunks), joins the running batch, and
+leaves it when it finishes; nothing recompiles when requests come and go:
+
+* prefill runs on the slot's row alone (``[1, T]``) in chunks of ``prefill_chunk`` tokens; the remainder is
+  split into power-of-two pieces, so no padding token ever enters the KDA recurrence and at most
+  ``log2(prefill_chunk) + 1`` prefill shapes are compiled;
+* decode is one jitted function over all ``max_batch`` slots with the cache donated; idle slots compute
+  garbage that is discarded (their length is pinned to 0 and their row is zeroed when a request arrives);
+* sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`).
+
+Python API::
+
+    engine = Engine(cfg, params, max_batch=8, max_len=512)
+    outs = engine.generate([[1, 5, 7], [1, 9]], max_new_tokens=16)        # greedy
+    for ev in engine.generate_stream(prompts, max_new_tokens=16, temperature=0.8, seed=3):
+        print(ev.request_id, ev.token, ev.text)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3_jax.cache import init_cache
+from k3_jax.config import K3Config
+from k3_jax.model import K3ForCausalLM
+from k3_jax.serving.chat import IncrementalDetokenizer
+from k3_jax.serving.sampling import SamplingArrays, SamplingParams, StopStrings, sample
+
+__all__ = ["Engine", "TokenEvent", "RequestError"]
+
+
+class RequestError(ValueError):
+    """A request cannot be served (empty/over-long prompt, bad token ids, bad sampling values)."""
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """One generated token of one request (streaming unit)."""
+
+    request_id: str
+    index: int  # position in the request's output
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    text: str = ""  # text delta (empty without a tokenizer or while a stop string is undecided)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+@dataclasses.dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int]
+    output: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    detok: IncrementalDetokenizer | None = None
+    stops: StopStrings | None = None
+    arrival: float = 0.0
+
+
+def _batch_axes(cfg: K3Config, max_len: int) -> Any:
+    """Pytree of the batch axis of every cache leaf (found by comparing batch-1 and batch-2 shapes)."""
+    one = jax.eval_shape(lambda: init_cache(cfg, 1, max_len))
+    two = jax.eval_shape(lambda: init_cache(cfg, 2, max_len))
+
+    def axis(a: jax.ShapeDtypeStruct, b: jax.ShapeDtypeStruct) -> int:
+        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y]
+        if len(diff) != 1:
+            raise ValueError(f"cannot find the batch axis of a cache leaf: {a.shape} vs {b.shape}")
+        return diff[0]
+
+    return jax.tree.map(axis, one, two)
+
+
+def _prefill_pieces(n: int, chunk: int, mode: str = "pow2") -> list[int]:
+    """Split ``n`` tokens into ``chunk``-sized pieces, then the remainder into power-of-two pieces
+    (``mode="pow2"``: at most log2(chunk)+1 shapes) or single tokens (``mode="unit"``: 2 shapes)."""
+    pieces = [chunk] * (n // chunk)
+    rest = n % chunk
+    if mode == "unit":
+        return pieces + [1] * rest
+    if mode != "pow2":
+        raise ValueError(f"prefill mode must be 'pow2' or 'unit', got {mode!r}")
+    bit = 1 << max(rest.bit_length() - 1, 0)
+    while rest:
+        if rest >= bit:
+            pieces.append(bit)
+            rest -= bit
+        bit >>= 1
+    return pieces
+
+
+class Engine:
+    """Continuous-batching decoder over ``max_batch`` slots of up to ``max_len`` tokens each.
+
+    Args:
+      cfg: model config (its ``dtype`` is the compute dtype; use ``float32`` for exactness tests).
+      params: the parameter tree (``params`` or ``{"params": params}``; boxed or plain).
+      max_batch: decode slots.  max_len: tokens per slot (prompt + generated).
+      prefill_chunk: prefill piece length (the KDA chunk size is a good choice).
+      prefill_mode: how the prompt remainder below ``prefill_chunk`` is split: ``"pow2"`` (few calls, up to
+        log2(chunk)+1 compiled shapes) or ``"unit"`` (one token per call, 2 compiled shapes in total).
+      tokenizer: optional :class:`k3_jax.tokenizer.Tokenizer` for text deltas and stop strings.
+      eos_ids: default stop token ids (default: ``cfg.eos_token_id``).
+      max_logprobs: largest ``logprobs`` a request may ask for.
+      cache_dtype: dtype of conv tails / MLA latents (default ``cfg.dtype``).
+    """
+
+    def __init__(
+        self,
+        cfg: K3Config,
+        params: Any,
+        max_batch: int = 8,
+        max_len: int = 512,
+        page_size: int = 16,
+        prefill_chunk: int = 64,
+        prefill_mode: str = "pow2",
+        tokenizer: Any = None,
+        eos_ids: Sequence[int] | None = None,
+        max_logprobs: int = 5,
+        cache_dtype: str | None = None,
+    ):
+        if max_batch < 1 or max_len < 2:
+            raise ValueError(f"max_batch must be >= 1 and max_len >= 2, got {max_batch}, {max_len}")
+        if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
+        self.cfg = cfg
+        self.max_batch, self.max_len, self.page_size = max_batch, max_len, page_size
+        self.prefill_chunk = prefill_chunk
+        _prefill_pieces(1, prefill_chunk, prefill_mode)  # validates the mode
+        self.prefill_mode = prefill_mode
+        self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
+        if eos_ids is None:
+            eos_ids = () if cfg.eos_token_id is None else (cfg.eos_token_id,)
+        self.eos_ids = tuple(eos_ids)
+        params = nn.unbox(params)
+        self.variables = params if "params" in params and "model" not in params else {"params": params}
+        self.model = K3ForCausalLM(cfg)
+        self._axes = _batch_axes(cfg, max_len)
+        self.cache = init_cache(cfg, max_batch, max_len, cache_dtype)
+        self._build_fns()
+        # host state
+        self._slots: list[_Request | None] = [None] * max_batch
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._by_id: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._samp = {
+            "temperature": np.zeros(max_batch, np.float32),
+            "top_k": np.zeros(max_batch, np.int32),
+            "top_p": np.ones(max_batch, np.float32),
+            "seed": np.zeros(max_batch, np.uint32),
+        }
+        self._last_token = np.zeros(max_batch, np.int32)
+        self.stats = collections.Counter()
+
+    # ------------------------------------------------------------------ jitted functions
+    def _build_fns(self) -> None:
+        model, axes = self.model, self._axes
+
+        def take_row(cache, slot):
+            return jax.tree.map(lambda x, ax: jax.lax.dynamic_slice_in_dim(x, slot, 1, ax), cache, axes)
+
+        def put_row(cache, row, slot):
+            return jax.tree.map(
+                lambda x, r, ax: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax),
+                cache,
+                row,
+                axes,
+            )
+
+        def reset(cache, slot):
+            row = jax.tree.map(jnp.zeros_like, take_row(cache, slot))
+            return put_row(cache, row, slot)
+
+        def prefill(variables, cache, slot, tokens):
+            """tokens [1, T] into slot ``slot``; returns (logits of the last token [V] f32, cache)."""
+            row = take_row(cache, slot)
+            logits, row = model.apply(variables, tokens, cache=row)
+            return logits[0, -1].astype(jnp.float32), put_row(cache, row, slot)
+
+        def decode(variables, cache, tokens, active, samp, num_top):
+            logits, cache = model.apply(variables, tokens[:, None], cache=cache)
+            cache = {**cache, "lengths": jnp.where(active, cache["lengths"], 0)}
+            return sample(logits[:, 0], samp, num_top_logprobs=num_top), cache
+
+        self._reset = jax.jit(reset, donate_argnums=(0,))
+        self._prefill = jax.jit(prefill, donate_argnums=(1,))
+        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnums=(5,))
+        self._sample = jax.jit(sample, static_argnames=("num_top_logprobs",))
+
+    # ------------------------------------------------------------------ request management
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise :class:`RequestError` naming what is wrong with a request."""
+        if len(prompt) == 0:
+            raise RequestError("prompt is empty: at least one token is needed")
+        if len(prompt) >= self.max_len:
+            raise RequestError(
+                f"prompt has {len(prompt)} tokens; this engine's max_len is {self.max_len} "
+                f"(prompt + at least one generated token)"
+            )
+        bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
+        if bad:
+            raise RequestError(f"prompt token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need an engine with a tokenizer")
+        try:
+            params.validate(self.cfg.vocab_size, self.max_logprobs)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+
+    def add_request(
+        self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. ``max_tokens`` is capped at ``max_len - len(prompt)``."""
+        params = params or SamplingParams()
+        self.validate(prompt, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._by_id:
+            raise RequestError(f"request id {rid!r} is already in use")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.eos_ids)
+        req = _Request(
+            id=rid,
+            prompt=[int(t) for t in prompt],
+            params=params,
+            max_tokens=min(params.max_tokens, self.max_len - len(prompt)),
+            stop_ids=frozenset(stop_ids),
+            arrival=time.perf_counter(),
+        )
+        if self.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(self.tokenizer)
+            req.stops = StopStrings(params.stop)
+        self._waiting.append(req)
+        self._by_id[rid] = req
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (waiting or running); its slot is freed."""
+        req = self._by_id.pop(request_id, None)
+        if req is None:
+            return
+        if req.slot >= 0:
+            self._slots[req.slot] = None
+        else:
+            self._waiting.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(r is not None for r in self._slots)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[TokenEvent]:
+        """Admit waiting requests into free slots (prefill + first token), then one decode step."""
+        events: list[TokenEvent] = []
+        for slot in range(self.max_batch):
+            if not self._waiting:
+                break
+            if self._slots[slot] is None:
+                events += self._admit(self._waiting.popleft(), slot)
+        running = [r for r in self._slots if r is not None]
+        if running:
+            events += self._decode_step()
+        return events
+
+    def _admit(self, req: _Request, slot: int) -> list[TokenEvent]:
+        req.slot = slot
+        self._slots[slot] = req
+        p = req.params
+        self._samp["temperature"][slot] = p.temperature
+        self._samp["top_k"][slot] = p.top_k
+        self._samp["top_p"][slot] = p.top_p
+        self._samp["seed"][slot] = np.uint32(p.seed)
+        slot_arr = jnp.asarray(slot, jnp.int32)
+        self.cache = self._reset(self.cache, slot_arr)
+        pos = 0
+        logits = None
+        for n in _prefill_pieces(len(req.prompt), self.prefill_chunk, self.prefill_mode):
+            toks = jnp.asarray([req.prompt[pos : pos + n]], jnp.int32)
+            logits, self.cache = self._prefill(self.variables, self.cache, slot_arr, toks)
+            pos += n
+        self.stats["prefill_tokens"] += len(req.prompt)
+        samp = SamplingArrays.from_params([p], [0])
+        out = jax.device_get(self._sample(logits[None], samp, num_top_logprobs=self.max_logprobs))
+        return [self._emit(req, int(out.tokens[0]), out, 0)]
+
+    def _decode_step(self) -> list[TokenEvent]:
+        active = np.asarray([r is not None for r in self._slots])
+        steps = np.asarray([len(r.output) if r is not None else 0 for r in self._slots], np.int32)
+        samp = SamplingArrays(
+            temperature=jnp.asarray(self._samp["temperature"]),
+            top_k=jnp.asarray(self._samp["top_k"]),
+            top_p=jnp.asarray(self._samp["top_p"]),
+            seed=jnp.asarray(self._samp["seed"]),
+            step=jnp.asarray(steps),
+        )
+        out, self.cache = self._decode(
+            self.variables,
+            self.cache,
+            jnp.asarray(self._last_token),
+            jnp.asarray(active),
+            samp,
+            self.max_logprobs,  # always computed: one compiled decode step
+        )
+        out = jax.device_get(out)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += int(active.sum())
+        events = []
+        for slot, req in enumerate(self._slots):
+            if req is not None:
+                events.append(self._emit(req, int(out.tokens[slot]), out, slot))
+        return events
+
+    def _emit(self, req: _Request, token: int, out: Any, row: int) -> TokenEvent:
+        p = req.params
+        ev = TokenEvent(request_id=req.id, index=len(req.output), token=token)
+        if p.logprobs is not None:
+            ev.logprob = float(out.logprob[row])
+            if p.logprobs:
+                ev.top_logprobs = [
+                    (int(i), float(v))
+                    for i, v in zip(out.top_ids[row][: p.logprobs], out.top_logprobs[row][: p.logprobs], strict=True)
+                ]
+        req.output.append(token)
+        self._last_token[req.slot] = token
+        if token in req.stop_ids:
+            ev.finished, ev.finish_reason = True, "stop"
+        elif req.detok is not None:
+            text, stopped = req.stops.push(req.detok.push(token))
+            ev.text = text
+            if stopped:
+                ev.finished, ev.finish_reason = True, "stop"
+        if not ev.finished and len(req.output) >= req.max_tokens:
+            ev.finished, ev.finish_reason = True, "length"
+        if ev.finished:
+            if req.detok is not None and ev.finish_reason == "length":
+                ev.text += req.stops.push(req.detok.flush())[0] + req.stops.flush()
+            self._slots[req.slot] = None
+            self._by_id.pop(req.id, None)
+        return ev
+
+    # ------------------------------------------------------------------ convenience API
+    def _params_list(
+        self,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        stop_token_ids: Sequence[int] | None,
+        **extra: Any,
+    ) -> list[SamplingParams]:
+        out = []
+        for i in range(n):
+            kw = dict(
+                max_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=(seed + i) % (2**32),
+                **extra,
+            )
+            if stop_token_ids is not None:
+                kw.update(stop_token_ids=tuple(stop_token_ids), ignore_eos=True)
+            out.append(SamplingParams(**kw))
+        return out
+
+    def generate_stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        **extra: Any,
+    ) -> Iterator[TokenEvent]:
+        """Yield :class:`TokenEvent` s as they are produced; request ``i`` has id ``"gen-{i}"`` and seed
+        ``seed + i``. ``stop_token_ids=None`` stops at eos; a sequence replaces eos by those ids."""
+        params = self._params_list(
+            len(prompts), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, **extra
+        )
+        for prompt, p in zip(prompts, params, strict=True):
+            self.validate(prompt, p)  # all or nothing
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            ids.append(self.add_request(prompt, p, request_id=f"gen-{i}-{next(self._ids)}"))
+        pending = set(ids)
+        rename = {rid: f"gen-{i}" for i, rid in enumerate(ids)}
+        try:
+            while pending:
+                for ev in self.step():
+                    if ev.request_id in pending:
+                        if ev.finished:
+                            pending.discard(ev.request_id)
+                        ev.request_id = rename[ev.request_id]
+                        yield ev
+        finally:
+            for rid in pending:
+                self.abort(rid)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        **extra: Any,
+    ) -> list[list[int]]:
+        """Generated token ids per prompt (the stop token, when hit, is included)."""
+        outs: list[list[int]] = [[] for _ in prompts]
+        for ev in self.generate_stream(
+            prompts, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, **extra
+        ):
+            outs[int(ev.request_id.split("-")[1])].append(ev.token)
+        return outs
