@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,4 +71,10 @@ def test_cli_prints_table(capsys):
     assert main(["--config", str(ROOT / "configs" / "k3-tiny.json"), "--preset", "train", "--mesh", "fsdp=-1",
                  "--devices", "8", "--optimizer", "adamw", "--seq-len", "64", "--batch", "8"]) == 0
     out = capsys.readouterr().out
-    assert "params" in out and "optimizer" in out and "mla_latent_cache" in out
+    assert "optimizer" in out and "activations_est" in out and "mla_latent_cache" not in out  # no decode cache
+    assert main(["--config", str(ROOT / "configs" / "k3-tiny.json"), "--preset", "serve", "--mesh", "tensor=2",
+                 "--seq-len", "4096", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    # tiny: 4 MLA layers x (32 + 16) latent values x 4096 tokens x 1 byte (FP8), replicated over tensor
+    assert d["per_device_bytes"]["mla_latent_cache"] == 4 * 48 * 4096
+    assert d["per_device_bytes"]["kda_state"] == 6 * 6 * 64 * 64 * 4 / 2  # 6 KDA layers, heads split in 2
