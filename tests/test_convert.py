@@ -183,3 +183,19 @@ def test_logits_of_loaded_model_equal_writer_model(fixture_dir):
     b = np.asarray(fwd(loaded, tokens))
     assert np.isfinite(a).all()
     np.testing.assert_array_equal(a, b)
+
+
+def test_convert_to_orbax_restores_the_loaded_params(fixture_dir, tmp_path):
+    fmt, d, cfg, params = fixture_dir
+    if fmt != "mxfp4":
+        pytest.skip("one orbax conversion is enough (MXFP4 exercises the u8 leaves)")
+    from k3_jax.convert.orbax_io import convert_to_orbax, restore_params
+
+    out = tmp_path / "orbax"
+    st = convert_to_orbax(d, out)
+    assert st["tensors"] == len(_leaves(params))
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+    restored = restore_params(out)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(params)
+    for (path, a), (_, b) in zip(_leaves(params), _leaves(restored), strict=True):
+        assert _bitwise_equal(a, b), jax.tree_util.keystr(path)
