@@ -34,7 +34,7 @@ def test_gpu_chunk_fwd_bf16():
     B, T, H, K, V, cuts = CASES[0]
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, jnp.bfloat16)
     seg = segments(B, T, cuts)
-    o, ht = kda.chunk_kda(q, k, v, g, beta, None, h0, True, seg)  # auto -> pallas_gpu
+    o, ht = kda.chunk_kda(q, k, v, g, beta, None, h0, True, seg, implementation="pallas_gpu")
     ro, rh = ref.recurrent_kda(q, k, v, g, beta, None, h0, True, seg)
     assert o.dtype == jnp.bfloat16 and rel(o, ro) < 2e-2 and rel(ht, rh) < 2e-2
 

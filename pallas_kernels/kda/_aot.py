@@ -1,6 +1,6 @@
 """Ahead-of-time compile the KDA TPU kernels for a real TPU target on a CPU-only host.
 
-    python -m pallas_kernels.kda._aot v5p [--with-grad]     # or v6e; prints one JSON line
+    python -m pallas_kernels.kda._aot v5p v6e [--with-grad]    # one JSON line per target
 
 Needs ``libtpu`` (pyproject extra ``aot``). Compiles, at K3 shapes (H=96, K=V=128, bf16 activations):
 the chunked forward kernel, the training path (``jax.grad`` through :func:`pallas_kernels.kda.chunk_kda`,
@@ -93,9 +93,9 @@ def compile_all(target: str, with_grad: bool = False) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = [a for a in argv if not a.startswith("--")]
-    target = args[0] if args else "v5p"
-    print(json.dumps(compile_all(target, with_grad="--with-grad" in argv)))
+    targets = [a for a in argv if not a.startswith("--")] or ["v5p"]
+    for target in targets:
+        print(json.dumps(compile_all(target, with_grad="--with-grad" in argv)), flush=True)
     return 0
 
 

@@ -1,8 +1,11 @@
 """Public KDA entry points dispatching between the Pallas kernels and the pure-JAX reference.
 
 ``implementation``:
-  * ``"auto"``: ``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on GPU, ``"reference"`` elsewhere (on CPU,
-    ``interpret`` truthy selects ``"pallas_tpu"`` in TPU interpret mode, which is how CI runs the kernel);
+  * ``"auto"``: ``"pallas_tpu"`` on TPU; on GPU ``"pallas_gpu"`` for the decode step but ``"reference"``
+    for the chunked form (the fused Triton chunk kernel measured 35 ms vs the XLA reference's 19 ms at
+    B=1, T=8192, H=96 on an H200, see benchmarks/RESULTS.md; ``implementation="pallas_gpu"`` forces it);
+    ``"reference"`` elsewhere (on CPU, ``interpret`` truthy selects ``"pallas_tpu"`` in TPU interpret
+    mode, which is how CI runs the kernel);
   * ``"reference"``: :mod:`pallas_kernels.kda.reference` (any ``g <= 0``);
   * ``"pallas_tpu"`` / ``"pallas_gpu"``: the kernels (they require the K3 lower-bounded gate ``g >= -5``).
 
@@ -23,7 +26,7 @@ from pallas_kernels.kda import reference as ref
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 
-def _resolve(implementation: str, interpret, name: str) -> str:
+def _resolve(implementation: str, interpret, name: str, chunked: bool = False) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{name}: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation != "auto":
@@ -32,7 +35,7 @@ def _resolve(implementation: str, interpret, name: str) -> str:
     if backend == "tpu":
         return "pallas_tpu"
     if backend in ("gpu", "cuda"):
-        return "pallas_gpu"
+        return "reference" if chunked else "pallas_gpu"
     return "pallas_tpu" if interpret else "reference"
 
 
@@ -91,7 +94,7 @@ def chunk_kda(
     ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V] f32``,
     ``segment_ids [B, T] int``. Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32 or None)``.
     """
-    impl = _resolve(implementation, interpret, "chunk_kda")
+    impl = _resolve(implementation, interpret, "chunk_kda", chunked=True)
     if impl == "reference":
         return ref.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, segment_ids, chunk_size)
     B, T, H, K = q.shape
