@@ -39,7 +39,9 @@ def numpy_recurrent(q, k, v, g, beta, initial_state=None, segment_ids=None):
     o = np.zeros(v.shape)
     for t in range(T):
         if segment_ids is not None and t > 0:
-            S[np.asarray(segment_ids)[:, t] != np.asarray(segment_ids)[:, t - 1]] = 0.0
+            S = np.where(
+                (np.asarray(segment_ids)[:, t] != np.asarray(segment_ids)[:, t - 1])[:, None, None, None], 0.0, S
+            )
         S = S * np.exp(g[:, t])[..., None]
         err = v[:, t] - np.einsum("bhk,bhkv->bhv", k[:, t], S)
         S = S + np.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t], err)
@@ -154,6 +156,18 @@ def test_long_minimum_decay_is_finite(fn):
 def test_chunk_matches_recurrent_at_minimum_decay():
     q, k, v, _, beta, s0 = make_inputs(B_, 200, H_, K_, V_, seed=9)
     g = jnp.full(q.shape, -5.0) + 1e-3 * jnp.asarray(np.random.default_rng(1).uniform(size=q.shape), jnp.float32)
+    o1, s1 = recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o2, s2 = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert _rel(o2, o1) <= 1e-5 and _rel(s2, s1) <= 1e-5
+
+
+def test_chunk_matches_recurrent_adversarial_keys():
+    """Identical keys, no decay, beta = 1: (I + A)^-1 of a dense lower-triangular matrix of ones (a Neumann
+    series would cancel catastrophically here; the blocked inverse must not)."""
+    q, k, v, _, _, s0 = make_inputs(B_, 200, H_, K_, V_, seed=12)
+    k = jnp.broadcast_to(k[:, :1], k.shape)
+    g = jnp.full(q.shape, -1e-30, jnp.float32)
+    beta = jnp.ones((B_, 200, H_), jnp.float32)
     o1, s1 = recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
     o2, s2 = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
     assert _rel(o2, o1) <= 1e-5 and _rel(s2, s1) <= 1e-5

@@ -34,12 +34,15 @@ Implementation notes:
   ``S_{n+1} = M_n S_n + B_n`` with ``M_n = diag(exp(G_C)) - (exp(G_C - G) * K)^T W`` and
   ``B_n = (exp(G_C - G) * K)^T U`` (the same maps :mod:`pallas_kernels.kda.state_map` composes for
   sequence parallelism). Outputs follow as ``O = (q exp(G) - A_qk W) S_n + A_qk U``.
+* ``(I + diag(beta) A_kk)^-1`` is formed by blocked doubling (:func:`_unit_lower_inverse`): log2(C) levels
+  of batched matmuls instead of a 64-step forward substitution.
 * exp-overflow (spec b.2): ``exp(G_i - G_j)`` is never factored as ``exp(G_i) exp(-G_j)`` over a chunk.
   The chunk is split into sub-tiles of ``sub_chunk_size`` tokens. For ``j`` in an earlier sub-tile ``b``
   than ``i``, the factorisation is taken at ``r_b`` = ``G`` at the last token of tile ``b``:
   ``exp(G_i - r_b) * exp(r_b - G_j)``, and both exponents are ``<= 0`` for any ``g <= 0`` (no lower bound
   needed, nothing can overflow; underflow only happens where the true product is below ~1e-38). Inside a
-  sub-tile the pairwise difference is formed and masked (``j <= i``) *before* ``exp``.
+  sub-tile the same split recurses with tiles of a quarter the size, and below 8 tokens the pairwise
+  difference is formed and masked (``j <= i``) *before* ``exp``.
 * Segment resets inside a chunk: pair terms across documents are masked to zero, the carried state only
   reaches tokens before the first reset of the chunk, and only the chunk's last document contributes to
   the outgoing state. Padding tokens (``T`` not a multiple of ``C``) have ``k = v = beta = g = 0`` and are
@@ -212,35 +215,66 @@ def recurrent_kda(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _pairwise_decay_products(x, k, G, sub: int, strict: bool):
+def _decay_products(x, k, G, sub: int, strict: bool):
     """``A[.., i, j] = sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d])`` for ``j < i`` (strict) or ``j <= i``.
 
     x, k, G: ``[..., C, K] f32`` (G = in-chunk cumulative log-decay, non-increasing). Returns ``[..., C, C]``.
-    Overflow-free for any non-positive g (see module docstring).
+    Pairs in different ``sub``-token tiles are matrix products factorised at the end of the earlier tile
+    (both exponents <= 0); pairs inside a tile recurse with tiles of ``sub // 4`` and, below 8 tokens, use
+    masked pairwise differences. Overflow-free for any non-positive g (see module docstring).
     """
     C, K = x.shape[-2], x.shape[-1]
+    batch = x.shape[:-2]  # x, k, G may differ in (broadcastable) leading axes
+    if sub >= C:  # no tiling at this level
+        if C >= 8 and C % 4 == 0:
+            return _decay_products(x, k, G, C // 4, strict)
+        ii = jnp.arange(C)
+        lower = (ii[:, None] > ii[None, :]) if strict else (ii[:, None] >= ii[None, :])
+        dexp = G[..., :, None, :] - G[..., None, :, :]  # [..., i, j, K]
+        dexp = jnp.where(lower[..., None], jnp.exp(jnp.where(lower[..., None], dexp, 0.0)), 0.0)
+        return jnp.sum(x[..., :, None, :] * k[..., None, :, :] * dexp, axis=-1)
     n = C // sub
-    batch = x.shape[:-2]
-    xt = x.reshape(*batch, n, sub, K)
-    kt = k.reshape(*batch, n, sub, K)
-    Gt = G.reshape(*batch, n, sub, K)
+    kt = k.reshape(*k.shape[:-2], n, sub, K)
+    Gt = G.reshape(*G.shape[:-2], n, sub, K)
     # --- off-diagonal tiles: i in tile a, j in tile b < a, factorised at r_b = G[end of tile b].
     r = Gt[..., :, -1, :]  # [..., n, K]
-    tile_of_token = jnp.arange(C) // sub  # [C]
-    later = tile_of_token[None, :] > jnp.arange(n)[:, None]  # [n(b), C(i)]
+    later = (jnp.arange(C) // sub)[None, :] > jnp.arange(n)[:, None]  # [n(b), C(i)]
     expo = G[..., None, :, :] - r[..., :, None, :]  # [..., n(b), C(i), K]
     left = jnp.where(later[..., None], jnp.exp(jnp.where(later[..., None], expo, 0.0)), 0.0)
     left = left * x[..., None, :, :]  # [..., n, C, K]
     right = kt * jnp.exp(r[..., :, None, :] - Gt)  # [..., n(b), sub(j), K], exponent <= 0
-    off = _ein("...bik,...bjk->...ibj", left, right).reshape(*batch, C, C)
-    # --- diagonal tiles: masked pairwise differences inside each tile.
-    ii = jnp.arange(sub)
-    lower = (ii[:, None] > ii[None, :]) if strict else (ii[:, None] >= ii[None, :])
-    dexp = Gt[..., :, :, None, :] - Gt[..., :, None, :, :]  # [..., n, i, j, K]
-    dexp = jnp.where(lower[..., None], jnp.exp(jnp.where(lower[..., None], dexp, 0.0)), 0.0)
-    diag = _ein("...aik,...ajk,...aijk->...aij", xt, kt, dexp)  # [..., n, sub, sub]
-    diag = _ein("...aij,ab->...aibj", diag, jnp.eye(n, dtype=jnp.float32)).reshape(*batch, C, C)
+    off = _ein("...bik,...bjk->...ibj", left, right)
+    off = off.reshape(*off.shape[:-3], C, C)
+    # --- diagonal tiles: recurse.
+    diag = _decay_products(x.reshape(*batch, n, sub, K), kt, Gt, sub, strict)  # [..., n, sub, sub]
+    same_tile = jnp.eye(n, dtype=bool)[:, None, :, None]  # [n, 1, n, 1]
+    diag = jnp.where(same_tile, diag[..., :, :, None, :], 0.0)
+    diag = diag.reshape(*diag.shape[:-4], C, C)
     return off + diag
+
+
+def _unit_lower_inverse(L):
+    """``(I + tril(L, -1))^-1`` for ``L [..., C, C]`` (only the strictly lower part is read).
+
+    Blocked triangular inversion by doubling (no Neumann series, no row-by-row loop): with ``D`` the inverse
+    of the block-diagonal part made of ``s x s`` blocks, merging neighbouring blocks into ``2s x 2s`` ones
+    uses ``[[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]]``, i.e. ``D <- D - D (L_s D)`` where
+    ``L_s`` keeps only the lower-left ``s x s`` blocks of the ``2s`` diagonal blocks. ``log2(C)`` levels of
+    two full ``C x C`` matmuls each (shape-stable, cheap to compile); ``C`` is padded to a power of two.
+    """
+    C = L.shape[-1]
+    P = 1 << max(C - 1, 0).bit_length()
+    if P != C:
+        L = jnp.pad(L, [(0, 0)] * (L.ndim - 2) + [(0, P - C), (0, P - C)])
+    idx = jnp.arange(P)
+    D = jnp.broadcast_to(jnp.eye(P, dtype=jnp.float32), L.shape)
+    s = 1
+    while s < P:
+        bi, bj = idx[:, None] // s, idx[None, :] // s
+        Ls = jnp.where((bi == bj + 1) & (bi % 2 == 1), L, 0.0)
+        D = D - _ein("...ij,...jk->...ik", D, _ein("...ij,...jk->...ik", Ls, D))
+        s *= 2
+    return D[..., :C, :C]
 
 
 def _chunk_prepare(k, v, g, beta, reset, chunk_size: int, sub_chunk_size: int, q=None):
@@ -271,10 +305,19 @@ def _chunk_prepare(k, v, g, beta, reset, chunk_size: int, sub_chunk_size: int, q
 
     G = jnp.cumsum(gc, axis=-2)  # [B,H,N,C,K], <= 0
     Glast = G[..., -1:, :]
-    Akk = jnp.where(same, _pairwise_decay_products(kc, kc, G, sub_chunk_size, strict=True), 0.0)
-    L = bc[..., None] * Akk  # strictly lower
+    if q is None:
+        Akk = _decay_products(kc, kc, G, sub_chunk_size, strict=True)
+    else:  # one pass for both: the decay factors depend only on G (stacked operand axis -3)
+        qc = prep(q)
+        both = _decay_products(
+            jnp.stack([kc, qc], axis=-3), kc[..., None, :, :], G[..., None, :, :], sub_chunk_size, strict=False
+        )
+        Akk, Aqk = both[..., 0, :, :], both[..., 1, :, :]
+        Aqk = jnp.where(same, Aqk, 0.0)
+    Akk = jnp.where(same, Akk, 0.0)
+    L = bc[..., None] * Akk  # only its strictly lower part is read by _unit_lower_inverse
     rhs = bc[..., None] * jnp.concatenate([kc * jnp.exp(G) * carry, vc], axis=-1)  # [.., C, K+V]
-    WU = jax.lax.linalg.triangular_solve(L, rhs, left_side=True, lower=True, unit_diagonal=True)
+    WU = _ein("...ij,...jd->...id", _unit_lower_inverse(L), rhs)
     W, U = WU[..., :K], WU[..., K:]
     kdec = kc * jnp.exp(Glast - G) * lastseg  # [.., C, K]
     decay = jnp.exp(Glast[..., 0, :]) * carry[..., -1, :]  # [B,H,N,K]
@@ -282,8 +325,6 @@ def _chunk_prepare(k, v, g, beta, reset, chunk_size: int, sub_chunk_size: int, q
     Bm = _ein("...ck,...cv->...kv", kdec, U)
     out = {"M": M, "Bm": Bm}
     if q is not None:
-        qc = prep(q)
-        Aqk = jnp.where(same, _pairwise_decay_products(qc, kc, G, sub_chunk_size, strict=False), 0.0)
         out["Qp"] = qc * jnp.exp(G) * carry - _ein("...ij,...jk->...ik", Aqk, W)
         out["Ointra"] = _ein("...ij,...jv->...iv", Aqk, U)
     return out
