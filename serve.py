@@ -1,0 +1,173 @@
+"""Serve a K3 model: stream a completion to the terminal, or run an OpenAI-compatible HTTP server.
+
+    python serve.py --checkpoint DIR --prompt "Once upon a time"        # stream text to the terminal
+    python serve.py --checkpoint DIR --prompt "Hi" --chat               # same, through the chat template
+    python serve.py --checkpoint DIR --port 8000                        # /v1/completions, /v1/chat/completions
+    python serve.py --config configs/k3-tiny.json --prompt "def f("     # RANDOM weights (demo only)
+
+``--checkpoint`` accepts an HF checkpoint directory (``config.json`` + safetensors index, loaded with
+:func:`k3_jax.convert.load_checkpoint`; MXFP4 experts stay packed with ``--experts mxfp4``) or an orbax
+directory written by the converter (then ``--config`` or ``DIR/config.json`` gives the architecture). The
+tokenizer is the checkpoint's ``tiktoken.model`` when present, else the bundled small tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = "configs/k3-tiny.json"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", help="HF checkpoint dir or orbax dir from the converter")
+    p.add_argument("--config", help=f"config JSON (default with no checkpoint: {DEFAULT_CONFIG}, random init)")
+    p.add_argument("--tokenizer", help="dir with tiktoken.model, or 'bundled' (default: from the checkpoint)")
+    p.add_argument("--experts", choices=["bf16", "mxfp4"], help="routed-expert format to load")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the config's)")
+    p.add_argument("--prompt", help="generate for this prompt and stream it to stdout, then exit")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template as a user turn")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, help="run the HTTP server on this port")
+    p.add_argument("--model-name", default=None, help="model id reported by /v1/models")
+    p.add_argument("--max-batch", type=int, default=8, help="decode slots")
+    p.add_argument("--max-len", type=int, default=1024, help="tokens per slot (prompt + output)")
+    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--init-seed", type=int, default=0, help="seed of the random init (no checkpoint)")
+    return p.parse_args(argv)
+
+
+def _warn(msg: str) -> None:
+    bar = "!" * 78
+    print(f"\n{bar}\n{msg}\n{bar}\n", file=sys.stderr, flush=True)
+
+
+def load_model(args: argparse.Namespace):
+    """Returns ``(cfg, params, tokenizer, name)``."""
+    from k3_jax.config import load_config
+    from k3_jax.tokenizer import Tokenizer
+
+    overrides = {"dtype": args.dtype} if args.dtype else {}
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    if ckpt is not None and not ckpt.exists():
+        raise SystemExit(f"--checkpoint {ckpt}: no such directory")
+    if ckpt is not None and (ckpt / "model.safetensors.index.json").exists():
+        from k3_jax.convert import load_checkpoint
+
+        cfg, params = load_checkpoint(ckpt, experts=args.experts, **overrides)
+        name = ckpt.name
+    elif ckpt is not None:
+        from k3_jax.convert.orbax_io import restore_params
+
+        cfg_path = args.config or (ckpt / "config.json")
+        if not Path(cfg_path).exists():
+            raise SystemExit(f"{ckpt} looks like an orbax checkpoint: pass --config (no {ckpt / 'config.json'})")
+        cfg = load_config(cfg_path).replace(**overrides)
+        if args.experts:
+            cfg = cfg.replace(expert_format=args.experts)
+        params = restore_params(ckpt)
+        name = ckpt.name
+    else:
+        cfg_path = args.config or DEFAULT_CONFIG
+        cfg = load_config(cfg_path).replace(**overrides)
+        _warn(f"NO CHECKPOINT: serving RANDOMLY INITIALISED weights of {cfg_path} (demo only; output is noise).")
+        from k3_jax.convert.fixture import random_params
+
+        params = random_params(cfg, seed=args.init_seed, experts=cfg.expert_format)
+        name = f"{Path(cfg_path).stem}-random"
+    if args.tokenizer:
+        tok = Tokenizer.load(args.tokenizer)
+    elif ckpt is not None and (ckpt / "tiktoken.model").exists():
+        tok = Tokenizer.from_pretrained(ckpt)
+    else:
+        tok = Tokenizer.bundled()
+        if ckpt is not None:
+            _warn(f"{ckpt} has no tiktoken.model: using the bundled small tokenizer")
+    if tok.vocab_size > cfg.vocab_size:
+        raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}")
+    return cfg, params, tok, args.model_name or name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.prompt is None and args.port is None:
+        raise SystemExit("give --prompt TEXT (terminal) or --port N (HTTP server)")
+    os.environ.setdefault("XLA_FLAGS", "")
+    from k3_jax.serving.chat import chat_prompt_ids, chat_stop_ids
+    from k3_jax.serving.engine import Engine
+    from k3_jax.serving.sampling import SamplingParams
+
+    cfg, params, tok, name = load_model(args)
+    eos = (tok.eos_id,) if tok.eos_id is not None else ()
+    engine = Engine(
+        cfg,
+        params,
+        max_batch=args.max_batch,
+        max_len=args.max_len,
+        prefill_chunk=args.prefill_chunk,
+        tokenizer=tok,
+        eos_ids=eos,
+    )
+
+    if args.port is not None:
+        import uvicorn
+
+        from k3_jax.serving.server import create_app
+
+        app = create_app(engine, tok, model_name=name)
+        print(
+            f"serving '{name}' on http://{args.host}:{args.port}/v1 (max_batch={args.max_batch}, "
+            f"max_len={args.max_len})",
+            file=sys.stderr,
+            flush=True,
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        return 0
+
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        ids, stops = chat_prompt_ids(tok, messages), chat_stop_ids(tok)
+    else:
+        ids, stops = tok.encode(args.prompt), eos
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_token_ids=tuple(stops),
+    )
+    rid = engine.add_request(ids, params)
+    t0, n, first = time.perf_counter(), 0, None
+    while engine.has_work:
+        for ev in engine.step():
+            if ev.request_id != rid:
+                continue
+            n += 1
+            first = first or time.perf_counter()
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            if ev.finished:
+                reason = ev.finish_reason
+    dt = time.perf_counter() - t0
+    print(
+        f"\n[{n} tokens, finish_reason={reason}, {dt:.2f}s incl. compile, time to first token {first - t0:.2f}s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
