@@ -202,13 +202,14 @@ def bench_decode(B, H, args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x8192x96,1x32768x32,8x4096x32")
-    p.add_argument("--configs", default="64:4:1", help="GPU kernel block_v:num_warps:num_stages, comma list; "
+    p.add_argument("--configs", default="64:4:2", help="GPU kernel block_v:num_warps:num_stages, comma list; "
                    "the fastest on the first shape is used for the rest")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--no-bwd", action="store_true")
     p.add_argument("--no-decode", action="store_true")
     p.add_argument("--reference-shapes", type=int, default=1, help="time the reference on the first N shapes")
+    p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
     args = p.parse_args()
     out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "results": []}
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
@@ -229,7 +230,11 @@ def main():
         best = min(ok, key=ok.get)
         cfgs = [tuple(int(x) for x in best.split(":"))]
     out["gpu_config"] = ":".join(map(str, cfgs[0]))
+    start = time.perf_counter()
     for i, (B, T, H) in enumerate(shapes):
+        if time.perf_counter() - start > args.budget_s:
+            out["results"].append({"shape": f"{B}x{T}x{H}", "skipped": "time budget"})
+            continue
         no_ref = args.no_reference or i >= args.reference_shapes
         a = argparse.Namespace(**{**vars(args), "no_reference": no_ref})
         try:
@@ -237,7 +242,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             out["results"].append({"shape": f"{B}x{T}x{H}", "error": repr(e)[:500]})
             log("error", repr(e))
-    if not args.no_decode:
+    if not args.no_decode and time.perf_counter() - start <= args.budget_s:
         try:
             out["decode"] = bench_decode(64, 96, args)
         except Exception as e:  # noqa: BLE001

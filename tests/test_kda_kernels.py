@@ -121,7 +121,8 @@ def test_tpu_decode_state_pool_in_place():
 
 
 def test_gpu_kernels_interpret():
-    """The Triton kernels' tile logic (blocked solve, masks, V blocking), run in generic interpret mode."""
+    """The Triton kernels' tile logic (two-phase forward: tiled inverse, masks, V blocking; decode), run in
+    generic interpret mode."""
     B, T, H, K, V = 1, 100, 1, 32, 32
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, seed=4)
     seg = segments(B, T, (30, 64))
