@@ -138,6 +138,22 @@ def test_gpu_kernels_interpret():
     assert jnp.array_equal(dpool[jnp.array([0, 1, 3])], pool[jnp.array([0, 1, 3])])
 
 
+def test_fused_gate_and_l2norm_options():
+    """``A_log``/``dt_bias``/``use_qk_l2norm`` equal computing kda_gate / l2norm by hand (reference path)."""
+    B, T, H, K = 1, 24, 2, 16
+    ks = jax.random.split(jax.random.PRNGKey(11), 6)
+    q, k, v, f = (jax.random.normal(kk, (B, T, H, K)) for kk in ks[:4])
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+    A_log, dt_bias = jnp.array([0.1, -0.3]), 0.1 * jax.random.normal(ks[5], (H * K,))
+    o1, _ = kda.chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True,
+                          implementation="reference")
+    g = ref.kda_gate(f, A_log, dt_bias)
+    o2, _ = ref.chunk_kda(ref.l2norm(q), ref.l2norm(k), v, g, beta)
+    assert rel(o1, o2) < 1e-6
+    with pytest.raises(ValueError, match="dt_bias"):
+        kda.chunk_kda(q, k, v, f, beta, dt_bias=dt_bias)
+
+
 def test_dispatch():
     q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 16, 16)
     if jax.default_backend() == "cpu":

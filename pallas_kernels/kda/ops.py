@@ -75,6 +75,18 @@ def _pallas_chunk_fn(impl: str, scale: float, chunk_size: int, interpret):
     return f
 
 
+def _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm):
+    """Optional gate / L2-norm preprocessing (fla's ``use_gate_in_kernel`` / ``use_qk_l2norm_in_kernel``),
+    done in JAX in front of the kernel (XLA fuses it with the kernel's input layout pass; differentiable)."""
+    if A_log is not None:
+        g = ref.kda_gate(g, A_log, dt_bias, lower_bound)
+    elif dt_bias is not None:
+        raise ValueError("chunk_kda: dt_bias given without A_log (the raw-gate path needs A_log)")
+    if use_qk_l2norm:
+        q, k = ref.l2norm(q), ref.l2norm(k)
+    return q, k, g
+
+
 def chunk_kda(
     q: jax.Array,
     k: jax.Array,
@@ -88,12 +100,20 @@ def chunk_kda(
     chunk_size: int = 64,
     implementation: str = "auto",
     interpret=False,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float = -5.0,
+    use_qk_l2norm: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (training / prefill). Shapes as :func:`pallas_kernels.kda.reference.chunk_kda`:
 
     ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V] f32``,
     ``segment_ids [B, T] int``. Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32 or None)``.
+    With ``A_log [H]`` (and optional ``dt_bias [H*K]``), ``g`` is the raw gate ``f`` and the K3 log-decay
+    ``lower_bound * sigmoid(exp(A_log) (f + dt_bias))`` is computed first; ``use_qk_l2norm`` L2-normalises
+    q and k first (scale is still applied after the norm).
     """
+    q, k, g = _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm)
     impl = _resolve(implementation, interpret, "chunk_kda", chunked=True)
     if impl == "reference":
         return ref.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, segment_ids, chunk_size)
@@ -125,6 +145,10 @@ def recurrent_kda(
     state_slots: jax.Array | None = None,
     implementation: str = "auto",
     interpret=False,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float = -5.0,
+    use_qk_l2norm: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Recurrent KDA; the Pallas path is the decode step (``T == 1``).
 
@@ -134,8 +158,10 @@ def recurrent_kda(
     reads/writes row ``state_slots[b]`` (distinct slots); returns ``(o, new_pool)`` where the other rows are
     unchanged. On the Pallas path the pool is updated in place (aliased: donate it under ``jit``).
     ``T > 1`` and ``implementation="reference"`` use the reference scan; ``segment_ids`` only matter there.
-    Not differentiable on the Pallas path (inference only).
+    Not differentiable on the Pallas path (inference only). ``A_log``/``dt_bias``/``use_qk_l2norm`` as in
+    :func:`chunk_kda`.
     """
+    q, k, g = _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm)
     impl = _resolve(implementation, interpret, "recurrent_kda")
     B, T, H, K = q.shape
     V = v.shape[-1]
