@@ -104,6 +104,7 @@ def chunk_kda(
     dt_bias: jax.Array | None = None,
     lower_bound: float = -5.0,
     use_qk_l2norm: bool = False,
+    safe_gate: bool = True,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (training / prefill). Shapes as :func:`pallas_kernels.kda.reference.chunk_kda`:
 
@@ -112,9 +113,16 @@ def chunk_kda(
     With ``A_log [H]`` (and optional ``dt_bias [H*K]``), ``g`` is the raw gate ``f`` and the K3 log-decay
     ``lower_bound * sigmoid(exp(A_log) (f + dt_bias))`` is computed first; ``use_qk_l2norm`` L2-normalises
     q and k first (scale is still applied after the norm).
+    ``safe_gate=True`` (default) promises ``g >= -5`` per token (K3's gate; fla's ``safe_gate``), which the
+    Pallas kernels need; with ``safe_gate=False`` (e.g. the unbounded Kimi-Linear gate) ``"auto"`` uses the
+    reference, which is exact for any ``g <= 0``.
     """
     q, k, g = _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm)
     impl = _resolve(implementation, interpret, "chunk_kda", chunked=True)
+    if not safe_gate and implementation == "auto":
+        impl = "reference"
+    if A_log is not None and lower_bound < -5.0 and implementation == "auto":
+        impl = "reference"
     if impl == "reference":
         return ref.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, segment_ids, chunk_size)
     B, T, H, K = q.shape
