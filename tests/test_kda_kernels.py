@@ -68,6 +68,17 @@ def test_tpu_chunk_fwd_fp32(case):
     assert rel(o, ro) < 1e-4 and rel(ht, rh) < 1e-4
 
 
+def test_tpu_chunk_fwd_extreme_gate():
+    """Strongest allowed decay (g -> -5 on half the channels, ~0 on the rest): in-tile exponents reach ~80,
+    whole-chunk ones ~-320; the factored products must neither overflow nor lose the slow channels."""
+    B, T, H, K, V = 1, 128, 1, 64, 64
+    q, k, v, _, beta, h0 = make_inputs(B, T, H, K, V, seed=5)
+    g = jnp.where(jnp.arange(K) % 2 == 0, -4.999, -1e-4) * jnp.ones((B, T, H, K))
+    o, ht = tpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, h0, None, interpret=True)
+    ro, rh = ref_recurrent(q, k, v, g, beta, h0, None)
+    assert bool(jnp.all(jnp.isfinite(o))) and rel(o, ro) < 1e-4 and rel(ht, rh) < 1e-4
+
+
 def test_tpu_chunk_fwd_bf16():
     """bf16 inputs: MXU operands in bf16 (fp32 accumulation, fp32 decay/inverse/state). Documented
     tolerance 2e-2 relative (measured ~4e-3) vs the fp32 reference on the same bf16-rounded inputs."""
