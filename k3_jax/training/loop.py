@@ -66,7 +66,7 @@ class TrainConfig:
     tensorboard: bool = True
     peak_tflops: float | None = None
     # parallelism
-    mesh: str | None = None  # e.g. "fsdp=-1" or "data=2,fsdp=4"; None: one device, or fsdp over all
+    mesh: str | None = None  # "fsdp=-1", "data=2,fsdp=4"...; None: fsdp over all devices; "none": 1 device
     preset: str = "train"
 
 
@@ -105,7 +105,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _make_mesh(self):
         tc = self.tc
-        if tc.mesh is None and jax.device_count() == 1:
+        if tc.mesh == "none" or (tc.mesh is None and jax.device_count() == 1):
             return None
         from sharding.mesh import make_mesh
 
@@ -126,12 +126,14 @@ class Trainer:
         rng = jax.random.key(tc.seed)
         init_rng, state_rng = jax.random.split(rng)
 
-        def init_params(r):
-            return nn.unbox(model.init(r, jnp.zeros((1, tc.seq_len), jnp.int32)))["params"]
+        if getattr(self, "_init_fns", None) is None:
+            def init_params(r):
+                return nn.unbox(model.init(r, jnp.zeros((1, tc.seq_len), jnp.int32)))["params"]
 
+            self._init_fns = (jax.jit(init_params, out_shardings=self._param_shardings), jax.jit(tx.init))
         with self._context():
-            params = jax.jit(init_params, out_shardings=self._param_shardings)(init_rng)
-            opt_state = jax.jit(tx.init)(params)
+            params = self._init_fns[0](init_rng)
+            opt_state = self._init_fns[1](params)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state,
                  "rng": jax.random.key_data(state_rng)}
         if self.mesh is not None:  # anything not laid out on the mesh (counters, rng): replicate

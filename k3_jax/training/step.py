@@ -13,7 +13,8 @@ One :func:`train_step` on a batch ``{"tokens": [B, T+1] i32, "segment_ids": [B, 
      :func:`~k3_jax.training.optim.clip_weights`;
   3. Quantile Balancing: for every MoE layer, the router scores of all micro-batches and the bias that routed
      them give the new ``e_score_correction_bias`` (used from the next step). Expert loads under the bias in
-     effect this step are returned as metrics (max/mean load, dead experts).
+     effect this step are returned as metrics (max/mean load over layers, dead experts), plus
+     ``load_max_mean_nobias``: the same scores routed without any bias (what an unbalanced router does).
 :func:`eval_step` computes the loss only; the bias stays frozen.
 """
 
@@ -143,12 +144,14 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
 
         metrics = {"loss": loss_sum / denom, "accuracy": correct / denom, "tokens": n,
                    "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(new_params)}
-        max_mean, dead, n_layers = [], jnp.zeros((), jnp.int32), 0
+        max_mean, max_mean_nobias, dead, n_layers = [], [], jnp.zeros((), jnp.int32), 0
         for path, s in scores.items():  # s: [accum, R, N, E]
             s = jnp.swapaxes(s, 0, 1).reshape(s.shape[1], -1, s.shape[-1])  # [R, accum*N, E]
             bias = _get(params, _bias_path(path))  # [R, E], the bias that routed this step
             loads = jax.vmap(lambda sc, b: qb.expert_loads(sc, b, k))(s, bias).astype(jnp.float32)
             max_mean.append(jnp.max(loads, -1) / jnp.maximum(jnp.mean(loads, -1), 1e-9))
+            raw = jax.vmap(lambda sc: qb.expert_loads(sc, jnp.zeros(sc.shape[-1]), k))(s).astype(jnp.float32)
+            max_mean_nobias.append(jnp.max(raw, -1) / jnp.maximum(jnp.mean(raw, -1), 1e-9))
             dead = dead + jnp.sum(loads == 0).astype(jnp.int32)
             n_layers += s.shape[0]
             if step_cfg.qb:
@@ -158,6 +161,7 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
         if max_mean:
             mm = jnp.concatenate(max_mean)
             metrics.update({"load_max_mean": jnp.max(mm), "load_max_mean_avg": jnp.mean(mm),
+                            "load_max_mean_nobias": jnp.max(jnp.concatenate(max_mean_nobias)),
                             "dead_experts": dead, "moe_layers": jnp.asarray(n_layers)})
         rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state,
