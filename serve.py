@@ -54,9 +54,15 @@ def _warn(msg: str) -> None:
 
 def load_model(args: argparse.Namespace):
     """Returns ``(cfg, params, tokenizer, name)``."""
+    import jax
+
     from k3_jax.config import load_config
     from k3_jax.tokenizer import Tokenizer
 
+    if args.dtype is None and jax.default_backend() == "cpu":
+        # XLA:CPU cannot run the model's bf16 x bf16 -> f32 dots (DotThunk); compute in fp32 there.
+        args.dtype = "float32"
+        print("note: CPU backend, computing in float32 (pass --dtype to override)", file=sys.stderr)
     overrides = {"dtype": args.dtype} if args.dtype else {}
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     if ckpt is not None and not ckpt.exists():
