@@ -230,6 +230,54 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
     return res
 
 
+def aot_memory(cfg: K3Config, preset: str, mesh: str | dict[str, int], topology: str, tokens: int = 64,
+               batch: int = 1) -> dict[str, Any]:
+    """Compile the jitted forward (``[batch, tokens]`` → logits) ahead of time for a TPU ``topology`` (e.g.
+    ``"v5p:8x8x4"`` = v5p-512) on this host and return the compiler's per-device memory analysis.
+
+    Needs ``libtpu`` (extra ``aot``); no TPU is touched. Parameters are abstract (``ShapeDtypeStruct`` with the
+    preset's shardings). The MoE reference's ``ragged_dot`` is lowered at default precision for bf16 operands
+    during this call (``precision=HIGHEST`` with bf16 operands crashes Mosaic's ragged-dot lowering on TPU).
+    """
+    import os
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import pallas_kernels.moe.reference as moe_ref
+    from k3_jax.model import K3ForCausalLM
+    from sharding.mesh import make_mesh
+
+    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    m = make_mesh(mesh, devices=topo.devices)
+    cfg = cfg.replace(moe_implementation="reference", kda_implementation="reference")
+    model = K3ForCausalLM(cfg)
+    boxed = abstract_params(cfg)
+    shardings = rules.param_shardings({"params": boxed}, m, preset)
+    params = jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
+                          nn.unbox({"params": boxed}), shardings)
+    tok = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=NamedSharding(m, PartitionSpec()))
+
+    orig = moe_ref.grouped_matmul
+
+    def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
+        prec = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+        return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), precision=prec,
+                                  preferred_element_type=preferred_element_type or lhs.dtype)
+
+    moe_ref.grouped_matmul = gmm
+    try:
+        with rules.activate(m, preset):
+            compiled = jax.jit(model.apply).lower(params, tok).compile()
+    finally:
+        moe_ref.grouped_matmul = orig
+    ma = compiled.memory_analysis()
+    return {"topology": topology, "devices": len(topo.devices), "argument_bytes": ma.argument_size_in_bytes,
+            "output_bytes": ma.output_size_in_bytes, "temp_bytes": ma.temp_size_in_bytes,
+            "generated_code_bytes": ma.generated_code_size_in_bytes}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/k3.json")
@@ -248,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="training: tokens per device per micro-step (default batch*seq-len / data axes)")
     ap.add_argument("--capacity-gib", type=float, default=None, help="per-device memory, e.g. 141 (H200), 95 (v5p)")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    ap.add_argument("--aot", default=None, metavar="TOPOLOGY",
+                    help="also AOT-compile the forward for a TPU topology (e.g. v5p:8x8x4 = v5p-512; needs libtpu) "
+                         "and print the compiler's per-device memory beside ours (minutes)")
+    ap.add_argument("--aot-tokens", type=int, default=64)
     a = ap.parse_args(argv)
     over: dict[str, Any] = {"param_dtype": a.param_dtype, "dtype": "bfloat16"}
     if a.experts != "config":
@@ -256,6 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     res = plan(cfg, a.preset, a.mesh, num_devices=a.devices, batch=a.batch, seq_len=a.seq_len,
                latent_dtype=a.latent_dtype, optimizer=a.optimizer, master_fp32=a.master_fp32,
                prefill_chunk=a.prefill_chunk, train_tokens_per_device=a.tokens_per_device)
+    if a.aot:
+        comp = aot_memory(cfg, a.preset, a.mesh, a.aot, tokens=a.aot_tokens)
+        res.whole["aot_compiler_argument_bytes_per_device"] = comp["argument_bytes"]
+        res.whole["aot_compiler_temp_bytes_per_device"] = comp["temp_bytes"]
+        res.notes.append(f"AOT {a.aot} ({comp['devices']} devices, forward of {a.aot_tokens} tokens): compiler "
+                         f"arguments {comp['argument_bytes'] / GB:.3f} GB vs our params "
+                         f"{res.per_device['params'] / GB:.3f} GB per device; temporaries "
+                         f"{comp['temp_bytes'] / GB:.3f} GB")
     if a.json:
         print(json.dumps(res.as_dict()))
     else:

@@ -277,3 +277,34 @@ def mla_sequence_parallel(q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array
                                  P(bx, sx) if segment_ids is not None else None),
                        out_specs=q4, check_vma=False)
     return fn(q_nope, q_rot, latent, k_rot, w_uk, w_uv, segment_ids)
+
+
+def attention_sequence_parallel(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, *,
+                                mesh: Mesh | None = None, axis: str = "sequence",
+                                batch_axes: Sequence[str] | None = ("data", "fsdp"),
+                                head_axis: str | None = "tensor", attend: Any = None) -> jax.Array:
+    """Expanded-form attention with ``T`` split over ``axis``: per-head K/V are all-gathered, each shard attends
+    its own query rows. ``q, k [B, T, H, Dqk]``, ``v [B, T, H, Dv]``, ``mask [B, T, T]`` → ``[B, T, H, Dv]``.
+
+    (For MLA prefer :func:`mla_sequence_parallel`, which gathers the 576-value latent instead of per-head K/V;
+    this variant plugs into a layer that has already expanded K/V.)
+    """
+    if attend is None:
+        from k3_jax.layers.mla import expanded_attention as attend
+    mesh = _mesh(mesh)
+    sizes = _sizes(mesh)
+    b, _, h, _ = q.shape
+    bx = _axes_or_none(batch_axes, sizes, b)
+    hx = _axes_or_none(head_axis, sizes, h)
+    sx = _axes_or_none(axis, sizes)
+    if sx is None:
+        return attend(q, k, v, mask, scale)
+
+    def body(q, k, v, m):
+        k = jax.lax.all_gather(k, axis, axis=1, tiled=True)
+        v = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+        return attend(q, k, v, m, scale)
+
+    q4 = P(bx, sx, hx, None)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(q4, q4, q4, P(bx, sx, None)), out_specs=q4, check_vma=False)
+    return fn(q, k, v, mask)

@@ -90,12 +90,45 @@ def test_sharded_forward_matches(setup, monkeypatch, preset, axes, ep):
                                            beta1=beta1, beta2=beta2, mxfp8_activations=mxfp8_activations)
 
         monkeypatch.setattr(moe_reference, "moe_dispatch_combine", patched)
+    if preset == "long-context":
+        _plug_sequence_parallel(monkeypatch, mesh)
     params = rules.shard_params(boxed, mesh, preset)
     leaves = jax.tree.leaves(params)
     assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated for x in leaves)
     with rules.activate(mesh, preset):
         out = jax.jit(model.apply, compiler_options=FAST_COMPILE)(params, tokens)
     assert _rel(out, ref) <= 1e-5
+
+
+def _plug_sequence_parallel(monkeypatch, mesh):
+    """Route the model's KDA short convs, chunk_kda and MLA attention through sharding.sequence_parallel (the
+    hooks a `sequence` axis needs in the layers)."""
+    from types import SimpleNamespace
+
+    import k3_jax.layers.kda as kda_layer
+    import k3_jax.layers.mla as mla_layer
+    from sharding import sequence_parallel as sp
+
+    orig_conv = kda_layer.causal_depthwise_conv
+
+    def conv(u, kernel, conv_state, segment_ids):
+        if conv_state is not None:
+            return orig_conv(u, kernel, conv_state, segment_ids)
+        out = sp.short_conv_sequence_parallel(u, kernel, mesh=mesh, segment_ids=segment_ids)
+        return out, u[:, -(kernel.shape[0] - 1):, :]
+
+    def chunk_kda(q, k, v, g, beta, *, implementation=None, initial_state=None, output_final_state=False,
+                  segment_ids=None, chunk_size=64):
+        o, s = sp.kda_sequence_parallel(q, k, v, g, beta, mesh=mesh, segment_ids=segment_ids,
+                                        initial_state=initial_state, chunk_size=chunk_size)
+        return o, (s if output_final_state else None)
+
+    attend = mla_layer.expanded_attention
+    monkeypatch.setattr(kda_layer, "causal_depthwise_conv", conv)
+    monkeypatch.setattr(kda_layer, "_kda_ops", lambda: SimpleNamespace(chunk_kda=chunk_kda))
+    monkeypatch.setattr(mla_layer, "expanded_attention",
+                        lambda q, k, v, m, scale: sp.attention_sequence_parallel(q, k, v, m, scale, mesh=mesh,
+                                                                                  attend=attend))
 
 
 def test_every_param_has_logical_axes(setup):
