@@ -80,3 +80,20 @@ def test_documents_across_shards(shard, tmp_path):
     docs2 = TokenDocuments([path, path])
     assert len(docs2) == 120
     np.testing.assert_array_equal(docs2[61], docs[1])
+
+
+def test_tokenize_entry_point_round_trip(tmp_path):
+    from k3_jax.tokenizer import Tokenizer
+    from k3_jax.training.tokenize import main
+
+    (tmp_path / "a.txt").write_text("First paragraph here.\n\nSecond one, longer than the first.\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"body": "a json document"}) + "\n\n")
+    out = tmp_path / "s.npz"
+    assert main([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--field", "body",
+                 "--split-paragraphs", "--out", str(out)]) == 0
+    tokens, offsets = load_token_shard(out)
+    tok = Tokenizer.bundled()
+    docs = [tok.decode(tokens[offsets[i]:offsets[i + 1]]) for i in range(len(offsets) - 1)]
+    assert docs == ["First paragraph here.", "Second one, longer than the first.", "a json document"]
+    with pytest.raises(KeyError, match="no field"):
+        main([str(tmp_path / "b.jsonl"), "--out", str(out)])

@@ -36,10 +36,10 @@ class TrainConfig:
     config: str = "configs/k3-tiny.json"
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     workdir: str = "runs/k3-tiny"
-    steps: int = 300
+    steps: int = 200
     stop_at: int | None = None  # end this run at this step (checkpointed); the schedule still uses `steps`
     seq_len: int = 128
-    batch_size: int = 16  # global rows per step (all processes, all micro-batches)
+    batch_size: int = 8  # global rows per step (all processes, all micro-batches)
     accum: int = 1
     seed: int = 0
     data: tuple[str, ...] = ()  # token shards (.npz); empty = bundled corpus
@@ -56,8 +56,8 @@ class TrainConfig:
     qb: bool = True
     qb_method: str = "histogram"
     # eval / logging / checkpoints
-    eval_every: int = 100
-    eval_batches: int = 4
+    eval_every: int = 50
+    eval_batches: int = 2
     log_every: int = 10
     save_every: int = 0  # 0: only at the end / on SIGTERM
     keep: int = 3
