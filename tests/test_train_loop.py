@@ -103,3 +103,18 @@ def test_flops_per_token_counts_active_params():
     f = flops_per_token(cfg, 128)
     assert f["matmul"] == 6 * count_params(cfg)["active"]
     assert 0 < f["attention"] < f["matmul"] and np.isclose(f["total"], f["matmul"] + f["attention"])
+
+
+def test_sigterm_sets_preemption_flag():
+    import os
+    import signal
+
+    from k3_jax.training.checkpoint import PreemptionFlag
+
+    flag = PreemptionFlag()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.triggered and flag.signum == signal.SIGTERM
+    finally:
+        flag.restore_handlers()
+    assert signal.getsignal(signal.SIGTERM) is not flag._handle
