@@ -83,7 +83,7 @@ class MetricsLogger:
 
                 self._bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True)
             except ImportError:
-                self._bar = None
+                self._bar = _LineBar(total_steps, start_step)
         if tensorboard:
             self._tb = _tensorboard_writer(Path(workdir) / "tb")
 
@@ -116,6 +116,33 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class _LineBar:
+    """Minimal terminal progress bar (used when tqdm is not installed): one line redrawn with ``\\r``."""
+
+    def __init__(self, total: int, initial: int = 0):
+        self.total, self.n, self._t0, self._n0, self._post = total, initial, time.time(), initial, ""
+
+    def set_postfix_str(self, s: str, refresh: bool = False) -> None:
+        self._post = s
+
+    def refresh(self) -> None:
+        frac = self.n / max(self.total, 1)
+        done = int(30 * frac)
+        rate = (self.n - self._n0) / max(time.time() - self._t0, 1e-9)
+        eta = (self.total - self.n) / rate if rate > 0 else float("nan")
+        sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] {self.n}/{self.total} "
+                         f"{rate:.2f} it/s eta {eta:.0f}s {self._post}\x1b[K")
+        sys.stdout.flush()
+
+    def write(self, s: str) -> None:
+        sys.stdout.write("\r\x1b[K" + s + "\n")
+        self.refresh()
+
+    def close(self) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def _tensorboard_writer(path: Path):
