@@ -38,6 +38,7 @@ from k3_jax.cache import init_cache
 from k3_jax.config import K3Config
 from k3_jax.model import K3ForCausalLM
 from k3_jax.serving.chat import IncrementalDetokenizer
+from k3_jax.serving.paged_cache import PageAllocator, PagedCacheSpec, gather_latent, write_latent
 from k3_jax.serving.sampling import SamplingArrays, SamplingParams, StopStrings, sample
 
 __all__ = ["Engine", "TokenEvent", "RequestError"]
@@ -121,6 +122,12 @@ class Engine:
       eos_ids: default stop token ids (default: ``cfg.eos_token_id``).
       max_logprobs: largest ``logprobs`` a request may ask for.
       cache_dtype: dtype of conv tails / MLA latents (default ``cfg.dtype``).
+      paged: keep the MLA latents in a shared page pool (:mod:`k3_jax.serving.paged_cache`) instead of
+        ``max_batch × max_len`` rows: a request reserves ``ceil((prompt + max_tokens) / page_size)`` pages at
+        admission and waits in the queue while the pool is short. Attention still runs on a contiguous
+        view gathered from the pages inside the jitted step (a page-reading attention kernel is the next step).
+      num_pages: page pool size (default: enough for every slot at ``max_len``, + the null page).
+      latent_dtype: page storage dtype, e.g. ``"float8_e4m3fn"`` (per-token scales); default the cache dtype.
     """
 
     def __init__(
@@ -136,6 +143,9 @@ class Engine:
         eos_ids: Sequence[int] | None = None,
         max_logprobs: int = 5,
         cache_dtype: str | None = None,
+        paged: bool = False,
+        num_pages: int | None = None,
+        latent_dtype: str | None = None,
     ):
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"max_batch must be >= 1 and max_len >= 2, got {max_batch}, {max_len}")
@@ -156,6 +166,22 @@ class Engine:
         self.model = K3ForCausalLM(cfg)
         self._axes = _batch_axes(cfg, max_len)
         self.cache = init_cache(cfg, max_batch, max_len, cache_dtype)
+        self.paged = paged
+        self._table = None
+        self.compute_dtype = jnp.dtype(cache_dtype or cfg.dtype)
+        if paged:
+            self.page_spec = PagedCacheSpec.from_config(
+                cfg,
+                max_batch,
+                max_len,
+                page_size,
+                num_pages,
+                latent_dtype=latent_dtype or str(self.compute_dtype),
+                conv_dtype=str(self.compute_dtype),
+            )
+            self.allocator = PageAllocator(self.page_spec)
+            self._table = jnp.asarray(self.allocator.table)
+            self.cache, self._axes = self._to_paged(self.cache, self._axes)
         self._build_fns()
         # host state
         self._slots: list[_Request | None] = [None] * max_batch
@@ -171,33 +197,70 @@ class Engine:
         self._last_token = np.zeros(max_batch, np.int32)
         self.stats = collections.Counter()
 
+    def _to_paged(self, cache: dict, axes: dict) -> tuple[dict, dict]:
+        """Replace every MLA ``latent [R, B, L, D]`` entry by a page pool ``pages [R, P, S, D]`` + ``scale``."""
+        spec = self.page_spec
+
+        def entry(e: dict, ax: dict) -> tuple[dict, dict]:
+            if "latent" not in e:
+                return e, ax
+            r = e["latent"].shape[0]
+            pool = {
+                "pages": jnp.zeros((r, spec.num_pages, spec.page_size, spec.latent_dim), spec.latent_dtype),
+                "scale": jnp.ones((r, spec.num_pages, spec.page_size), jnp.float32),
+            }
+            return pool, {"pages": -1, "scale": -1}
+
+        segs, seg_axes = [], []
+        for seg, seg_ax in zip(cache["segments"], axes["segments"], strict=True):
+            pairs = {k: entry(seg[k], seg_ax[k]) for k in seg}
+            segs.append({k: v[0] for k, v in pairs.items()})
+            seg_axes.append({k: v[1] for k, v in pairs.items()})
+        return {**cache, "segments": segs}, {**axes, "segments": seg_axes}
+
     # ------------------------------------------------------------------ jitted functions
     def _build_fns(self) -> None:
         model, axes = self.model, self._axes
 
+        # axis -1 marks a leaf shared by all slots (the page pool): a "row" of it is the whole leaf
         def take_row(cache, slot):
-            return jax.tree.map(lambda x, ax: jax.lax.dynamic_slice_in_dim(x, slot, 1, ax), cache, axes)
+            return jax.tree.map(
+                lambda x, ax: x if ax < 0 else jax.lax.dynamic_slice_in_dim(x, slot, 1, ax), cache, axes
+            )
 
         def put_row(cache, row, slot):
             return jax.tree.map(
-                lambda x, r, ax: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax),
+                lambda x, r, ax: (
+                    r.astype(x.dtype) if ax < 0 else jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
+                ),
                 cache,
                 row,
                 axes,
             )
 
+        paged, cdt = self.paged, self.compute_dtype
+
+        def run(variables, cache, tokens, table, valid):
+            """model.apply on a (possibly paged) cache; ``valid [B]``: rows whose new tokens are kept."""
+            if not paged:
+                return model.apply(variables, tokens, cache=cache)
+            start = cache["lengths"]
+            logits, new = model.apply(variables, tokens, cache=_gather_view(cache, table, cdt))
+            return logits, _absorb(cache, new, table, start, tokens.shape[1], valid)
+
         def reset(cache, slot):
-            row = jax.tree.map(jnp.zeros_like, take_row(cache, slot))
+            row = jax.tree.map(lambda x, ax: x if ax < 0 else jnp.zeros_like(x), take_row(cache, slot), axes)
             return put_row(cache, row, slot)
 
-        def prefill(variables, cache, slot, tokens):
+        def prefill(variables, cache, slot, tokens, table):
             """tokens [1, T] into slot ``slot``; returns (logits of the last token [V] f32, cache)."""
             row = take_row(cache, slot)
-            logits, row = model.apply(variables, tokens, cache=row)
+            row_table = None if table is None else jax.lax.dynamic_slice_in_dim(table, slot, 1, 0)
+            logits, row = run(variables, row, tokens, row_table, jnp.ones((1,), bool))
             return logits[0, -1].astype(jnp.float32), put_row(cache, row, slot)
 
-        def decode(variables, cache, tokens, active, samp, num_top):
-            logits, cache = model.apply(variables, tokens[:, None], cache=cache)
+        def decode(variables, cache, tokens, active, samp, num_top, table):
+            logits, cache = run(variables, cache, tokens[:, None], table, active)
             cache = {**cache, "lengths": jnp.where(active, cache["lengths"], 0)}
             return sample(logits[:, 0], samp, num_top_logprobs=num_top), cache
 
@@ -219,6 +282,10 @@ class Engine:
         bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
         if bad:
             raise RequestError(f"prompt token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if self.paged:
+            pages = -(-min(len(prompt) + params.max_tokens, self.max_len) // self.page_size)
+            if pages > self.page_spec.num_pages - 1:
+                raise RequestError(f"request needs {pages} cache pages; the pool has {self.page_spec.num_pages - 1}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need an engine with a tokenizer")
         try:
@@ -259,7 +326,7 @@ class Engine:
         if req is None:
             return
         if req.slot >= 0:
-            self._slots[req.slot] = None
+            self._free_slot(req.slot)
         else:
             self._waiting.remove(req)
 
@@ -272,6 +339,12 @@ class Engine:
         return sum(r is not None for r in self._slots)
 
     # ------------------------------------------------------------------ stepping
+    def _free_slot(self, slot: int) -> None:
+        self._slots[slot] = None
+        if self.paged:
+            self.allocator.free(slot)
+            self._table = jnp.asarray(self.allocator.table)
+
     def step(self) -> list[TokenEvent]:
         """Admit waiting requests into free slots (prefill + first token), then one decode step."""
         events: list[TokenEvent] = []
@@ -279,6 +352,14 @@ class Engine:
             if not self._waiting:
                 break
             if self._slots[slot] is None:
+                nxt = self._waiting[0]
+                if self.paged:
+                    need = len(nxt.prompt) + nxt.max_tokens
+                    if not self.allocator.can_fit(slot, need):
+                        self.stats["waits_for_pages"] += 1
+                        break  # FIFO: wait until running requests return pages
+                    self.allocator.ensure(slot, need)
+                    self._table = jnp.asarray(self.allocator.table)
                 events += self._admit(self._waiting.popleft(), slot)
         running = [r for r in self._slots if r is not None]
         if running:
@@ -299,7 +380,7 @@ class Engine:
         logits = None
         for n in _prefill_pieces(len(req.prompt), self.prefill_chunk, self.prefill_mode):
             toks = jnp.asarray([req.prompt[pos : pos + n]], jnp.int32)
-            logits, self.cache = self._prefill(self.variables, self.cache, slot_arr, toks)
+            logits, self.cache = self._prefill(self.variables, self.cache, slot_arr, toks, self._table)
             pos += n
         self.stats["prefill_tokens"] += len(req.prompt)
         samp = SamplingArrays.from_params([p], [0])
@@ -323,6 +404,7 @@ class Engine:
             jnp.asarray(active),
             samp,
             self.max_logprobs,  # always computed: one compiled decode step
+            self._table,
         )
         out = jax.device_get(out)
         self.stats["decode_steps"] += 1
@@ -357,7 +439,7 @@ class Engine:
         if ev.finished:
             if req.detok is not None and ev.finish_reason == "length":
                 ev.text += req.stops.push(req.detok.flush())[0] + req.stops.flush()
-            self._slots[req.slot] = None
+            self._free_slot(req.slot)
             self._by_id.pop(req.id, None)
         return ev
 
@@ -441,3 +523,34 @@ class Engine:
         ):
             outs[int(ev.request_id.split("-")[1])].append(ev.token)
         return outs
+
+
+def _gather_view(cache: dict, table: jax.Array, dtype: Any) -> dict:
+    """The model's contiguous cache view of a paged cache: each MLA pool -> ``latent [R, B, maxp·S, D]``."""
+
+    def entry(e: dict) -> dict:
+        if "pages" not in e:
+            return e
+        lat = jax.vmap(lambda p, sc: gather_latent(p, sc, table, dtype))(e["pages"], e["scale"])
+        return {"latent": lat}
+
+    return {**cache, "segments": [{k: entry(v) for k, v in seg.items()} for seg in cache["segments"]]}
+
+
+def _absorb(paged: dict, new: dict, table: jax.Array, start: jax.Array, t: int, valid: jax.Array) -> dict:
+    """Write the ``t`` tokens the model appended at ``start [B]`` of each MLA view back into the pages
+    (rows with ``valid [B]`` False go to the null page); KDA entries and lengths come from ``new``."""
+    positions = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [B, T]
+    keep = jnp.broadcast_to(valid[:, None], positions.shape)
+
+    def entry(old: dict, fresh: dict) -> dict:
+        if "pages" not in old:
+            return fresh
+        vals = jnp.take_along_axis(fresh["latent"], positions[None, :, :, None], axis=2)  # [R, B, T, D]
+        pages, scale = jax.vmap(lambda p, sc, v: write_latent(p, sc, table, positions, v, keep))(
+            old["pages"], old["scale"], vals
+        )
+        return {"pages": pages, "scale": scale}
+
+    segs = [{k: entry(o[k], f[k]) for k in o} for o, f in zip(paged["segments"], new["segments"], strict=True)]
+    return {**new, "segments": segs}
