@@ -1,9 +1,9 @@
 """Public KDA entry points dispatching between the Pallas kernels and the pure-JAX reference.
 
 ``implementation``:
-  * ``"auto"``: ``"pallas_tpu"`` on TPU; on GPU ``"pallas_gpu"`` for the decode step but ``"reference"``
-    for the chunked form (the fused Triton chunk kernel measured 35 ms vs the XLA reference's 19 ms at
-    B=1, T=8192, H=96 on an H200, see benchmarks/RESULTS.md; ``implementation="pallas_gpu"`` forces it);
+  * ``"auto"``: ``"pallas_tpu"`` on TPU; ``"pallas_gpu"`` on GPU (the two-phase Triton chunk kernel measured
+    20.1 ms vs the XLA reference's 22.3 ms forward at B=1, T=8192, H=96 bf16 on an H200 — still far from
+    flash-linear-attention's Triton kernel, see benchmarks/RESULTS.md);
     ``"reference"`` elsewhere (on CPU, ``interpret`` truthy selects ``"pallas_tpu"`` in TPU interpret
     mode, which is how CI runs the kernel);
   * ``"reference"``: :mod:`pallas_kernels.kda.reference` (any ``g <= 0``);
@@ -35,7 +35,7 @@ def _resolve(implementation: str, interpret, name: str, chunked: bool = False) -
     if backend == "tpu":
         return "pallas_tpu"
     if backend in ("gpu", "cuda"):
-        return "reference" if chunked else "pallas_gpu"
+        return "pallas_gpu"
     return "pallas_tpu" if interpret else "reference"
 
 
