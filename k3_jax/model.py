@@ -37,6 +37,7 @@ from k3_jax.layers.common import LinearKernel, RMSNorm, compute_dtype, logical, 
 from k3_jax.layers.kda import KimiDeltaAttention
 from k3_jax.layers.mla import KimiMLAAttention
 from k3_jax.layers.moe import LatentMoE, SituMLP
+from k3_jax.layers.parallel import axis_size, constrain
 
 LayerKind = tuple[MixerKind, FfnKind]
 
@@ -121,7 +122,7 @@ class DecoderLayer(nn.Module):
         else:
             f = LatentMoE(cfg, name="block_sparse_moe")(m)
         sources = _add_to_slot(sources, slot, f)
-        return sources, new_cache
+        return constrain(sources, (None, "batch", "length", "embed")), new_cache
 
 
 def _add_to_slot(sources: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -169,9 +170,14 @@ class K3Model(nn.Module):
         dt = compute_dtype(cfg)
         b, t = tokens.shape
         embedding = self.param("embed_tokens", _embedding_init(cfg), cfg.vocab_size, cfg.hidden_size)
-        e = jnp.take(embedding["embedding"], tokens, axis=0).astype(dt)
+        if axis_size("tensor") > 1:  # rows of the table live on different devices: never gather it whole
+            from sharding.vocab_parallel import vocab_parallel_embed  # noqa: PLC0415
+
+            e = vocab_parallel_embed(tokens, embedding["embedding"]).astype(dt)
+        else:
+            e = jnp.take(embedding["embedding"], tokens, axis=0).astype(dt)
         sources = jnp.zeros((num_sources(cfg), b, t, cfg.hidden_size), dt).at[0].set(e)
-        sources = nn.with_logical_constraint(sources, (None, "batch", "length", "embed"))
+        sources = constrain(sources, (None, "batch", "length", "embed"))
         lengths = None if cache is None else cache["lengths"]
 
         new_segments = []

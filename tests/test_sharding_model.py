@@ -1,8 +1,8 @@
 """The model under each sharding preset on 8 CPU devices equals the unsharded model (fp32, rel. err <= 1e-5).
 
 Uses a 4-layer variant of k3-tiny (dense+KDA, KDA+MoE, MLA+MoE, MLA+MoE; 16 experts = 2 per device at
-expert=8) to keep compile time small. Expert parallelism is plugged into the MoE layer by patching the
-``moe_dispatch_combine`` the layer calls (the hook the model would expose as ``moe_implementation``).
+expert=8) to keep compile time small. Expert, sequence and vocab parallelism are chosen by the layers themselves
+from the active mesh (``sharding.rules.activate``) and ``cfg.moe_implementation``.
 """
 
 from __future__ import annotations
@@ -73,62 +73,24 @@ def _rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
-@pytest.mark.parametrize("preset, axes, ep", [
-    ("train", {"fsdp": 2, "expert": 2, "tensor": 2}, "all_to_all"),
-    pytest.param("serve", {"expert": 8}, "allgather", marks=pytest.mark.slow),  # 2 experts per device
-    pytest.param("long-context", {"sequence": 4, "fsdp": 2}, None, marks=pytest.mark.slow),
+@pytest.mark.parametrize("preset, axes, moe_impl", [
+    ("train", {"fsdp": 2, "expert": 2, "tensor": 2}, "ep_all_to_all"),
+    pytest.param("serve", {"expert": 8}, "auto", marks=pytest.mark.slow),  # auto -> ep_allgather, 2 experts/dev
+    pytest.param("long-context", {"sequence": 4, "fsdp": 2}, "auto", marks=pytest.mark.slow),
 ])
-def test_sharded_forward_matches(setup, monkeypatch, preset, axes, ep):
+def test_sharded_forward_matches(setup, preset, axes, moe_impl):
+    """No patching: the layers read the active mesh (expert / sequence / tensor axes) and pick their parallel path."""
     model, tokens, boxed, ref = setup
+    from k3_jax.model import K3ForCausalLM
+
+    model = K3ForCausalLM(model.cfg.replace(moe_implementation=moe_impl))
     mesh = make_mesh(axes)
-    if ep is not None:
-        from pallas_kernels.moe import reference as moe_reference
-        from sharding.expert_parallel import moe_dispatch_combine_ep
-
-        def patched(z, ids, w, experts, *, beta1=4.0, beta2=25.0, mxfp8_activations=False, **_):
-            return moe_dispatch_combine_ep(z, ids, w, experts, mesh=mesh, strategy=ep, ragged="emulate",
-                                           beta1=beta1, beta2=beta2, mxfp8_activations=mxfp8_activations)
-
-        monkeypatch.setattr(moe_reference, "moe_dispatch_combine", patched)
-    if preset == "long-context":
-        _plug_sequence_parallel(monkeypatch, mesh)
     params = rules.shard_params(boxed, mesh, preset)
     leaves = jax.tree.leaves(params)
     assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated for x in leaves)
     with rules.activate(mesh, preset):
         out = jax.jit(model.apply, compiler_options=FAST_COMPILE)(params, tokens)
     assert _rel(out, ref) <= 1e-5
-
-
-def _plug_sequence_parallel(monkeypatch, mesh):
-    """Route the model's KDA short convs, chunk_kda and MLA attention through sharding.sequence_parallel (the
-    hooks a `sequence` axis needs in the layers)."""
-    from types import SimpleNamespace
-
-    import k3_jax.layers.kda as kda_layer
-    import k3_jax.layers.mla as mla_layer
-    from sharding import sequence_parallel as sp
-
-    orig_conv = kda_layer.causal_depthwise_conv
-
-    def conv(u, kernel, conv_state, segment_ids):
-        if conv_state is not None:
-            return orig_conv(u, kernel, conv_state, segment_ids)
-        out = sp.short_conv_sequence_parallel(u, kernel, mesh=mesh, segment_ids=segment_ids)
-        return out, u[:, -(kernel.shape[0] - 1):, :]
-
-    def chunk_kda(q, k, v, g, beta, *, implementation=None, initial_state=None, output_final_state=False,
-                  segment_ids=None, chunk_size=64):
-        o, s = sp.kda_sequence_parallel(q, k, v, g, beta, mesh=mesh, segment_ids=segment_ids,
-                                        initial_state=initial_state, chunk_size=chunk_size)
-        return o, (s if output_final_state else None)
-
-    attend = mla_layer.expanded_attention
-    monkeypatch.setattr(kda_layer, "causal_depthwise_conv", conv)
-    monkeypatch.setattr(kda_layer, "_kda_ops", lambda: SimpleNamespace(chunk_kda=chunk_kda))
-    monkeypatch.setattr(mla_layer, "expanded_attention",
-                        lambda q, k, v, m, scale: sp.attention_sequence_parallel(q, k, v, m, scale, mesh=mesh,
-                                                                                  attend=attend))
 
 
 def test_every_param_has_logical_axes(setup):

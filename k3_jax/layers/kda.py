@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from k3_jax.config import K3Config
 from k3_jax.layers.common import Linear, Weight, compute_dtype, logical, rms_norm
+from k3_jax.layers.parallel import axis_size
 from pallas_kernels.kda import reference as kda_reference
 
 
@@ -95,8 +96,14 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None:
             conv_states = jnp.split(cache["conv"], 3, axis=-1)
         outs, new_conv = [], []
+        seq_parallel = cache is None and axis_size("sequence") > 1
         for u, ker, st in zip((q, k, v), kernels, conv_states, strict=True):
-            o, ns = causal_depthwise_conv(u, ker, st, segment_ids)
+            if seq_parallel:  # T is split over `sequence`: 3-token halo from the previous shard
+                from sharding.sequence_parallel import short_conv_sequence_parallel  # noqa: PLC0415
+
+                o, ns = short_conv_sequence_parallel(u, ker, segment_ids=segment_ids), None
+            else:
+                o, ns = causal_depthwise_conv(u, ker, st, segment_ids)
             outs.append(jax.nn.silu(o.astype(jnp.float32)))
             new_conv.append(ns)
         q, k, v = (o.reshape(b, t, h, dk) for o in outs)
@@ -104,8 +111,8 @@ class KimiDeltaAttention(nn.Module):
         k = kda_reference.l2norm(k).astype(dt)
         v = v.astype(dt)
 
-        f = Linear(dk, ("embed", None), cfg, name="f_a_proj")(x)
-        f = Linear(hk, (None, "kda_heads"), cfg, name="f_b_proj")(f).reshape(b, t, h, dk)
+        f = Linear(dk, ("embed", "gate_lowrank"), cfg, name="f_a_proj")(x)
+        f = Linear(hk, ("gate_lowrank", "kda_heads"), cfg, name="f_b_proj")(f).reshape(b, t, h, dk)
         a_log = self.param(
             "A_log",
             logical(lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0)),
@@ -121,7 +128,12 @@ class KimiDeltaAttention(nn.Module):
         ops = _kda_ops()
         kwargs = dict(initial_state=initial_state, output_final_state=cache is not None,
                       segment_ids=segment_ids, chunk_size=cfg.kda_chunk_size)
-        if ops is not None:
+        if seq_parallel:  # per-shard affine state maps combined by a prefix over `sequence`
+            from sharding.sequence_parallel import kda_sequence_parallel  # noqa: PLC0415
+
+            o, final_state = kda_sequence_parallel(q, k, v, g, beta, segment_ids=segment_ids,
+                                                   initial_state=initial_state, chunk_size=cfg.kda_chunk_size)
+        elif ops is not None:
             o, final_state = ops.chunk_kda(q, k, v, g, beta, implementation=cfg.kda_implementation, **kwargs)
         else:
             o, final_state = kda_reference.chunk_kda(q, k, v, g, beta, **kwargs)

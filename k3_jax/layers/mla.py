@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from k3_jax.config import K3Config
 from k3_jax.layers.common import HIGHEST, Linear, LinearKernel, RMSNorm, compute_dtype, matmul_precision
+from k3_jax.layers.parallel import axis_size
 
 NEG_INF = -1e30
 
@@ -111,7 +112,14 @@ class KimiMLAAttention(nn.Module):
         kv_kernel = LinearKernel(c, h * (dn + dv), ("kv_lora", "heads"), cfg, name="kv_b_proj")()
 
         new_cache = None
-        if cache is None:
+        if cache is None and axis_size("sequence") > 1:
+            # T split over `sequence`: all-gather only the 576-value latent, attend in the absorbed form
+            from sharding.sequence_parallel import mla_sequence_parallel  # noqa: PLC0415
+
+            w = kv_kernel.reshape(c, h, dn + dv)
+            o = mla_sequence_parallel(q_nope.astype(dt), q_rot.astype(dt), latent.astype(dt), k_rot.astype(dt),
+                                      w[..., :dn], w[..., dn:], scale=scale, segment_ids=segment_ids)
+        elif cache is None:
             kv = jnp.matmul(latent.astype(dt), kv_kernel.astype(dt), precision=matmul_precision(cfg))
             kv = kv.reshape(b, t, h, dn + dv)
             k_nope, v = kv[..., :dn], kv[..., dn:]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from k3_jax.config import K3Config
 from k3_jax.layers.common import HIGHEST, Linear, RMSNorm, logical, param_dtype
+from k3_jax.layers.parallel import axis_size
 from k3_jax.quant.mxfp4 import pack_mxfp4
 from pallas_kernels.moe import reference as moe_reference
 
@@ -63,9 +64,9 @@ class Router(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
-        kernel = self.param("kernel", logical(nn.initializers.normal(0.02), ("embed", None)),
+        kernel = self.param("kernel", logical(nn.initializers.normal(0.02), ("embed", "router_experts")),
                             (x.shape[-1], cfg.num_experts), param_dtype(cfg))
-        bias = self.param("e_score_correction_bias", logical(nn.initializers.zeros, (None,)),
+        bias = self.param("e_score_correction_bias", logical(nn.initializers.zeros, ("router_experts",)),
                           (cfg.num_experts,), jnp.float32)
         return route(x, kernel, bias, cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
 
@@ -140,9 +141,16 @@ class LatentMoE(nn.Module):
         self.sow("intermediates", "expert_ids", expert_ids)
         z = Linear(cfg.routed_expert_hidden_size, ("embed", "latent"), cfg, name="routed_expert_down_proj")(flat)
         experts = RoutedExperts(cfg, name="experts")()
-        u = moe_reference.moe_dispatch_combine(
-            z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-            implementation=_moe_implementation(cfg))
+        impl = _moe_implementation(cfg)
+        if impl.startswith("ep_"):  # experts split over the `expert` mesh axis
+            from sharding.expert_parallel import moe_dispatch_combine_ep  # noqa: PLC0415
+
+            u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=impl[3:],
+                                        beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta)
+        else:
+            u = moe_reference.moe_dispatch_combine(
+                z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
+                implementation=impl)
         if cfg.latent_moe_use_norm:
             u = RMSNorm(cfg.rms_norm_eps, ("latent",), cfg.param_dtype, name="routed_expert_norm")(u)
         y = Linear(d, ("latent", "embed"), cfg, name="routed_expert_up_proj")(u)
@@ -152,6 +160,10 @@ class LatentMoE(nn.Module):
 
 
 def _moe_implementation(cfg: K3Config) -> str:
+    """``cfg.moe_implementation``; ``"auto"`` picks expert parallelism (all-gather "ring of experts", which suits
+    top-16 routing) when the active mesh has an ``expert`` axis, else the platform's kernels."""
+    if cfg.moe_implementation == "auto" and axis_size("expert") > 1:
+        return "ep_allgather"
     if cfg.moe_implementation in ("auto",):
         try:
             from pallas_kernels.moe import ops  # noqa: F401, PLC0415
