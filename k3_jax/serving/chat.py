@@ -45,14 +45,10 @@ def _content_text(msg: Mapping[str, Any], i: int) -> str:
         parts = []
         for j, part in enumerate(c):
             if not isinstance(part, Mapping) or part.get("type", "text") != "text" or "text" not in part:
-                raise ChatFormatError(
-                    f"messages[{i}].content[{j}]: only text parts are supported, got {part!r}"
-                )
+                raise ChatFormatError(f"messages[{i}].content[{j}]: only text parts are supported, got {part!r}")
             parts.append(str(part["text"]))
         return "".join(parts)
-    raise ChatFormatError(
-        f"messages[{i}].content must be a string or a list of text parts, got {type(c).__name__}"
-    )
+    raise ChatFormatError(f"messages[{i}].content must be a string or a list of text parts, got {type(c).__name__}")
 
 
 def _segments(
