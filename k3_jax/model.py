@@ -33,7 +33,7 @@ from k3_jax.layers.attn_res import (
     num_sources,
     output_slot,
 )
-from k3_jax.layers.common import LinearKernel, RMSNorm, compute_dtype, logical, param_dtype
+from k3_jax.layers.common import LinearKernel, RMSNorm, compute_dtype, einsum_f32, logical, param_dtype
 from k3_jax.layers.kda import KimiDeltaAttention
 from k3_jax.layers.mla import KimiMLAAttention
 from k3_jax.layers.moe import LatentMoE, SituMLP
@@ -241,8 +241,7 @@ class K3ForCausalLM(nn.Module):
             else:
                 kernel = LinearKernel(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, name="lm_head")()
             dt = compute_dtype(cfg)
-            out = jnp.matmul(hidden.astype(dt), kernel.astype(dt), preferred_element_type=jnp.float32,
-                             precision=jax.lax.Precision.HIGHEST if dt == jnp.float32 else None)
+            out = einsum_f32("btd,dv->btv", hidden.astype(dt), kernel.astype(dt))
         if cache is not None:
             return out, new_cache
         return out

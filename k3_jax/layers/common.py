@@ -42,6 +42,20 @@ def normal_init(cfg_or_std: K3Config | float = 0.02) -> Initializer:
     return nn.initializers.normal(stddev=std)
 
 
+def einsum_f32(eq: str, *operands: jax.Array) -> jax.Array:
+    """``einsum`` accumulating in fp32 and returning fp32, whatever the operand dtype.
+
+    fp32 operands use HIGHEST precision. XLA:CPU has no bf16×bf16→f32 dot, so there bf16 operands are upcast
+    first (same result, CPU only); on GPU/TPU they stay bf16 with an fp32 accumulator.
+    """
+    dtypes = {x.dtype for x in operands}
+    if dtypes == {jnp.dtype(jnp.float32)}:
+        return jnp.einsum(eq, *operands, precision=HIGHEST)
+    if jax.default_backend() == "cpu":
+        return jnp.einsum(eq, *(x.astype(jnp.float32) for x in operands), precision=HIGHEST)
+    return jnp.einsum(eq, *operands, preferred_element_type=jnp.float32)
+
+
 class LinearKernel(nn.Module):
     """Holds a linear ``kernel`` [in, out] (same path/init as :class:`Linear`) and returns it, unapplied.
 

@@ -133,6 +133,13 @@ class KimiDeltaAttention(nn.Module):
 
             o, final_state = kda_sequence_parallel(q, k, v, g, beta, segment_ids=segment_ids,
                                                    initial_state=initial_state, chunk_size=cfg.kda_chunk_size)
+        elif cache is not None and t == 1:  # decode step: one token per sequence, the recurrent form
+            kwargs.pop("chunk_size")
+            if ops is not None:
+                o, final_state = ops.recurrent_kda(q, k, v, g, beta, implementation=cfg.kda_implementation,
+                                                   **kwargs)
+            else:
+                o, final_state = kda_reference.recurrent_kda(q, k, v, g, beta, **kwargs)
         elif ops is not None:
             o, final_state = ops.chunk_kda(q, k, v, g, beta, implementation=cfg.kda_implementation, **kwargs)
         else:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from k3_jax.config import K3Config
-from k3_jax.layers.common import HIGHEST, Linear, LinearKernel, RMSNorm, compute_dtype, matmul_precision
+from k3_jax.layers.common import Linear, LinearKernel, RMSNorm, compute_dtype, einsum_f32, matmul_precision
 from k3_jax.layers.parallel import axis_size
 
 NEG_INF = -1e30
@@ -31,11 +31,9 @@ def expanded_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
 
     Scores and softmax in fp32; the probabilities are cast to ``v.dtype`` for the value product.
     """
-    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32,
-                   precision=HIGHEST if q.dtype == jnp.float32 else None) * scale
+    s = einsum_f32("bthd,bshd->bhts", q, k) * scale
     p = _softmax_attend(s, mask[:, None, :, :])
-    return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                      precision=HIGHEST if v.dtype == jnp.float32 else None).astype(v.dtype)
+    return einsum_f32("bhts,bshd->bthd", p.astype(v.dtype), v).astype(v.dtype)
 
 
 def absorbed_attention(
@@ -58,19 +56,13 @@ def absorbed_attention(
     Returns:
       ``[B, T, H, Dv]`` in ``q_nope.dtype``; scores/softmax fp32.
     """
-    prec = HIGHEST if q_nope.dtype == jnp.float32 else None
     dt = q_nope.dtype
-    q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk.astype(dt), precision=prec,
-                       preferred_element_type=jnp.float32).astype(dt)
-    s = jnp.einsum("bthc,bsc->bhts", q_lat, latent.astype(dt), precision=prec,
-                   preferred_element_type=jnp.float32)
-    s = s + jnp.einsum("bthr,bsr->bhts", q_rot, k_rot.astype(dt), precision=prec,
-                       preferred_element_type=jnp.float32)
+    q_lat = einsum_f32("bthd,chd->bthc", q_nope, w_uk.astype(dt)).astype(dt)
+    s = einsum_f32("bthc,bsc->bhts", q_lat, latent.astype(dt))
+    s = s + einsum_f32("bthr,bsr->bhts", q_rot, k_rot.astype(dt))
     p = _softmax_attend(s * scale, mask[:, None, :, :])
-    o_lat = jnp.einsum("bhts,bsc->bthc", p.astype(dt), latent.astype(dt), precision=prec,
-                       preferred_element_type=jnp.float32).astype(dt)
-    return jnp.einsum("bthc,chd->bthd", o_lat, w_uv.astype(dt), precision=prec,
-                      preferred_element_type=jnp.float32).astype(dt)
+    o_lat = einsum_f32("bhts,bsc->bthc", p.astype(dt), latent.astype(dt)).astype(dt)
+    return einsum_f32("bthc,chd->bthd", o_lat, w_uv.astype(dt)).astype(dt)
 
 
 def causal_segment_mask(segment_ids: jax.Array | None, b: int, t: int) -> jax.Array:
