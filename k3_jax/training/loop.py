@@ -9,6 +9,7 @@ what a preempted-then-resumed run looks like.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,44 @@ from k3_jax.training.step import StepConfig, make_eval_step, make_train_step
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
+def gather_data_state(state: dict) -> dict:
+    """All processes' data-iterator states as ``{"processes": [state_0, state_1, ...]}`` (JSON-able).
+
+    Each process reads its own slice of the documents, so each has its own iterator state; orbax writes JSON
+    items from one process only, so the states are all-gathered first (as fixed-size byte arrays).
+    """
+    if jax.process_count() == 1:
+        return {"processes": [state]}
+    from jax.experimental import multihost_utils
+
+    raw = json.dumps(state).encode()
+    size = int(np.max(multihost_utils.process_allgather(np.int32(len(raw)))))
+    buf = np.zeros(size, np.uint8)
+    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+    everyone = multihost_utils.process_allgather(buf)  # [P, size]
+    return {"processes": [json.loads(bytes(row).rstrip(b"\0").decode()) for row in np.asarray(everyone)]}
+
+
+def select_data_state(saved: dict) -> dict:
+    """This process's iterator state from :func:`gather_data_state`'s output."""
+    states = saved.get("processes")
+    if states is None:
+        return saved
+    if len(states) != jax.process_count():
+        raise ValueError(f"checkpoint has data states of {len(states)} processes, running {jax.process_count()}"
+                         " (resume with the same number of processes)")
+    return states[jax.process_index()]
+
+
+def _any_process(flag: bool) -> bool:
+    """True on every process if ``flag`` is True on any (so all processes save the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Everything a run needs; ``python train.py --set key=value`` sets these or model-config fields."""
@@ -36,9 +75,9 @@ class TrainConfig:
     config: str = "configs/k3-tiny.json"
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     workdir: str = "runs/k3-tiny"
-    steps: int = 200
+    steps: int = 100
     stop_at: int | None = None  # end this run at this step (checkpointed); the schedule still uses `steps`
-    seq_len: int = 128
+    seq_len: int = 64
     batch_size: int = 8  # global rows per step (all processes, all micro-batches)
     accum: int = 1
     seed: int = 0
@@ -56,7 +95,7 @@ class TrainConfig:
     qb: bool = True
     qb_method: str = "histogram"
     # eval / logging / checkpoints
-    eval_every: int = 50
+    eval_every: int = 25
     eval_batches: int = 2
     log_every: int = 10
     save_every: int = 0  # 0: only at the end / on SIGTERM
@@ -212,7 +251,7 @@ class Trainer:
         start = 0
         if tc.resume and ckpt.latest_step() is not None:
             state, data_state, start = ckpt.restore(state)
-            it.set_state(data_state)
+            it.set_state(select_data_state(data_state))
         end = min(tc.steps, tc.stop_at) if tc.stop_at is not None else tc.steps
         logger = MetricsLogger(tc.workdir, tc.steps, print_every=tc.log_every, tensorboard=tc.tensorboard,
                                start_step=start)
@@ -226,7 +265,7 @@ class Trainer:
         tokens_per_step = tc.batch_size * tc.seq_len
         n_dev = jax.device_count()
         compile_s = None
-        step = start
+        step = last_saved = start
         try:
             with self._context():
                 while step < end:
@@ -250,13 +289,15 @@ class Trainer:
                         ev = self.evaluate(eval_step, state["params"])
                         evals.append({"step": step, **ev})
                         logger.log(step, ev, kind="eval")
-                    if ckpt.should_save(step) or flag.triggered:
-                        ckpt.save(step, state, it.get_state(), force=flag.triggered)
-                    if flag.triggered:
+                    preempted = _any_process(flag.triggered)
+                    if ckpt.should_save(step) or preempted:
+                        ckpt.save(step, state, gather_data_state(it.get_state()), force=preempted)
+                        last_saved = step
+                    if preempted:
                         logger.log(step, {"event": "preempted", "signal": flag.signum}, kind="meta")
                         break
-            if step > start or ckpt.latest_step() is None:
-                ckpt.save(step, state, it.get_state(), force=True)
+            if last_saved != step and (step > start or ckpt.latest_step() is None):
+                ckpt.save(step, state, gather_data_state(it.get_state()), force=True)
         finally:
             ckpt.close()
             flag.restore_handlers()
