@@ -129,7 +129,9 @@ def test_tiny_model_overfits_one_batch_and_all_params_get_gradients():
         return optax.apply_updates(p, updates), s, loss
 
     losses = []
-    for _ in range(200):
+    for _ in range(200):  # the bound; stop as soon as the loss has fallen by 90%
         params, state, loss = step(params, state)
         losses.append(float(loss))
-    assert losses[-1] <= 0.1 * losses[0], (losses[0], losses[-1])
+        if losses[-1] <= 0.1 * losses[0]:
+            break
+    assert losses[-1] <= 0.1 * losses[0], (losses[0], losses[-1], len(losses))
