@@ -368,6 +368,14 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> K3Config:
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+    if not os.path.exists(path) and not os.path.isabs(path):
+        # "configs/k3-tiny.json" or "k3-tiny" from any working directory: the repository's configs/
+        repo_configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+        for candidate in (os.path.join(repo_configs, os.path.basename(path)),
+                          os.path.join(repo_configs, f"{path}.json")):
+            if os.path.exists(candidate):
+                path = candidate
+                break
     try:
         with open(path) as f:
             raw = json.load(f)
