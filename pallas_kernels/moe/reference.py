@@ -35,12 +35,17 @@ def grouped_matmul(
     Row block ``g`` (``group_sizes[g]`` rows, in order) is multiplied by ``rhs[g]``; trailing rows beyond
     ``sum(group_sizes)`` give 0. ``rhs`` is cast to ``lhs.dtype``; f32 inputs use HIGHEST precision.
     Output dtype: ``preferred_element_type`` or ``lhs.dtype``.
+
+    ``jax.lax.ragged_dot`` on GPU/TPU. XLA:CPU lowers ``ragged_dot`` ~30x slower than a dense matmul of the same
+    FLOPs, so on CPU the same product is computed by :func:`grouped_matmul_tiled` (identical semantics).
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"grouped_matmul: expected lhs [M, K], rhs [E, K, N]; got {lhs.shape}, {rhs.shape}")
     if group_sizes.shape != (rhs.shape[0],):
         raise ValueError(f"grouped_matmul: group_sizes must be [E={rhs.shape[0]}], got {group_sizes.shape}")
     out_dtype = preferred_element_type or lhs.dtype
+    if jax.default_backend() == "cpu":
+        return grouped_matmul_tiled(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
     return jax.lax.ragged_dot(
         lhs,
         rhs.astype(lhs.dtype),
@@ -49,6 +54,49 @@ def grouped_matmul(
         precision=jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
         preferred_element_type=out_dtype,
     )
+
+
+def grouped_matmul_tiled(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    tile: int = 64,
+    preferred_element_type: jnp.dtype | None = None,
+) -> jax.Array:
+    """:func:`grouped_matmul` as a batch of ``[tile, K] x [K, N]`` products (megablox's schedule in plain JAX).
+
+    Rows are cut into ``ceil(M / tile)`` tiles; a work item is a (tile, group) pair whose rows overlap, so there
+    are at most ``tiles + E - 1`` items (a static bound). Each item multiplies its whole tile by ``rhs[group]``
+    and keeps only that group's rows; items are scatter-added back. FLOPs ≤ (1 + E·tile/M) x the ragged product.
+    Differentiable by plain autodiff (gathers, one batched einsum, a scatter-add).
+    """
+    m, k = lhs.shape
+    e, _, n = rhs.shape
+    out_dtype = preferred_element_type or lhs.dtype
+    tiles = max(1, -(-m // tile))
+    items = tiles + e - 1
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first_tile = starts // tile
+    last_tile = jnp.maximum(ends - 1, 0) // tile
+    count = jnp.where(sizes > 0, last_tile - first_tile + 1, 0)  # tiles each group touches
+    item_end = jnp.cumsum(count)
+    item = jnp.arange(items, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(item_end, item, side="right"), e - 1).astype(jnp.int32)
+    valid = item < item_end[-1]
+    tile_idx = jnp.where(valid, first_tile[group] + item - (item_end[group] - count[group]), 0)
+    padded = jnp.pad(lhs, ((0, tiles * tile - m), (0, 0))).reshape(tiles, tile, k)
+    x = padded[tile_idx]  # [items, tile, K]
+    w = rhs.astype(lhs.dtype)[group]  # [items, K, N]
+    prec = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    y = jnp.einsum("itk,ikn->itn", x, w, precision=prec, preferred_element_type=jnp.float32)
+    rows = tile_idx[:, None] * tile + jnp.arange(tile)[None, :]
+    keep = valid[:, None] & (rows >= starts[group][:, None]) & (rows < ends[group][:, None])
+    y = jnp.where(keep[..., None], y, 0.0)
+    out = jnp.zeros((tiles, tile, n), jnp.float32).at[tile_idx].add(y)
+    return out.reshape(tiles * tile, n)[:m].astype(out_dtype)
 
 
 def situ_glu(gate: jax.Array, up: jax.Array, beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
