@@ -47,7 +47,7 @@ if importlib.util.find_spec("k3_jax") is None:
         raise RuntimeError("run this notebook from inside a k3-jax checkout (its examples/ folder)")
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(REPO)])
     sys.path.insert(0, str(REPO))  # a running kernel does not re-read the editable install's .pth file
-import k3_jax
+import k3_jax  # noqa: E402 - after the guarded install above
 
 print("k3_jax from", Path(k3_jax.__file__).parent)
 

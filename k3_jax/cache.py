@@ -13,7 +13,6 @@ for the full model.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from k3_jax.config import K3Config
@@ -40,23 +39,32 @@ def init_cache(cfg: K3Config, batch: int, max_len: int, dtype: str | jnp.dtype |
     return {"lengths": jnp.zeros((batch,), jnp.int32), "segments": segments}
 
 
-def cache_bytes_per_sequence(cfg: K3Config, length: int, latent_bytes: int = 2) -> dict[str, int]:
-    """Bytes one sequence of ``length`` tokens occupies: KDA states (fp32), conv tails, MLA latents."""
-    n_kda = sum(1 for i in range(cfg.num_hidden_layers) if cfg.mixer_kind(i) == "kda")
-    n_mla = cfg.num_hidden_layers - n_kda
-    state = n_kda * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
-    conv = n_kda * (cfg.short_conv_kernel_size - 1) * 3 * cfg.kda_proj_size * latent_bytes
-    latent = n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * length * latent_bytes
-    return {"kda_state": state, "conv": conv, "mla_latent": latent, "total": state + conv + latent}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
-def reset_rows(cache: dict, rows: jax.Array) -> dict:
-    """Zero the cache rows where ``rows`` [B] bool is True (a freed decode slot) and their lengths."""
+def cache_bytes_per_sequence(
+    cfg: K3Config,
+    length: int,
+    latent_dtype: str = "bfloat16",
+    conv_dtype: str = "float32",
+    fp8_scale_bytes: int = 4,
+) -> dict[str, int]:
+    """Analytic decode-cache bytes of one sequence of ``length`` tokens.
 
-    def zero(x: jax.Array, batch_axis: int) -> jax.Array:
-        shape = [1] * x.ndim
-        shape[batch_axis] = x.shape[batch_axis]
-        return jnp.where(rows.reshape(shape), jnp.zeros((), x.dtype), x)
-
-    segments = jax.tree.map(lambda x: zero(x, 1), cache["segments"])
-    return {"lengths": jnp.where(rows, 0, cache["lengths"]), "segments": segments}
+    ``kda_state = L_kda·H·K·V·4`` (69·96·128·128·4 = 434 MB for K3),
+    ``kda_conv = L_kda·(W-1)·3·H·Dk·bytes``,
+    ``mla_latent = L_mla·(kv_lora+rope)·bytes·length`` (24·576·bytes per token for K3) + fp8 scales.
+    """
+    n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+    hk = cfg.kda_num_heads * cfg.kda_head_dim
+    lat = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    out = {
+        "kda_state": n_kda * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4,
+        "kda_conv": n_kda * (cfg.short_conv_kernel_size - 1) * 3 * hk * _BYTES[conv_dtype],
+        "mla_latent": n_mla * lat * _BYTES[latent_dtype] * length,
+    }
+    if latent_dtype == "float8_e4m3fn":
+        out["mla_latent"] += n_mla * fp8_scale_bytes * length
+    out["mla_latent_per_token"] = out["mla_latent"] // max(length, 1)
+    out["total"] = out["kda_state"] + out["kda_conv"] + out["mla_latent"]
+    return out

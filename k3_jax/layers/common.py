@@ -15,10 +15,6 @@ HIGHEST = jax.lax.Precision.HIGHEST
 Initializer = Callable[..., jax.Array]
 
 
-def dtype_of(name: str) -> jnp.dtype:
-    return jnp.dtype(name)
-
-
 def compute_dtype(cfg: K3Config) -> jnp.dtype:
     return jnp.dtype(cfg.dtype)
 
@@ -35,11 +31,6 @@ def matmul_precision(cfg: K3Config) -> jax.lax.Precision:
 def logical(init: Initializer, names: Sequence[str | None]) -> Initializer:
     """Attach logical axis names to an initialiser (the param is boxed in ``nn.LogicallyPartitioned``)."""
     return nn.with_logical_partitioning(init, tuple(names))
-
-
-def normal_init(cfg_or_std: K3Config | float = 0.02) -> Initializer:
-    std = cfg_or_std if isinstance(cfg_or_std, float) else 0.02
-    return nn.initializers.normal(stddev=std)
 
 
 def einsum_f32(eq: str, *operands: jax.Array) -> jax.Array:

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3_jax.cache import cache_bytes_per_sequence  # noqa: F401 - re-exported (see __all__)
+
 __all__ = [
     "PagedCacheSpec",
     "PagedCache",
@@ -236,37 +238,6 @@ def reset_slots(cache: PagedCache, slot_mask: jax.Array) -> PagedCache:
     state = jnp.where(slot_mask[None, :, None, None, None], 0, cache.kda_state).astype(cache.kda_state.dtype)
     conv = jnp.where(slot_mask[None, :, None, None], 0, cache.kda_conv).astype(cache.kda_conv.dtype)
     return cache._replace(kda_state=state, kda_conv=conv, lengths=jnp.where(slot_mask, 0, cache.lengths))
-
-
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
-
-
-def cache_bytes_per_sequence(
-    cfg: Any,
-    length: int,
-    latent_dtype: str = "bfloat16",
-    conv_dtype: str = "float32",
-    fp8_scale_bytes: int = 4,
-) -> dict[str, int]:
-    """Analytic decode-cache bytes of one sequence of ``length`` tokens.
-
-    ``kda_state = L_kda·H·K·V·4`` (69·96·128·128·4 = 434 MB for K3),
-    ``kda_conv = L_kda·(W-1)·3·H·Dk·bytes``,
-    ``mla_latent = L_mla·(kv_lora+rope)·bytes·length`` (24·576·bytes per token for K3) + fp8 scales.
-    """
-    n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
-    hk = cfg.kda_num_heads * cfg.kda_head_dim
-    lat = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    out = {
-        "kda_state": n_kda * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4,
-        "kda_conv": n_kda * (cfg.short_conv_kernel_size - 1) * 3 * hk * _BYTES[conv_dtype],
-        "mla_latent": n_mla * lat * _BYTES[latent_dtype] * length,
-    }
-    if latent_dtype == "float8_e4m3fn":
-        out["mla_latent"] += n_mla * fp8_scale_bytes * length
-    out["mla_latent_per_token"] = out["mla_latent"] // max(length, 1)
-    out["total"] = out["kda_state"] + out["kda_conv"] + out["mla_latent"]
-    return out
 
 
 def device_cache_bytes(cache: PagedCache) -> int:
