@@ -30,6 +30,18 @@ from k3_jax.convert import names as N
 from k3_jax.convert.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, SafetensorsWriter, read_header
 from k3_jax.convert.transforms import pack_mxfp4_np, to_flax, to_hf, unpack_mxfp4_np
 
+
+def publish_dir(tmp: str, out_dir: str) -> None:
+    """Move the completed, verified directory ``tmp`` to ``out_dir`` (replacing an old one) by renames only, so
+    a reader never sees a half-written ``out_dir``."""
+    if os.path.exists(out_dir):
+        old = f"{out_dir}.old-{os.getpid()}"
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out_dir)
+
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -612,13 +624,7 @@ def save_checkpoint(
         rep = verify(tmp)
         if not rep.ok:
             raise CheckpointError(f"{tmp}: export failed verification:\n  " + "\n  ".join(rep.errors))
-        if os.path.exists(out_dir):
-            old = f"{out_dir}.old-{os.getpid()}"
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out_dir)
+        publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

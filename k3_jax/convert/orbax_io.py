@@ -27,6 +27,7 @@ from k3_jax.convert.hf import (
     iter_layer_values,
     layer_slots,
     param_shapes,
+    publish_dir,
 )
 
 
@@ -112,13 +113,7 @@ def convert_to_orbax(
         arrays.clear()
         with open(os.path.join(tmp, "k3_config.json"), "w") as f:
             json.dump(cfg.to_hf_dict(), f, indent=2)
-        if os.path.exists(out_dir):
-            old = f"{out_dir}.old-{os.getpid()}"
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out_dir)
+        publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
