@@ -9,6 +9,11 @@ under ``jit`` with a static upper bound of ``ceil(M / tm) + E`` tiles; programs 
 - :func:`gmm`: forward (``rhs [E, K, N]``, or ``[E, N, K]`` with ``transpose_rhs``) with ``custom_vjp``:
   ``dlhs = gmm(dout, rhs, transpose_rhs=True)``, ``drhs = tgmm(lhs, dout)``.
 - :func:`tgmm`: one program per (group, K tile, N tile), looping over that group's rows.
+- :func:`gmm_glu`: fused ``SiTU-GLU(x @ w1[g], x @ w3[g])`` (two accumulators, epilogue in registers, no
+  ``[M, 2I]`` intermediate in HBM), forward only (``ops`` gives it a grouped-matmul backward).
+- :func:`gmm_mxfp4`: grouped matmul whose weights stay MXFP4 in HBM (HF ``[E, N, K/2]`` codes + ``[E, N, K/32]``
+  E8M0 scales) and are decoded in registers; one or two weights (w1/w3 with the SiTU-GLU epilogue). Built for
+  decode (few rows per expert: weight-streaming bound), forward only.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ def make_tile_table(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array,
     return gid, row0, ends, num.reshape(1).astype(jnp.int32)
 
 
-def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, rhs_ref, out_ref, *,
-                tm: int, tk: int, tn: int, k: int, num_groups: int, trans_b: bool):
+def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, *refs,
+                tm: int, tk: int, tn: int, k: int, num_groups: int, trans_b: bool, n_rhs: int = 1, epilogue=None):
+    """One ``[tm, tn]`` output tile; ``refs = (*rhs_refs, out_ref)``; with two rhs, ``epilogue(acc1, acc2)``."""
+    rhs_refs, out_ref = refs[:n_rhs], refs[n_rhs]
     t = pl.program_id(1)
     j = pl.program_id(0)
 
@@ -54,35 +61,41 @@ def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, rhs_ref, out_ref,
         gw = jnp.minimum(g, num_groups - 1)
         smask = rows < end
 
-        def body(kk, acc):
+        def body(kk, accs):
             k0 = pl.multiple_of(kk * tk, tk)
             a = pltriton.load(lhs_ref.at[pl.ds(r0, tm), pl.ds(k0, tk)], mask=rmask[:, None], other=0.0)
-            if trans_b:
-                b = rhs_ref[gw, pl.ds(n0, tn), pl.ds(k0, tk)].T
-            else:
-                b = rhs_ref[gw, pl.ds(k0, tk), pl.ds(n0, tn)]
-            return acc + jnp.dot(a, b.astype(a.dtype), preferred_element_type=jnp.float32)
+            out = []
+            for rhs_ref, acc in zip(rhs_refs, accs, strict=True):
+                if trans_b:
+                    b = rhs_ref[gw, pl.ds(n0, tn), pl.ds(k0, tk)].T
+                else:
+                    b = rhs_ref[gw, pl.ds(k0, tk), pl.ds(n0, tn)]
+                out.append(acc + jnp.dot(a, b.astype(a.dtype), preferred_element_type=jnp.float32))
+            return tuple(out)
 
-        acc = jnp.zeros((tm, tn), jnp.float32)
-        acc = jax.lax.fori_loop(0, k // tk, body, acc)
-        pltriton.store(out_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)], acc.astype(out_ref.dtype), mask=smask[:, None])
+        accs = tuple(jnp.zeros((tm, tn), jnp.float32) for _ in range(n_rhs))
+        accs = jax.lax.fori_loop(0, k // tk, body, accs)
+        val = epilogue(*accs) if epilogue is not None else accs[0]
+        pltriton.store(out_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)], val.astype(out_ref.dtype), mask=smask[:, None])
 
 
-def _gmm_call(lhs, rhs, group_sizes, *, trans_b, out_dtype, tiles, interpret):
+def _gmm_call(lhs, rhs, group_sizes, *, trans_b, out_dtype, tiles, interpret, rhs2=None, epilogue=None):
     m, k = lhs.shape
     e = rhs.shape[0]
     n = rhs.shape[1] if trans_b else rhs.shape[2]
     tm, tk, tn, warps, stages = tiles
     gid, row0, ends, num = make_tile_table(group_sizes, m, tm)
-    kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k=k, num_groups=e, trans_b=trans_b)
+    rhs_list = [rhs] if rhs2 is None else [rhs, rhs2]
+    kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k=k, num_groups=e, trans_b=trans_b,
+                               n_rhs=len(rhs_list), epilogue=epilogue)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(n // tn, gid.shape[0]),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name="moe_gmm_gpu",
-    )(gid, row0, ends, num, lhs, rhs)
+        name="moe_gmm_gpu" if rhs2 is None else "moe_gmm_glu_gpu",
+    )(gid, row0, ends, num, lhs, *rhs_list)
 
 
 def _tgmm_kernel(ends_ref, lhs_ref, dout_ref, out_ref, *, tm: int, tk: int, tn: int):
@@ -120,7 +133,9 @@ def _tgmm_call(lhs, dout, group_sizes, *, out_dtype, tiles, interpret):
     )(ends, lhs, dout)
 
 
-DEFAULT_TILES = (128, 64, 128, 8, 4)  # tm, tk, tn, num_warps, num_stages
+DEFAULT_TILES = (128, 64, 256, 8, 3)  # tm, tk, tn, num_warps, num_stages (best of 4 on the H200, RESULTS.md)
+GLU_TILES = (128, 64, 128, 8, 3)  # two f32 accumulators: half the N tile of DEFAULT_TILES
+MXFP4_TILES = (16, 128, 64, 4, 4)  # tm, tkh (packed bytes of K per step), tn, num_warps, num_stages
 TGMM_TILES = (64, 128, 128, 8, 3)
 
 
@@ -185,3 +200,175 @@ def tgmm(lhs, dout, group_sizes, *, tiles=None, out_dtype=jnp.float32, interpret
         lhs, dout = (jnp.pad(a, ((0, tiles[0]), (0, 0))) for a in (lhs, dout))
     return _tgmm_call(lhs, dout.astype(lhs.dtype), group_sizes.astype(jnp.int32), out_dtype=out_dtype,
                       tiles=tiles, interpret=interpret)
+
+
+# ------------------------------------------------------------------------------------- fused w1/w3 GLU
+def situ_epilogue(beta1: float, beta2: float, dtype):
+    """``f(gate f32, up f32) -> f32`` SiTU-GLU; gate/up are rounded to ``dtype`` first, as in the reference."""
+
+    def f(gate, up):
+        g = gate.astype(dtype).astype(jnp.float32)
+        u = up.astype(dtype).astype(jnp.float32)
+        act = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
+        return act * (beta2 * jnp.tanh(u / beta2))
+
+    return f
+
+
+def gmm_glu(
+    x: jax.Array,
+    w1: jax.Array,
+    w3: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+    tiles: tuple[int, int, int, int, int] | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``SiTU-GLU(x @ w1[g], x @ w3[g])`` per group in one kernel -> ``[M, I]`` in ``x.dtype`` (forward only).
+
+    Args:
+      x: ``[M, L]`` bf16/f32, sorted by expert; w1, w3: ``[E, L, I]``; group_sizes: ``[E] i32``.
+    Rows past ``sum(group_sizes)`` give 0 (SiTU-GLU(0, 0) = 0).
+    """
+    k, n = w1.shape[1], w1.shape[2]
+    if w3.shape != w1.shape:
+        raise ValueError(f"gpu.gmm_glu: w1 {w1.shape} and w3 {w3.shape} must match")
+    tiles = _fit(tiles or GLU_TILES, k, n)
+    if k % tiles[1] or n % tiles[2]:
+        raise ValueError(f"gpu.gmm_glu: L={k}, I={n} must be multiples of the tiles (tk={tiles[1]}, tn={tiles[2]})")
+    m = x.shape[0]
+    xp = jnp.pad(x, ((0, tiles[0]), (0, 0))) if interpret else x
+    out = _gmm_call(xp, w1.astype(x.dtype), group_sizes.astype(jnp.int32), trans_b=False, out_dtype=x.dtype,
+                    tiles=tiles, interpret=interpret, rhs2=w3.astype(x.dtype),
+                    epilogue=situ_epilogue(beta1, beta2, x.dtype))
+    return out[:m]
+
+
+# ------------------------------------------------------------------------------------------- MXFP4 gmm
+def even_odd_columns(x: jax.Array) -> jax.Array:
+    """``[M, K]`` -> ``[M, K]``: even columns, then odd ones (the low / high nibble order of packed codes)."""
+    return jnp.concatenate([x[:, 0::2], x[:, 1::2]], axis=1)
+
+
+def _scale_factor(scales: jax.Array) -> jax.Array:
+    """E8M0 ``i32 [...]`` -> ``f32 2^(s - 127) * 2^14`` (the 2^14 undoes the f16 placement in :func:`_decode`).
+
+    Exact for s in 0..240; 255 (NaN in E8M0) gives NaN; s > 240 (|w| >= 2^114, absent from real weights)
+    overflows to inf where the reference is finite.
+    """
+    f = jax.lax.bitcast_convert_type(scales << 23, jnp.float32) * jnp.float32(16384.0)
+    f = jnp.where(scales == 0, jnp.float32(2.0**-113), f)
+    return jnp.where(scales == 255, jnp.float32(jnp.nan), f)
+
+
+def _decode(codes: jax.Array, factor: jax.Array, dtype) -> jax.Array:
+    """4-bit E2M1 codes (low 4 bits of ``i32 [tn, tkh]``; higher bits ignored) x ``factor f32 [tn, tkh]``.
+
+    The 3 magnitude bits go to f16 bits 9..11 (exponent low bits + top mantissa bit) and the sign to bit 15:
+    the f16 value is ``E2M1 * 2^-14`` exactly, subnormals (+-0.5) included, so no select is needed.
+    """
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    v = jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(jnp.float32)
+    return (v * factor).astype(dtype)
+
+
+def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, x_ref, *refs,
+                      tm: int, tkh: int, tn: int, kh: int, num_groups: int, n_rhs: int, epilogue):
+    """``refs = (codes_1, scales_1[, codes_2, scales_2], out)``; x is in even|odd column order."""
+    w_refs, out_ref = refs[:2 * n_rhs], refs[2 * n_rhs]
+    t = pl.program_id(1)
+    j = pl.program_id(0)
+
+    @pl.when(t < num_ref[0])
+    def _run():
+        g = gid_ref[t]
+        r0 = row0_ref[t]
+        end = ends_ref[g]
+        rows = r0 + jnp.arange(tm, dtype=jnp.int32)
+        smask = rows < end
+        n0 = pl.multiple_of(j * tn, tn)
+        gw = jnp.minimum(g, num_groups - 1)
+        ts = tkh // 16  # scales per K step (one per 32 elements = 16 packed bytes)
+
+        def body(kk, accs):
+            k0 = pl.multiple_of(kk * tkh, tkh)
+            a_lo = pltriton.load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, tkh)], mask=smask[:, None], other=0.0)
+            a_hi = pltriton.load(x_ref.at[pl.ds(r0, tm), pl.ds(kh + k0, tkh)], mask=smask[:, None], other=0.0)
+            out = []
+            for r in range(n_rhs):
+                codes = w_refs[2 * r][gw, pl.ds(n0, tn), pl.ds(k0, tkh)].astype(jnp.int32)
+                sc = w_refs[2 * r + 1][gw, pl.ds(n0, tn), pl.ds(kk * ts, ts)].astype(jnp.int32) & 0xFF
+                f = jnp.broadcast_to(_scale_factor(sc)[:, :, None], (tn, ts, 16)).reshape(tn, tkh)
+                lo = _decode(codes, f, a_lo.dtype)  # even K columns
+                hi = _decode(codes >> 4, f, a_lo.dtype)  # odd K columns
+                acc = accs[r] + jax.lax.dot_general(a_lo, lo, (((1,), (1,)), ((), ())),
+                                                    preferred_element_type=jnp.float32)
+                acc = acc + jax.lax.dot_general(a_hi, hi, (((1,), (1,)), ((), ())),
+                                                preferred_element_type=jnp.float32)
+                out.append(acc)
+            return tuple(out)
+
+        accs = tuple(jnp.zeros((tm, tn), jnp.float32) for _ in range(n_rhs))
+        # The virtual trailing group (rows past sum(group_sizes)) streams no weights and stores zeros.
+        steps = jnp.where(g < num_groups, kh // tkh, 0).astype(jnp.int32)
+        accs = jax.lax.fori_loop(jnp.int32(0), steps, body, accs)
+        val = epilogue(*accs) if epilogue is not None else accs[0]
+        pltriton.store(out_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)], val.astype(out_ref.dtype), mask=smask[:, None])
+
+
+def gmm_mxfp4(
+    x: jax.Array,
+    weights: list[tuple[jax.Array, jax.Array]],
+    group_sizes: jax.Array,
+    *,
+    epilogue=None,
+    out_dtype=None,
+    tiles: tuple[int, int, int, int, int] | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Grouped matmul with MXFP4 weights decoded in registers: ``x[rows of g] @ W[g]^T`` for HF ``W [E, N, K]``.
+
+    Args:
+      x: ``[M, K]`` bf16/f32 activations sorted by expert (natural column order).
+      weights: one ``(codes u8 [E, N, K/2], scales u8 [E, N, K/32])`` pair (HF layout, as stored in the
+        checkpoint: no transpose, no dequantized copy), or two with ``epilogue(acc1, acc2) -> f32``.
+      group_sizes: ``[E] i32``; experts with no rows are not read.
+      tiles: ``(tm, tkh, tn, num_warps, num_stages)``; tkh counts packed bytes (K/2) per step, a multiple of 16.
+    Returns:
+      ``[M, N]`` in ``out_dtype`` (default ``x.dtype``); rows past ``sum(group_sizes)`` are 0. Forward only.
+    """
+    if not 1 <= len(weights) <= 2 or (len(weights) == 2) != (epilogue is not None):
+        raise ValueError("gpu.gmm_mxfp4: pass one weight, or two weights with an epilogue")
+    m, k = x.shape
+    codes0, scales0 = weights[0]
+    e, n, kh = codes0.shape
+    for codes, scales in weights:
+        if codes.dtype != jnp.uint8 or scales.dtype != jnp.uint8:
+            raise TypeError(f"gpu.gmm_mxfp4: codes/scales must be u8, got {codes.dtype}/{scales.dtype}")
+        if codes.shape != (e, n, kh) or scales.shape != (e, n, k // 32):
+            raise ValueError(f"gpu.gmm_mxfp4: x [M, K={k}] needs codes [E, N, {k // 2}] and scales "
+                             f"[E, N, {k // 32}], got {codes.shape} / {scales.shape} (first codes {codes0.shape})")
+    if 2 * kh != k or k % 32:
+        raise ValueError(f"gpu.gmm_mxfp4: x has K={k} but codes {codes0.shape} imply K={2 * kh} (K % 32 == 0)")
+    tm, tkh, tn, warps, stages = tiles or MXFP4_TILES
+    tkh, tn = min(tkh, kh), min(tn, n)
+    if kh % tkh or tkh % 16 or n % tn:
+        raise ValueError(f"gpu.gmm_mxfp4: K/2={kh}, N={n} must be multiples of tkh={tkh} (a multiple of 16), "
+                         f"tn={tn}")
+    xe = even_odd_columns(x)
+    # The interpreter clamps out-of-range slices instead of masking them: give it tm spare rows.
+    xe = jnp.pad(xe, ((0, tm), (0, 0))) if interpret else xe
+    gid, row0, ends, num = make_tile_table(group_sizes.astype(jnp.int32), m, tm)
+    kernel = functools.partial(_gmm_mxfp4_kernel, tm=tm, tkh=tkh, tn=tn, kh=kh, num_groups=e,
+                               n_rhs=len(weights), epilogue=epilogue)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((xe.shape[0], n), jnp.dtype(out_dtype or x.dtype)),
+        grid=(n // tn, gid.shape[0]),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name="moe_gmm_mxfp4_gpu",
+    )(gid, row0, ends, num, xe, *[a for w in weights for a in w])
+    return out[:m]

@@ -6,11 +6,12 @@
   * ``"reference"``: :mod:`pallas_kernels.moe.reference`;
   * ``"pallas_tpu"``: Mosaic kernels (:mod:`.tpu`): grouped matmul with a kernel backward, fused w1/w3 +
     SiTU-GLU kernel, MXFP4 weights decoded in VMEM (forward only);
-  * ``"pallas_gpu"``: Triton kernels (:mod:`.gpu`): grouped matmul with a kernel backward; SiTU-GLU runs as
-    an XLA elementwise op between the two matmuls; MXFP4 weights are dequantized to bf16 first.
+  * ``"pallas_gpu"``: Triton kernels (:mod:`.gpu`): grouped matmul with a kernel backward, fused w1/w3 +
+    SiTU-GLU kernel (grouped-matmul-kernel backward), MXFP4 weights decoded in registers from the packed
+    HF layout (forward only; the w1/w3 pair in one kernel with the SiTU-GLU epilogue).
 
 Gradients: every bf16/f32 path is differentiable w.r.t. tokens, routing weights and expert weights. The
-MXFP4 paths are for serving: on ``pallas_tpu`` they are forward-only.
+MXFP4 paths are for serving: on ``pallas_tpu`` and ``pallas_gpu`` they are forward-only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from k3_jax.quant.mxfp8 import fake_quant_mxfp8
 from pallas_kernels.moe import reference as ref
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+#: pallas_gpu bf16/f32 expert FFN: fused w1/w3 + SiTU-GLU kernel (True) or two grouped matmuls + XLA SiTU-GLU.
+#: ``benchmarks/moe.py`` measures both (``ours_fwd`` vs ``ours_unfused_fwd``).
+GPU_FUSED_GLU = True
 
 
 def resolve(implementation: str, interpret: bool = False, name: str = "moe") -> str:
@@ -58,6 +62,11 @@ def grouped_matmul(
     (HF ``[out, in]`` orientation).
     """
     impl = resolve(implementation, interpret, "grouped_matmul")
+    if is_mxfp4(rhs) and impl == "pallas_gpu":
+        from pallas_kernels.moe import gpu
+
+        return gpu.gmm_mxfp4(lhs, [(rhs["weight_packed"], rhs["weight_scale"])], group_sizes,
+                             out_dtype=preferred_element_type, interpret=interpret)
     if is_mxfp4(rhs) and impl == "pallas_tpu":
         from pallas_kernels.moe import tpu
 
@@ -82,21 +91,47 @@ def tpu_glu_fn(beta1: float, beta2: float, interpret: bool):
     """``f(x, w1, w3, group_sizes) -> [M, I]``: fused kernel forward, grouped-matmul-kernel backward."""
     from pallas_kernels.moe import tpu
 
+    return _glu_fn(tpu, beta1, beta2, interpret, save_products=False)
+
+
+@functools.cache
+def gpu_glu_fn(beta1: float, beta2: float, interpret: bool):
+    """GPU twin of :func:`tpu_glu_fn`: the fused Triton kernel when not differentiated; under differentiation
+    the forward runs the two grouped matmuls and keeps gate/up for the backward (no recompute)."""
+    from pallas_kernels.moe import gpu
+
+    return _glu_fn(gpu, beta1, beta2, interpret, save_products=True)
+
+
+def _glu_fn(kern, beta1: float, beta2: float, interpret: bool, *, save_products: bool):
+    """``custom_vjp`` around ``kern.gmm_glu``; the backward uses ``kern.gmm``'s kernel backward.
+
+    ``save_products``: the differentiated forward computes gate/up with ``kern.gmm`` and saves them (trading
+    the fused kernel for no recompute); otherwise it runs the fused kernel and the backward recomputes them.
+    """
+
+    def products(x, w1, w3, gs):
+        return (kern.gmm(x, w1, gs, interpret=interpret), kern.gmm(x, w3, gs, interpret=interpret))
+
+    act = lambda g, u: ref.situ_glu(g, u, beta1, beta2)
+
     @jax.custom_vjp
     def f(x, w1, w3, gs):
-        return tpu.gmm_glu(x, w1, w3, gs, beta1=beta1, beta2=beta2, interpret=interpret)
+        return kern.gmm_glu(x, w1, w3, gs, beta1=beta1, beta2=beta2, interpret=interpret)
 
     def fwd(x, w1, w3, gs):
+        if save_products:
+            (gate, up), vjp_mm = jax.vjp(lambda a, b, c: products(a, b, c, gs), x, w1, w3)
+            return act(gate, up), (gate, up, vjp_mm)
         return f(x, w1, w3, gs), (x, w1, w3, gs)
 
     def bwd(res, dh):
-        x, w1, w3, gs = res
-
-        def products(x, w1, w3):
-            return (tpu.gmm(x, w1, gs, interpret=interpret), tpu.gmm(x, w3, gs, interpret=interpret))
-
-        (gate, up), vjp_mm = jax.vjp(products, x, w1, w3)
-        _, vjp_act = jax.vjp(lambda g, u: ref.situ_glu(g, u, beta1, beta2), gate, up)
+        if save_products:
+            gate, up, vjp_mm = res
+        else:
+            x, w1, w3, gs = res
+            (gate, up), vjp_mm = jax.vjp(lambda a, b, c: products(a, b, c, gs), x, w1, w3)
+        _, vjp_act = jax.vjp(act, gate, up)
         dg, du = vjp_act(dh.astype(gate.dtype))
         dx, dw1, dw3 = vjp_mm((dg, du))
         return dx, dw1, dw3, None
@@ -141,11 +176,21 @@ def expert_ffn(
         return out.astype(dt)
     from pallas_kernels.moe import gpu
 
+    if is_mxfp4(w1) and is_mxfp4(w3) and is_mxfp4(w2):
+        pair = lambda w: (w["weight_packed"], w["weight_scale"])
+        h = gpu.gmm_mxfp4(a, [pair(w1), pair(w3)], group_sizes, epilogue=gpu.situ_epilogue(beta1, beta2, dt),
+                          out_dtype=dt, interpret=interpret)
+        out = gpu.gmm_mxfp4(quant(h), [pair(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret)
+        return out.astype(dt)
     d1, d3, d2 = (ref.dense_expert_weight(w, dt) for w in (w1, w3, w2))
-    gate = gpu.gmm(a, d1, group_sizes, interpret=interpret)
-    up = gpu.gmm(a, d3, group_sizes, interpret=interpret)
-    h = quant(ref.situ_glu(gate, up, beta1, beta2))
-    return gpu.gmm(h, d2, group_sizes, preferred_element_type=jnp.float32, interpret=interpret).astype(dt)
+    if GPU_FUSED_GLU:
+        h = gpu_glu_fn(float(beta1), float(beta2), bool(interpret))(a, d1, d3, group_sizes)
+    else:
+        gate = gpu.gmm(a, d1, group_sizes, interpret=interpret)
+        up = gpu.gmm(a, d3, group_sizes, interpret=interpret)
+        h = ref.situ_glu(gate, up, beta1, beta2)
+    out = gpu.gmm(quant(h), d2, group_sizes, preferred_element_type=jnp.float32, interpret=interpret)
+    return out.astype(dt)
 
 
 def moe_dispatch_combine(
