@@ -139,9 +139,19 @@ MXFP4_TILES = (16, 128, 64, 4, 4)  # tm, tkh (packed bytes of K per step), tn, n
 TGMM_TILES = (64, 128, 128, 8, 3)
 
 
+def _shrink(tile: int, dim: int) -> int:
+    """The largest power-of-two tile <= ``tile`` dividing ``dim`` (down to 16), or ``dim`` when it is smaller."""
+    if dim <= tile:
+        return dim
+    t = tile
+    while t > 16 and dim % t:
+        t //= 2
+    return t
+
+
 def _fit(tiles, k, n):
     tm, tk, tn, w, s = tiles
-    return tm, min(tk, k), min(tn, n), w, s
+    return tm, _shrink(tk, k), _shrink(tn, n), w, s
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
