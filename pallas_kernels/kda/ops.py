@@ -10,9 +10,11 @@
   * ``"reference"``: :mod:`pallas_kernels.kda.reference` (any ``g <= 0``);
   * ``"pallas_tpu"`` / ``"pallas_gpu"``: the kernels (they require the K3 lower-bounded gate ``g >= -5``).
 
-Gradients: the Pallas forward sits inside ``jax.custom_vjp``; the backward recomputes the chunked reference
-and takes its VJP (nothing but the inputs is saved), so ``jax.grad`` gives gradients for q, k, v, g, beta
-and the initial state on every implementation.
+Gradients: the Pallas forward sits inside ``jax.custom_vjp`` (nothing but the inputs is saved), so ``jax.grad``
+gives gradients for q, k, v, g, beta and the initial state on every implementation. ``backward`` picks the
+backward: ``"auto"`` = the TPU backward kernels (:mod:`pallas_kernels.kda.tpu_bwd`: state sweep + reverse
+chunk sweep) for ``"pallas_tpu"`` and the recomputed chunked reference's VJP for ``"pallas_gpu"``;
+``"pallas"`` / ``"reference"`` force one (``"pallas"`` needs ``"pallas_tpu"``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda import reference as ref
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+BACKWARDS = ("auto", "pallas", "reference")
 
 
 def _resolve(implementation: str, interpret, name: str, chunked: bool = False) -> str:
@@ -51,8 +54,9 @@ def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpr
 
 
 @functools.cache
-def _pallas_chunk_fn(impl: str, scale: float, chunk_size: int, interpret):
-    """``f(q, k, v, g, beta, h0, seg) -> (o, ht)`` with the reference-recompute VJP."""
+def _pallas_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backward: str = "reference"):
+    """``f(q, k, v, g, beta, h0, seg) -> (o, ht)``; VJP by the TPU backward kernels (``backward="pallas"``)
+    or by recomputing the chunked reference (``"reference"``)."""
 
     @jax.custom_vjp
     def f(q, k, v, g, beta, h0, seg):
@@ -64,6 +68,12 @@ def _pallas_chunk_fn(impl: str, scale: float, chunk_size: int, interpret):
     def f_bwd(res, cts):
         q, k, v, g, beta, h0, seg = res
         do, dht = cts
+        if backward == "pallas":
+            from pallas_kernels.kda import tpu_bwd
+
+            grads = tpu_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
+                                          dht.astype(jnp.float32), chunk_size, interpret=interpret)
+            return (*grads, None)
 
         def fwd(q, k, v, g, beta, h0):
             return ref.chunk_kda(q, k, v, g, beta, scale, h0, True, seg, chunk_size)
@@ -106,6 +116,7 @@ def chunk_kda(
     lower_bound: float = -5.0,
     use_qk_l2norm: bool = False,
     safe_gate: bool = True,
+    backward: str = "auto",
 ) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (training / prefill). Shapes as :func:`pallas_kernels.kda.reference.chunk_kda`:
 
@@ -117,7 +128,10 @@ def chunk_kda(
     ``safe_gate=True`` (default) promises ``g >= -5`` per token (K3's gate; fla's ``safe_gate``), which the
     Pallas kernels need; with ``safe_gate=False`` (e.g. the unbounded Kimi-Linear gate) ``"auto"`` uses the
     reference, which is exact for any ``g <= 0``.
+    ``backward``: ``"auto"`` | ``"pallas"`` | ``"reference"`` (see the module docstring).
     """
+    if backward not in BACKWARDS:
+        raise ValueError(f"chunk_kda: backward must be one of {BACKWARDS}, got {backward!r}")
     q, k, g = _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm)
     impl = _resolve(implementation, interpret, "chunk_kda", chunked=True)
     if not safe_gate and implementation == "auto":
@@ -136,7 +150,10 @@ def chunk_kda(
         from jax.experimental.pallas import tpu as pltpu
 
         interp = pltpu.InterpretParams()
-    fn = _pallas_chunk_fn(impl, float(scale), int(chunk_size), interp)
+    bwd = ("pallas" if impl == "pallas_tpu" else "reference") if backward == "auto" else backward
+    if bwd == "pallas" and impl != "pallas_tpu":
+        raise ValueError(f"chunk_kda: backward='pallas' needs implementation 'pallas_tpu' (got {impl!r})")
+    fn = _pallas_chunk_fn(impl, float(scale), int(chunk_size), interp, bwd)
     o, ht = fn(q, k, v, g, beta, h0, segment_ids)
     return o, (ht if output_final_state else None)
 
