@@ -1,0 +1,353 @@
+"""LatentMoE expert benchmark on one GPU: full expert FFN (bf16) and the MXFP4 decode path, against peers.
+
+Parts (``--parts``, in this order; each under its own wall-clock budget, one JSON line per measurement, flushed):
+
+- ``decode``: MXFP4 experts (packed E2M1 codes + E8M0 scales, HF layout) with <= 8 rows per expert. Measures an
+  HBM copy (read + write bytes / s) first, then ``pallas_kernels.moe`` with ``implementation="pallas_gpu"``
+  (Triton kernels decoding the codes in registers): one w1 grouped matmul (tile sweep; the best tiles become
+  ``gpu.MXFP4_TILES`` for the rest), the expert FFN (fused w1/w3 + SiTU-GLU, then w2) on 64 local experts x 8
+  rows, the reference (dequantize to bf16 + ``jax.lax.ragged_dot``) on the same, and K3's decode routing
+  (``--decode-tokens`` tokens, top-16 of 896 experts: dispatch + FFN + combine). ``gbps`` = weight bytes of the
+  experts that received rows (codes + scales) / time; ``pct_hbm`` = that / the copy bandwidth.
+- ``ffn``: the routed expert FFN ``w2(SiTU-GLU(x w1, x w3))`` at K3 shapes (L = 3584, I = 3072; 65,536 rows over 64
+  local experts, balanced and skewed), forward and forward+backward (grads of x, w1, w3, w2), peers: ``ours``
+  (``expert_ffn(implementation="pallas_gpu")``, fused GLU kernel forward), ``ours_unfused`` (two grouped
+  matmuls + XLA SiTU-GLU, forward), ``tokamax`` (``tokamax.ragged_dot(implementation="mosaic")`` for the three
+  products), ``reference`` (``jax.lax.ragged_dot``), ``dense`` (bf16 matmuls [M,L]x[L,I] x2 and [M,I]x[I,L]:
+  the same FLOPs). FLOPs = 6 M L I (x3 with backward); ``pct_dense`` vs the dense peer of the same pass.
+- ``gmm`` (not run by default): one grouped matmul [M, L] x [E, L, I] with a tile sweep of ``gpu.gmm``.
+
+Timing: a compile+run call, one warm call, then ``n`` back-to-back calls (``n`` <= ``--iters``, cut to fit the
+budget) with one block at the end: ``ms`` = their mean (the device queue stays full, so host dispatch is hidden).
+
+    python benchmarks/moe.py [--parts decode,ffn] [--budget-decode 60 --budget-ffn 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import sys
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.moe import gpu, ops
+from pallas_kernels.moe import reference as ref
+
+T0 = time.perf_counter()
+
+
+def emit(rec: dict) -> None:
+    rec = {"bench": "moe", "t": round(time.perf_counter() - T0, 1), **rec}
+    print(json.dumps(rec), flush=True)
+
+
+class Budget:
+    """Wall-clock budget of one part."""
+
+    def __init__(self, seconds: float):
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def timeit(fn, *args, iters: int, budget: Budget, min_left: float = 2.0):
+    """-> (first output, {"ms", "n", "compile_s"}) or raises TimeoutError when the budget is spent."""
+    if budget.left() < min_left:
+        raise TimeoutError("part budget spent")
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    warm = time.perf_counter() - t
+    n = int(max(1, min(iters, (budget.left() - 1.0) / max(warm, 1e-6) / 2)))
+    t = time.perf_counter()
+    res = None
+    for _ in range(n):
+        res = fn(*args)
+    jax.block_until_ready(res)
+    ms = (time.perf_counter() - t) / n * 1e3
+    return out, {"ms": round(ms, 4), "n": n, "compile_s": round(max(first - warm, 0.0), 1)}
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| over all leaves (on device, f32)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    sq = lambda v: float(jnp.sum(jnp.square(v.astype(jnp.float32))))
+    num = sum(sq(x.astype(jnp.float32) - y.astype(jnp.float32)) for x, y in zip(la, lb, strict=True))
+    den = sum(sq(y) for y in lb)
+    return float(np.sqrt(num / max(den, 1e-30)))
+
+
+def err_line(part: str, peer: str, exc: BaseException, **kw) -> None:
+    status = "skipped" if isinstance(exc, TimeoutError) else "error"
+    emit({"part": part, "peer": peer, **kw, status: f"{type(exc).__name__}: {str(exc)[:300]}"})
+
+
+def skewed_sizes(m: int, e: int) -> np.ndarray:
+    """Zipf(1.2) group sizes summing to m, with the last 4 experts (e // 4 when e < 16) empty."""
+    p = 1.0 / np.arange(1, e + 1) ** 1.2
+    p[e - min(4, e // 4):] = 0.0
+    s = np.floor(p / p.sum() * m).astype(np.int64)
+    s[0] += m - s.sum()
+    return s.astype(np.int32)
+
+
+def load_tokamax():
+    """``tokamax.ragged_dot`` (Mosaic GPU) or raise. Its ``xprof`` import serves only its own profiler: stubbed."""
+    if "xprof" not in sys.modules and importlib.util.find_spec("xprof") is None:
+        for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+            sys.modules.setdefault(name, types.ModuleType(name))
+        sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+    import tokamax
+
+    return lambda x, w, g: tokamax.ragged_dot(x, w, g, implementation="mosaic")
+
+
+# ------------------------------------------------------------------------------------------ MXFP4 decode
+def random_mxfp4(key, e: int, n: int, k: int) -> dict[str, jax.Array]:
+    """Random HF-layout MXFP4 weight: codes u8 [E, N, K/2], E8M0 scales u8 [E, N, K/32] in 2^-9..2^-5."""
+    k1, k2 = jax.random.split(key)
+    return {"weight_packed": jax.random.bits(k1, (e, n, k // 2), jnp.uint8),
+            "weight_scale": jax.random.randint(k2, (e, n, k // 32), 118, 123).astype(jnp.uint8)}
+
+
+def mx_bytes(w: dict[str, jax.Array], live_experts: int) -> int:
+    e = w["weight_packed"].shape[0]
+    return (w["weight_packed"].size + w["weight_scale"].size) // e * live_experts
+
+
+def part_decode(a, budget: Budget) -> None:
+    lat, inter = a.lat, a.inter
+    part = "decode"
+    try:  # HBM bandwidth: read + write of a 2 GiB f32 array
+        buf = jnp.ones((2**29,), jnp.float32)
+        _, tm = timeit(jax.jit(lambda v: v * 2.0), buf, iters=20, budget=budget)
+        hbm = 2 * buf.nbytes / (tm["ms"] * 1e-3) / 1e9
+        emit({"part": part, "peer": "hbm_copy", "bytes": 2 * buf.nbytes, **tm, "gbps": round(hbm, 1)})
+        del buf
+    except Exception as exc:  # noqa: BLE001
+        err_line(part, "hbm_copy", exc)
+        hbm = float("nan")
+
+    def report(peer, case, tm, nbytes, **kw):
+        gbps = nbytes / (tm["ms"] * 1e-3) / 1e9
+        emit({"part": part, "case": case, "peer": peer, **tm, "weight_bytes": nbytes, "gbps": round(gbps, 1),
+              "pct_hbm": round(100 * gbps / hbm, 1), **kw})
+
+    # Case 1: 64 local experts x 8 rows.
+    e, rows = a.e, a.decode_rows
+    m = e * rows
+    ks = jax.random.split(jax.random.key(1), 4)
+    x = jax.random.normal(ks[0], (m, lat), jnp.bfloat16)
+    gs = jnp.full((e,), rows, jnp.int32)
+    w1, w3 = random_mxfp4(ks[1], e, inter, lat), random_mxfp4(ks[2], e, inter, lat)
+    w2 = random_mxfp4(ks[3], e, lat, inter)
+    case = f"E{e}x{rows}"
+    best = None
+    for cfg in a.mx_tiles.split(";"):
+        tiles = tuple(int(v) for v in cfg.split(","))
+        try:
+            f = jax.jit(lambda x, c, s, g, t=tiles: gpu.gmm_mxfp4(x, [(c, s)], g, tiles=t, interpret=a.interpret))
+            _, tm = timeit(f, x, w1["weight_packed"], w1["weight_scale"], gs, iters=a.decode_iters, budget=budget)
+            report("ours_gmm_w1", case, tm, mx_bytes(w1, e), tiles=list(tiles))
+            if best is None or tm["ms"] < best[0]:
+                best = (tm["ms"], tiles)
+        except Exception as exc:  # noqa: BLE001
+            err_line(part, "ours_gmm_w1", exc, case=case, tiles=list(tiles))
+    if best is not None:
+        gpu.MXFP4_TILES = best[1]
+    ffn_bytes = mx_bytes(w1, e) + mx_bytes(w3, e) + mx_bytes(w2, e)
+    ours = jax.jit(lambda x, g, w1, w3, w2: ops.expert_ffn(x, g, w1, w3, w2, implementation="pallas_gpu",
+                                                            interpret=a.interpret))
+    refn = jax.jit(lambda x, g, w1, w3, w2: ref.expert_ffn(x, g, w1, w3, w2))
+    out_ours = None
+    try:
+        out_ours, tm = timeit(ours, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
+        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.MXFP4_TILES))
+    except Exception as exc:  # noqa: BLE001
+        err_line(part, "ours_ffn", exc, case=case)
+    try:
+        out_ref, tm = timeit(refn, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
+        extra = {"rel_err_ours_vs_ref": rel_err(out_ours, out_ref)} if out_ours is not None else {}
+        report("reference_ffn", case, tm, ffn_bytes, **extra)
+    except Exception as exc:  # noqa: BLE001
+        err_line(part, "reference_ffn", exc, case=case)
+    del x, w1, w3, w2, out_ours
+    gc.collect()
+
+    # Case 2: K3 decode routing, T tokens x top-16 of 896 experts, full dispatch + FFN + combine.
+    e, k, t = a.k3_experts, a.k3_topk, a.decode_tokens
+    ks = jax.random.split(jax.random.key(2), 6)
+    try:
+        if budget.left() < 5:
+            raise TimeoutError("part budget spent")
+        z = jax.random.normal(ks[0], (t, lat), jnp.bfloat16)
+        ids = jax.lax.top_k(jax.random.normal(ks[1], (t, e)), k)[1].astype(jnp.int32)
+        wts = jax.nn.softmax(jax.random.normal(ks[2], (t, k)), axis=-1)
+        experts = {"w1": random_mxfp4(ks[3], e, inter, lat), "w3": random_mxfp4(ks[4], e, inter, lat),
+                   "w2": random_mxfp4(ks[5], e, lat, inter)}
+        live = int(np.unique(np.asarray(ids)).size)
+        nbytes = sum(mx_bytes(w, live) for w in experts.values())
+        f = jax.jit(lambda z, ids, wts, ex: ops.moe_dispatch_combine(z, ids, wts, ex, implementation="pallas_gpu",
+                                                                       interpret=a.interpret))
+        _, tm = timeit(f, z, ids, wts, experts, iters=a.decode_iters, budget=budget)
+        report("ours_dispatch_ffn_combine", f"T{t}_top{k}_of_{e}", tm, nbytes, live_experts=live)
+        del experts
+    except Exception as exc:  # noqa: BLE001
+        err_line(part, "ours_dispatch_ffn_combine", exc, case=f"T{t}_top{k}_of_{e}")
+    gc.collect()
+
+
+# ----------------------------------------------------------------------------------------- bf16 expert FFN
+def part_ffn(a, budget: Budget) -> None:
+    m, e, lat, inter = a.m, a.e, a.lat, a.inter
+    part = "ffn"
+    flops = 6.0 * m * lat * inter
+    ks = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(ks[0], (m, lat), jnp.bfloat16)
+    w1 = (jax.random.normal(ks[1], (e, lat, inter), jnp.float32) / np.sqrt(lat)).astype(jnp.bfloat16)
+    w3 = (jax.random.normal(ks[2], (e, lat, inter), jnp.float32) / np.sqrt(lat)).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(ks[3], (e, inter, lat), jnp.float32) / np.sqrt(inter)).astype(jnp.bfloat16)
+    dy = jax.random.normal(ks[4], (m, lat), jnp.bfloat16)
+    dists = {"balanced": jnp.full((e,), m // e, jnp.int32), "skewed": jnp.asarray(skewed_sizes(m, e))}
+
+    def glu_ffn(mm):
+        def f(x, w1, w3, w2, g):
+            h = ref.situ_glu(mm(x, w1, g), mm(x, w3, g))
+            return mm(h, w2, g)
+
+        return f
+
+    def dense(x, w1, w3, w2, g):
+        del g
+        h = ref.situ_glu(x @ w1[0], x @ w3[0])
+        return h @ w2[0]
+
+    peers: dict[str, object] = {
+        "dense": dense,
+        "ours": lambda x, w1, w3, w2, g: ops.expert_ffn(x, g, w1, w3, w2, implementation="pallas_gpu",
+                                                        interpret=a.interpret),
+        "ours_unfused": glu_ffn(lambda x, w, g: gpu.gmm(x, w, g, interpret=a.interpret)),
+        "reference": lambda x, w1, w3, w2, g: ref.expert_ffn(x, g, w1, w3, w2),
+    }
+    try:
+        peers["tokamax"] = glu_ffn(load_tokamax())
+    except Exception as exc:  # noqa: BLE001
+        err_line(part, "tokamax", exc, note="import")
+
+    def fwdbwd(f):
+        def g(x, w1, w3, w2, gs):
+            _, vjp = jax.vjp(lambda *p: f(*p, gs), x, w1, w3, w2)
+            return vjp(dy)
+
+        return g
+
+    # (peer, pass) in priority order; each compiled once, then timed on both distributions.
+    plan = [("dense", "fwd"), ("ours", "fwd"), ("tokamax", "fwd"), ("ours", "fwdbwd"), ("tokamax", "fwdbwd"),
+            ("dense", "fwdbwd"), ("ours_unfused", "fwd"), ("reference", "fwd"), ("reference", "fwdbwd")]
+    dense_tf: dict[str, float] = {}
+    outs: dict[tuple[str, str, str], object] = {}
+    for peer, pas in plan:
+        if peer not in peers:
+            continue
+        fn = jax.jit(peers[peer] if pas == "fwd" else fwdbwd(peers[peer]))
+        for dist, gs in dists.items():
+            if peer == "dense" and dist != "balanced":
+                continue
+            iters = 2 if peer == "reference" else a.iters
+            try:
+                # a first (compiling) call needs more room than a re-timing on another distribution
+                out, tm = timeit(fn, x, w1, w3, w2, gs, iters=iters, budget=budget,
+                                 min_left=8.0 if dist == "balanced" else 2.0)
+            except Exception as exc:  # noqa: BLE001
+                err_line(part, peer, exc, **{"dist": dist, "pass": pas})
+                continue
+            tf = (3.0 if pas == "fwdbwd" else 1.0) * flops / (tm["ms"] * 1e-3) / 1e12
+            rec = {"part": part, "dist": dist, "peer": peer, "pass": pas, **tm, "tflops": round(tf, 1)}
+            if peer == "dense":
+                dense_tf[pas] = tf
+            if pas in dense_tf:
+                rec["pct_dense"] = round(100 * tf / dense_tf[pas], 1)
+            if "fwd" in dense_tf:
+                rec["pct_dense_fwd"] = round(100 * tf / dense_tf["fwd"], 1)
+            if peer in ("ours", "reference"):
+                outs[(peer, pas, dist)] = out
+            if peer == "reference" and ("ours", pas, dist) in outs:
+                rec["rel_err_ours_vs_ref"] = rel_err(outs[("ours", pas, dist)], out)
+            emit(rec)
+            del out
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------------ single grouped matmul
+def part_gmm(a, budget: Budget) -> None:
+    m, e, k, n = a.m, a.e, a.lat, a.inter
+    part = "gmm"
+    flops = 2.0 * m * k * n
+    ks = jax.random.split(jax.random.key(3), 2)
+    x = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    gs = jnp.full((e,), m // e, jnp.int32)
+    runs = [("dense", jax.jit(lambda x, w, g: x @ w[0]), None)]
+    runs += [("ragged_dot", jax.jit(lambda x, w, g: jax.lax.ragged_dot(x, w, g)), None)]
+    for cfg in a.gmm_tiles.split(";"):
+        t = tuple(int(v) for v in cfg.split(","))
+        runs.append(("ours", jax.jit(lambda x, w, g, t=t: gpu.gmm(x, w, g, tiles=t, interpret=a.interpret)), list(t)))
+    try:
+        tok = load_tokamax()
+        runs.append(("tokamax", jax.jit(tok), None))
+    except Exception as exc:  # noqa: BLE001
+        err_line(part, "tokamax", exc, note="import")
+    for peer, fn, tiles in runs:
+        try:
+            _, tm = timeit(fn, x, w, gs, iters=2 if peer == "ragged_dot" else a.iters, budget=budget)
+            emit({"part": part, "peer": peer, "tiles": tiles, **tm,
+                  "tflops": round(flops / (tm["ms"] * 1e-3) / 1e12, 1)})
+        except Exception as exc:  # noqa: BLE001
+            err_line(part, peer, exc, tiles=tiles)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="decode,ffn")
+    ap.add_argument("--m", type=int, default=65536, help="routed rows (ffn, gmm)")
+    ap.add_argument("--e", type=int, default=64, help="local experts")
+    ap.add_argument("--lat", type=int, default=3584, help="latent width L")
+    ap.add_argument("--inter", type=int, default=3072, help="expert hidden width I")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--decode-iters", type=int, default=50)
+    ap.add_argument("--decode-rows", type=int, default=8, help="rows per local expert (decode case 1)")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="tokens of decode case 2 (K3 routing)")
+    ap.add_argument("--k3-experts", type=int, default=896)
+    ap.add_argument("--k3-topk", type=int, default=16)
+    ap.add_argument("--mx-tiles", default="16,128,64,4,4;16,256,64,8,3;16,128,128,8,4;16,64,64,4,6")
+    ap.add_argument("--gmm-tiles", default="128,64,256,8,3;128,64,128,8,4")
+    ap.add_argument("--budget-decode", type=float, default=60.0)
+    ap.add_argument("--budget-ffn", type=float, default=150.0)
+    ap.add_argument("--budget-gmm", type=float, default=90.0)
+    ap.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU smoke run, tiny shapes)")
+    a = ap.parse_args()
+    emit({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "args": vars(a)})
+    parts = {"decode": (part_decode, a.budget_decode), "ffn": (part_ffn, a.budget_ffn),
+             "gmm": (part_gmm, a.budget_gmm)}
+    for name in a.parts.split(","):
+        fn, seconds = parts[name]
+        try:
+            fn(a, Budget(seconds))
+        except Exception as exc:  # noqa: BLE001
+            err_line(name, "part", exc)
+        gc.collect()
+        emit({"part": name, "done": True})
+
+
+if __name__ == "__main__":
+    main()
