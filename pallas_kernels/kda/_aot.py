@@ -5,9 +5,9 @@
 Needs ``libtpu`` (pyproject extra ``aot``). Compiles, at K3 shapes (H=96, K=V=128, bf16 activations):
 the chunked forward kernel, the chunked backward kernels (:mod:`pallas_kernels.kda.tpu_bwd`: state sweep +
 reverse sweep, at B=1, T=8192), the training path (``jax.grad`` through :func:`pallas_kernels.kda.chunk_kda`,
-i.e. the Pallas forward plus the recomputed-reference backward), and the in-place decode kernel. Reports
-XLA's memory analysis and the kernels' VMEM footprint (double-buffered blocks + scratch), so a Mosaic
-lowering error or a VMEM overflow shows up before anyone rents a TPU.
+i.e. the Pallas forward plus the backward kernels, at B=1, T=1024, H=8 with ``--with-grad``), and the
+in-place decode kernel. Reports XLA's memory analysis and the kernels' VMEM footprint (double-buffered
+blocks + scratch), so a Mosaic lowering error or a VMEM overflow shows up before anyone rents a TPU.
 """
 
 from __future__ import annotations
