@@ -252,8 +252,8 @@ def part_ffn(a, budget: Budget) -> None:
         return g
 
     # (peer, pass) in priority order; each compiled once, then timed on both distributions.
-    plan = [("dense", "fwd"), ("ours", "fwd"), ("tokamax", "fwd"), ("ours", "fwdbwd"), ("tokamax", "fwdbwd"),
-            ("dense", "fwdbwd"), ("ours_unfused", "fwd"), ("reference", "fwd"), ("reference", "fwdbwd")]
+    plan = [("dense", "fwd"), ("ours", "fwd"), ("tokamax", "fwd"), ("dense", "fwdbwd"), ("ours", "fwdbwd"),
+            ("tokamax", "fwdbwd"), ("ours_unfused", "fwd"), ("reference", "fwd"), ("reference", "fwdbwd")]
     dense_tf: dict[str, float] = {}
     outs: dict[tuple[str, str, str], object] = {}
     for peer, pas in plan:
