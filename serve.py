@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt is None and args.port is None:
         raise SystemExit("give --prompt TEXT (terminal) or --port N (HTTP server)")
     os.environ.setdefault("XLA_FLAGS", "")
+    from k3_jax import compile_cache
+
+    compile_cache.enable()
     from k3_jax.serving.chat import chat_prompt_ids, chat_stop_ids
     from k3_jax.serving.engine import Engine
     from k3_jax.serving.sampling import SamplingParams

@@ -94,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     if initialize_distributed is not None:
         initialize_distributed()
     tc = build_train_config(argv)
+    from k3_jax import compile_cache
     from k3_jax.training.loop import Trainer
+
+    compile_cache.enable()
 
     trainer = Trainer(tc)
     print(f"k3-jax train: {tc.config} | steps {tc.steps} | batch {tc.batch_size}x{tc.seq_len} | "

@@ -13,7 +13,10 @@ FLOPs per token and the MFU definition: :mod:`k3_jax.training.metrics`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,6 +26,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+
+@contextlib.contextmanager
+def gpu_lock():
+    """Hold the file lock named by ``K3_BENCH_LOCK`` (if set) while timing, so benchmarks that share one
+    accelerator in the same job (each compiling in parallel) never time their steps concurrently."""
+    path = os.environ.get("K3_BENCH_LOCK")
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: int, remat: str,
@@ -45,11 +64,12 @@ def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: i
     jax.block_until_ready(m)
     compile_s = time.time() - t0
     times = []
-    for _ in range(steps):
-        t0 = time.time()
-        state, m = train_step(state, b)
-        jax.block_until_ready(m)
-        times.append(time.time() - t0)
+    with gpu_lock():
+        for _ in range(steps):
+            t0 = time.time()
+            state, m = train_step(state, b)
+            jax.block_until_ready(m)
+            times.append(time.time() - t0)
     step_s = statistics.median(times)
     tokens = batch * seq_len
     achieved = tr.flops["total"] * tokens / step_s
