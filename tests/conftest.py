@@ -1,7 +1,10 @@
-"""Suite-wide setup: 8 virtual CPU devices (sharding tests need a mesh), set before JAX initialises."""
+"""Suite-wide setup, before JAX initialises: 8 virtual CPU devices (sharding tests need a mesh), no persistent
+compilation cache."""
 
 import os
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# Entry points (train.py, serve.py) turn on a persistent compilation cache in ~/.cache; tests never do.
+os.environ.setdefault("K3_COMPILATION_CACHE", "off")
