@@ -320,12 +320,20 @@ def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, x_ref, *refs,
                 out.append(acc)
             return tuple(out)
 
-        accs = tuple(jnp.zeros((tm, tn), jnp.float32) for _ in range(n_rhs))
-        # The virtual trailing group (rows past sum(group_sizes)) streams no weights and stores zeros.
-        steps = jnp.where(g < num_groups, kh // tkh, 0).astype(jnp.int32)
-        accs = jax.lax.fori_loop(jnp.int32(0), steps, body, accs)
-        val = epilogue(*accs) if epilogue is not None else accs[0]
-        pltriton.store(out_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)], val.astype(out_ref.dtype), mask=smask[:, None])
+        dst = out_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)]
+
+        # A static trip count (a traced one lowers to an scf.for whose bounds Triton rejects, seen on the
+        # H200); the virtual trailing group (rows past sum(group_sizes)) streams no weights and stores zeros.
+        @pl.when(g < num_groups)
+        def _real_group():
+            accs = tuple(jnp.zeros((tm, tn), jnp.float32) for _ in range(n_rhs))
+            accs = jax.lax.fori_loop(0, kh // tkh, body, accs)
+            val = epilogue(*accs) if epilogue is not None else accs[0]
+            pltriton.store(dst, val.astype(out_ref.dtype), mask=smask[:, None])
+
+        @pl.when(g >= num_groups)
+        def _virtual_group():
+            pltriton.store(dst, jnp.zeros((tm, tn), out_ref.dtype), mask=smask[:, None])
 
 
 def gmm_mxfp4(

@@ -28,8 +28,9 @@ from pallas_kernels.moe import reference as ref
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 #: pallas_gpu bf16/f32 expert FFN: fused w1/w3 + SiTU-GLU kernel (True) or two grouped matmuls + XLA SiTU-GLU.
-#: ``benchmarks/moe.py`` measures both (``ours_fwd`` vs ``ours_unfused_fwd``).
-GPU_FUSED_GLU = True
+#: ``benchmarks/moe.py`` measures both; on the H200 (RESULTS.md, 2026-11-29) the unfused form was faster at
+#: K3 expert shapes (forward 584 vs 526 TFLOP/s balanced, 512 vs 475 skewed), so it is the default.
+GPU_FUSED_GLU = False
 
 
 def resolve(implementation: str, interpret: bool = False, name: str = "moe") -> str:
