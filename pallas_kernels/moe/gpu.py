@@ -25,6 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.forward_only import forward_only
+from pallas_kernels.moe.reference import situ_epilogue
+
 
 def make_tile_table(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """-> ``(tile_group [V] i32, tile_row0 [V] i32, ends [E+1] i32, num_tiles [1] i32)``, V = ceil(m/tm) + E."""
@@ -213,18 +216,6 @@ def tgmm(lhs, dout, group_sizes, *, tiles=None, out_dtype=jnp.float32, interpret
 
 
 # ------------------------------------------------------------------------------------- fused w1/w3 GLU
-def situ_epilogue(beta1: float, beta2: float, dtype):
-    """``f(gate f32, up f32) -> f32`` SiTU-GLU; gate/up are rounded to ``dtype`` first, as in the reference."""
-
-    def f(gate, up):
-        g = gate.astype(dtype).astype(jnp.float32)
-        u = up.astype(dtype).astype(jnp.float32)
-        act = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
-        return act * (beta2 * jnp.tanh(u / beta2))
-
-    return f
-
-
 def gmm_glu(
     x: jax.Array,
     w1: jax.Array,
@@ -381,12 +372,12 @@ def gmm_mxfp4(
     gid, row0, ends, num = make_tile_table(group_sizes.astype(jnp.int32), m, tm)
     kernel = functools.partial(_gmm_mxfp4_kernel, tm=tm, tkh=tkh, tn=tn, kh=kh, num_groups=e,
                                n_rhs=len(weights), epilogue=epilogue)
-    out = pl.pallas_call(
+    out = forward_only(pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((xe.shape[0], n), jnp.dtype(out_dtype or x.dtype)),
         grid=(n // tn, gid.shape[0]),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="moe_gmm_mxfp4_gpu",
-    )(gid, row0, ends, num, xe, *[a for w in weights for a in w])
+    ), gid, row0, ends, num, xe, *[a for w in weights for a in w], name="moe.gpu.gmm_mxfp4")
     return out[:m]

@@ -99,13 +99,28 @@ def grouped_matmul_tiled(
     return out.reshape(tiles * tile, n)[:m].astype(out_dtype)
 
 
+def _situ_glu_f32(g: jax.Array, u: jax.Array, beta1: float, beta2: float) -> jax.Array:
+    act = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
+    return act * (beta2 * jnp.tanh(u / beta2))
+
+
 def situ_glu(gate: jax.Array, up: jax.Array, beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
     """SiTU-GLU: ``[b1*tanh(g/b1)*sigmoid(g)] * [b2*tanh(u/b2)]`` in f32, cast back to ``gate.dtype``."""
-    g = gate.astype(jnp.float32)
-    u = up.astype(jnp.float32)
-    act = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
-    lin = beta2 * jnp.tanh(u / beta2)
-    return (act * lin).astype(gate.dtype)
+    return _situ_glu_f32(gate.astype(jnp.float32), up.astype(jnp.float32), beta1, beta2).astype(gate.dtype)
+
+
+def situ_epilogue(beta1: float, beta2: float, dtype):
+    """SiTU-GLU as a fused-kernel epilogue: ``f(gate f32, up f32) -> f32``.
+
+    ``gate``/``up`` are the f32 accumulators of ``x @ w1`` and ``x @ w3``; they are rounded to ``dtype`` first,
+    as the unfused path stores them, so fused and unfused kernels agree with :func:`situ_glu`.
+    """
+
+    def f(gate: jax.Array, up: jax.Array) -> jax.Array:
+        return _situ_glu_f32(gate.astype(dtype).astype(jnp.float32), up.astype(dtype).astype(jnp.float32),
+                             beta1, beta2)
+
+    return f
 
 
 def dense_expert_weight(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:

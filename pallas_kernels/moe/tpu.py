@@ -28,6 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.forward_only import forward_only
+from pallas_kernels.moe.reference import situ_epilogue
+
 HI = jax.lax.Precision.HIGHEST
 
 
@@ -308,16 +311,6 @@ def tgmm(lhs, dout, group_sizes, *, tiles=None, out_dtype=jnp.float32, interpret
 
 
 # ------------------------------------------------------------------------------------- fused w1/w3 GLU
-def _situ_epilogue(beta1: float, beta2: float, dtype):
-    def f(gate, up):
-        g = gate.astype(dtype).astype(jnp.float32)
-        u = up.astype(dtype).astype(jnp.float32)
-        act = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
-        return act * (beta2 * jnp.tanh(u / beta2))
-
-    return f
-
-
 def gmm_glu(
     x: jax.Array,
     w1: jax.Array,
@@ -338,7 +331,7 @@ def gmm_glu(
     xp = _pad_rows(x, tiles[0])
     out = _gmm_call(
         xp, [w1.astype(x.dtype), w3.astype(x.dtype)], group_sizes.astype(jnp.int32), tiles=tiles, trans_b=False,
-        out_dtype=x.dtype, interpret=interpret, epilogue=_situ_epilogue(beta1, beta2, x.dtype),
+        out_dtype=x.dtype, interpret=interpret, epilogue=situ_epilogue(beta1, beta2, x.dtype),
     )
     return out[:m]
 
@@ -448,17 +441,14 @@ def gmm_mxfp4(
         in_specs=[pl.BlockSpec((tm, k), lhs_map)] + w_specs,
         out_specs=pl.BlockSpec((tm, tn), out_map),
     )
-    out = pl.pallas_call(
+    out = forward_only(pl.pallas_call(
         functools.partial(_gmm_mxfp4_kernel, num_groups=e, tm=tm, kh=kh, epilogue=epilogue, n_rhs=len(weights)),
         out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype or x.dtype),
         grid_spec=spec,
         compiler_params=_params(("p", "a")),
         interpret=_interp(interpret),
         name="moe_gmm_mxfp4",
-    )(*meta, xp, *args)
+    ), *meta, xp, *args, name="moe.tpu.gmm_mxfp4")
     return out[:m]
 
 
-def situ_epilogue(beta1: float, beta2: float, dtype):
-    """Public handle to the fused SiTU-GLU epilogue (for :func:`gmm_mxfp4` with w1/w3)."""
-    return _situ_epilogue(beta1, beta2, dtype)
