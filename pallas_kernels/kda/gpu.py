@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.forward_only import forward_only
 from pallas_kernels.kda import _layout
 
 SUB = 16
@@ -378,7 +379,7 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, block_v
     B, H, K = q.shape
     V = v.shape[-1]
     BV = min(block_v, V)
-    o, pool = pl.pallas_call(
+    o, pool = forward_only(pl.pallas_call(
         functools.partial(_decode_kernel, scale=float(scale), block_v=BV),
         grid=(B, H, V // BV),
         out_shape=[jax.ShapeDtypeStruct((B, H, 1, V), v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
@@ -386,6 +387,6 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, block_v
         compiler_params=None if interpret else _compiler_params(num_warps, 1),
         interpret=bool(interpret),
         name="kda_decode_gpu",
-    )(state_slots.astype(jnp.int32), q[..., None], k[..., None], v[:, :, None, :], g[..., None],
-      beta[:, :, None, None], state_pool.astype(jnp.float32))
+    ), state_slots.astype(jnp.int32), q[..., None], k[..., None], v[:, :, None, :], g[..., None],
+        beta[:, :, None, None], state_pool.astype(jnp.float32), name="kda.gpu.decode_step")
     return o[:, :, 0, :], pool

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.forward_only import forward_only
 from pallas_kernels.kda import _layout
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -217,7 +218,7 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, heads_p
         in_specs=[hspec(K), hspec(K), hspec(V), hspec(K), hspec(1), pool_spec],
         out_specs=[hspec(V), pool_spec],
     )
-    o, pool = pl.pallas_call(
+    o, pool = forward_only(pl.pallas_call(
         functools.partial(_decode_kernel, scale=float(scale)),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((B, H, V), v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
@@ -225,5 +226,6 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, heads_p
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="kda_decode",
-    )(state_slots.astype(jnp.int32), q, k, v, g, beta[..., None], state_pool.astype(jnp.float32))
+    ), state_slots.astype(jnp.int32), q, k, v, g, beta[..., None], state_pool.astype(jnp.float32),
+        name="kda.tpu.decode_step")
     return o, pool
