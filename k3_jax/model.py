@@ -189,6 +189,10 @@ class K3Model(nn.Module):
                 in_axes=(0, 0, nn.broadcast, nn.broadcast),
                 length=seg.repeats,
                 metadata_params={nn.PARTITION_NAME: "layers"},
+                # The broadcast inputs (segment ids, lengths) are plain arguments, never derived from the carry:
+                # skip flax's constancy re-trace (one trace per segment saved, and a forward-only kernel in the
+                # body can never trip it; see pallas_kernels/forward_only.py).
+                check_constancy_invariants=False,
             )
             seg_cache = None if cache is None else cache["segments"][s]
             sources, seg_new = scanned(cfg, seg, name=f"segment_{s}")(
