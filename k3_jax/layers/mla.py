@@ -3,9 +3,16 @@
 Training / prefill without a cache uses the expanded form (per-head K/V from ``kv_b_proj``). With a cache the
 layer stores only the normalised latent ``ĉ`` [kv_lora] and the shared unrotated key part ``k_rot`` [rope] per
 token and attends in the absorbed form (:func:`absorbed_attention`), so decode never materialises per-head K/V.
+
+Whenever more than :data:`QUERY_BLOCK` queries attend at once (training, prefill) the queries are processed in
+blocks of that size (:func:`map_query_blocks`): each block computes its fp32 scores ``[B, H, blk, S]`` against
+every key, with the same row-wise softmax as the full form, under ``jax.checkpoint`` so the backward keeps only
+the block inputs. The full ``[B, H, T, T]`` scores/probabilities and the ``[B, T, T]`` mask never exist.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -16,6 +23,8 @@ from k3_jax.layers.common import Linear, LinearKernel, RMSNorm, compute_dtype, e
 from k3_jax.layers.parallel import axis_size
 
 NEG_INF = -1e30
+QUERY_BLOCK = 512
+"""Queries per attention block for T > 1 (scores ``[B, H, QUERY_BLOCK, S]`` f32 live at a time)."""
 
 
 def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
@@ -34,6 +43,50 @@ def expanded_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
     s = einsum_f32("bthd,bshd->bhts", q, k) * scale
     p = _softmax_attend(s, mask[:, None, :, :])
     return einsum_f32("bhts,bshd->bthd", p.astype(v.dtype), v).astype(v.dtype)
+
+
+def map_query_blocks(fn: Callable[..., jax.Array], xs: Sequence[jax.Array], block: int) -> jax.Array:
+    """Apply ``fn`` to query blocks: ``xs`` are ``[B, T, ...]`` per-query inputs, ``fn(*blocks)`` -> ``[B, blk, ...]``.
+
+    ``T`` is padded up to a multiple of ``block`` (padding rows are computed and dropped; they get no gradient).
+    Blocks run sequentially (``lax.map``) under ``jax.checkpoint``: autodiff saves only each block's inputs and
+    recomputes the block in the backward. With ``T <= block`` ``fn`` is applied once, directly.
+    """
+    t = xs[0].shape[1]
+    if t <= block:
+        return fn(*xs)
+    n = -(-t // block)
+    pad = n * block - t
+
+    def to_blocks(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [n, B, blk, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+
+    out = jax.lax.map(lambda blocks: jax.checkpoint(fn)(*blocks), [to_blocks(x) for x in xs])  # [n, B, blk, ...]
+    out = jnp.moveaxis(out, 0, 1)
+    return out.reshape(out.shape[0], n * block, *out.shape[3:])[:, :t]
+
+
+def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+                             segment_ids: jax.Array | None = None, block: int | None = None) -> jax.Array:
+    """Causal (and same-document) attention in query blocks; equals
+    ``expanded_attention(q, k, v, causal_segment_mask(segment_ids, B, T), scale)`` to fp32 rounding.
+
+    q, k ``[B, T, H, Dqk]``, v ``[B, T, H, Dv]``, segment_ids ``[B, T]`` int32 or None -> ``[B, T, H, Dv]``
+    in ``v.dtype``. Each block of ``block`` (default :data:`QUERY_BLOCK`) queries scores all T keys in fp32 and
+    builds its ``[B, blk, T]`` mask from positions; peak extra memory ~``B·H·blk·T`` f32 instead of ``B·H·T·T``.
+    """
+    b, t = q.shape[:2]
+    block = QUERY_BLOCK if block is None else block
+    pos_k = jnp.arange(t, dtype=jnp.int32)
+    pos_q = jnp.broadcast_to(pos_k[None], (b, t))
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+
+    def attend(q_blk: jax.Array, pos_blk: jax.Array, seg_blk: jax.Array) -> jax.Array:
+        mask = (pos_k[None, None, :] <= pos_blk[:, :, None]) & (seg[:, None, :] == seg_blk[:, :, None])
+        return expanded_attention(q_blk, k, v, mask, scale)
+
+    return map_query_blocks(attend, [q, pos_q, seg], block)
 
 
 def absorbed_attention(
@@ -116,8 +169,7 @@ class KimiMLAAttention(nn.Module):
             kv = kv.reshape(b, t, h, dn + dv)
             k_nope, v = kv[..., :dn], kv[..., dn:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None, :], (b, t, h, dr))], axis=-1)
-            mask = causal_segment_mask(segment_ids, b, t)
-            o = expanded_attention(q.astype(dt), k.astype(dt), v.astype(dt), mask, scale)
+            o = blocked_causal_attention(q.astype(dt), k.astype(dt), v.astype(dt), scale, segment_ids)
         else:
             if lengths is None:
                 raise ValueError("MLA with a cache needs `lengths` [B] (tokens already cached per row)")
@@ -128,10 +180,15 @@ class KimiMLAAttention(nn.Module):
             new_cache = {"latent": store}
             s_max = store.shape[1]
             pos_q = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
-            mask = jnp.arange(s_max)[None, None, :] <= pos_q[:, :, None]  # [B, T, S]
             kv_kernel = kv_kernel.reshape(c, h, dn + dv)
-            o = absorbed_attention(q_nope.astype(dt), q_rot.astype(dt), store[..., :c], store[..., c:],
-                                   kv_kernel[..., :dn], kv_kernel[..., dn:], mask, scale)
+
+            def attend_cached(qn: jax.Array, qr: jax.Array, pos: jax.Array) -> jax.Array:
+                mask = jnp.arange(s_max)[None, None, :] <= pos[:, :, None]  # [B, blk, S]
+                return absorbed_attention(qn, qr, store[..., :c], store[..., c:], kv_kernel[..., :dn],
+                                          kv_kernel[..., dn:], mask, scale)
+
+            # decode (T = 1) is one direct call; a long prefill goes in query blocks
+            o = map_query_blocks(attend_cached, [q_nope.astype(dt), q_rot.astype(dt), pos_q], QUERY_BLOCK)
 
         gate = Linear(h * dv, ("embed", "heads"), cfg, name="g_proj")(x)
         y = o.reshape(b, t, h * dv).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
