@@ -8,6 +8,11 @@ Whenever more than :data:`QUERY_BLOCK` queries attend at once (training, prefill
 blocks of that size (:func:`map_query_blocks`): each block computes its fp32 scores ``[B, H, blk, S]`` against
 every key, with the same row-wise softmax as the full form, under ``jax.checkpoint`` so the backward keeps only
 the block inputs. The full ``[B, H, T, T]`` scores/probabilities and the ``[B, T, T]`` mask never exist.
+
+Cached prefill (T > 1) against a latent cache longer than :data:`KEY_BLOCK` also blocks the keys
+(:func:`absorbed_attention_key_blocked`): an online softmax (running max / denominator / output in fp32) over
+key blocks, so a query block holds ``[B, H, blk, KEY_BLOCK]`` scores instead of ``[B, H, blk, S]``, and key
+blocks past the last query position are never visited. It is forward-only (a ``lax.while_loop``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from k3_jax.layers.parallel import axis_size
 NEG_INF = -1e30
 QUERY_BLOCK = 512
 """Queries per attention block for T > 1 (scores ``[B, H, QUERY_BLOCK, S]`` f32 live at a time)."""
+KEY_BLOCK = 2048
+"""Keys per online-softmax step of cached prefill when the cache holds more than this many positions."""
 
 
 def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
@@ -118,6 +125,73 @@ def absorbed_attention(
     return einsum_f32("bthc,chd->bthd", o_lat, w_uv.astype(dt)).astype(dt)
 
 
+def absorbed_attention_key_blocked(
+    q_nope: jax.Array,
+    q_rot: jax.Array,
+    store: jax.Array,
+    w_uk: jax.Array,
+    w_uv: jax.Array,
+    pos_q: jax.Array,
+    scale: float,
+    key_block: int | None = None,
+) -> jax.Array:
+    """:func:`absorbed_attention` with the causal cache mask ``s <= pos_q``, over key blocks (online softmax).
+
+    Args:
+      q_nope: ``[B, T, H, Dn]``.  q_rot: ``[B, T, H, Dr]``.
+      store: ``[B, S, C + Dr]`` latent cache (ĉ then the shared key part, as the layer stores it).
+      w_uk: ``[C, H, Dn]``.  w_uv: ``[C, H, Dv]``.
+      pos_q: ``[B, T]`` int32 position of each query; query t sees cache positions ``0 .. pos_q[b, t]``.
+      key_block: keys per step (default :data:`KEY_BLOCK`).
+    Returns:
+      ``[B, T, H, Dv]`` in ``q_nope.dtype``; equals :func:`absorbed_attention` with that mask to fp32 rounding.
+
+    Scores ``[B, H, T, key_block]`` f32 exist one block at a time; the running max ``m`` and denominator ``l``
+    ``[B, H, T]`` and the latent output ``[B, T, H, C]`` are fp32. Masked scores are the finite ``NEG_INF`` and
+    their probabilities are multiplied by the mask, so a fully masked block (or row) contributes exactly zero
+    and never makes NaN (``exp(NEG_INF - NEG_INF) = 1`` only rescales a zero sum). A last partial block is read
+    at ``S - key_block`` (no padded copy of the cache); positions already covered by the previous block are
+    masked. Only blocks up to the largest query position are visited (data-dependent ``lax.while_loop``), so
+    this is forward-only (no reverse-mode autodiff).
+    """
+    key_block = KEY_BLOCK if key_block is None else key_block
+    b, t, h, _ = q_nope.shape
+    s_len = store.shape[1]
+    c = w_uk.shape[0]
+    if s_len < key_block:
+        raise ValueError(f"key-blocked attention needs a cache of at least key_block={key_block} positions, "
+                         f"got S={s_len}")
+    dt = q_nope.dtype
+    q_lat = einsum_f32("bthd,chd->bthc", q_nope, w_uk.astype(dt)).astype(dt)
+    n_blocks = -(-s_len // key_block)
+    # blocks 0 .. last hold every visible key (max position over the batch and the query block)
+    n_visit = jnp.minimum(jnp.max(pos_q) // key_block + 1, n_blocks).astype(jnp.int32)
+    offs = jnp.arange(key_block, dtype=jnp.int32)
+
+    def body(carry: tuple) -> tuple:
+        j, m, l, acc = carry
+        start = jnp.minimum(j * key_block, s_len - key_block)
+        blk = jax.lax.dynamic_slice_in_dim(store, start, key_block, axis=1).astype(dt)  # [B, KB, C+Dr]
+        lat, rot = blk[..., :c], blk[..., c:]
+        pos_k = start + offs  # [KB]
+        mask = (pos_k[None, None, :] >= j * key_block) & (pos_k[None, None, :] <= pos_q[:, :, None])  # [B, T, KB]
+        mask = mask[:, None, :, :]  # [B, 1, T, KB]
+        s = einsum_f32("bthc,bsc->bhts", q_lat, lat) + einsum_f32("bthr,bsr->bhts", q_rot, rot)
+        s = jnp.where(mask, s * scale, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # [B, H, T]
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None]) * mask
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * jnp.moveaxis(alpha, 1, 2)[..., None] + einsum_f32("bhts,bsc->bthc", p.astype(dt), lat)
+        return j + 1, m_new, l, acc
+
+    init = (jnp.int32(0), jnp.full((b, h, t), NEG_INF, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
+            jnp.zeros((b, t, h, c), jnp.float32))
+    _, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < n_visit, body, init)
+    o_lat = (acc / jnp.maximum(jnp.moveaxis(l, 1, 2), 1e-30)[..., None]).astype(dt)
+    return einsum_f32("bthc,chd->bthd", o_lat, w_uv.astype(dt)).astype(dt)
+
+
 def causal_segment_mask(segment_ids: jax.Array | None, b: int, t: int) -> jax.Array:
     """``[B, T, T]`` bool: causal, and within one document when ``segment_ids`` [B, T] is given."""
     causal = jnp.tril(jnp.ones((t, t), bool))[None]
@@ -183,11 +257,14 @@ class KimiMLAAttention(nn.Module):
             kv_kernel = kv_kernel.reshape(c, h, dn + dv)
 
             def attend_cached(qn: jax.Array, qr: jax.Array, pos: jax.Array) -> jax.Array:
+                if t > 1 and s_max > KEY_BLOCK:  # long cache: online softmax over key blocks (forward only)
+                    return absorbed_attention_key_blocked(qn, qr, store, kv_kernel[..., :dn], kv_kernel[..., dn:],
+                                                          pos, scale)
                 mask = jnp.arange(s_max)[None, None, :] <= pos[:, :, None]  # [B, blk, S]
                 return absorbed_attention(qn, qr, store[..., :c], store[..., c:], kv_kernel[..., :dn],
                                           kv_kernel[..., dn:], mask, scale)
 
-            # decode (T = 1) is one direct call; a long prefill goes in query blocks
+            # decode (T = 1) is one direct call; a long prefill goes in query blocks (and key blocks, S > KEY_BLOCK)
             o = map_query_blocks(attend_cached, [q_nope.astype(dt), q_rot.astype(dt), pos_q], QUERY_BLOCK)
 
         gate = Linear(h * dv, ("embed", "heads"), cfg, name="g_proj")(x)
