@@ -73,6 +73,11 @@ def _layer_setup():
     return cfg, layer, x, params
 
 
+def _query_blocks_mapped(f, *args) -> bool:
+    """Whether tracing ``f`` maps over query blocks (``lax.map`` lowers to a ``scan`` in the jaxpr)."""
+    return "scan[" in str(jax.make_jaxpr(f)(*args))
+
+
 def test_layer_blocked_matches_full(monkeypatch):
     """The layer with 8-query blocks vs one block holding all T (= the old full-score path)."""
     cfg, layer, x, params = _layer_setup()
@@ -82,10 +87,15 @@ def test_layer_blocked_matches_full(monkeypatch):
         y, _ = layer.apply(p, x, segment_ids=seg)
         return jnp.sum(jnp.sin(y)), y
 
-    monkeypatch.setattr(mla, "QUERY_BLOCK", 1024)
-    (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
-    monkeypatch.setattr(mla, "QUERY_BLOCK", 8)
-    (_, y_blk), g_blk = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    def run(query_block: int):
+        # a fresh function per block size: jit caches traces by function, and QUERY_BLOCK is read at trace time
+        monkeypatch.setattr(mla, "QUERY_BLOCK", query_block)
+        f = jax.value_and_grad(lambda p, x: loss(p, x), argnums=(0, 1), has_aux=True)
+        return jax.jit(f)(params, x), _query_blocks_mapped(f, params, x)
+
+    ((_, y_ref), g_ref), mapped_ref = run(1024)
+    ((_, y_blk), g_blk), mapped_blk = run(8)
+    assert not mapped_ref and mapped_blk, "the blocked path did not run (or the reference was blocked too)"
     assert _rel(y_blk, y_ref) <= 1e-5
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_blk), jax.tree_util.tree_leaves(g_ref),
                             strict=True):
@@ -104,10 +114,14 @@ def test_layer_cached_prefill_blocked_matches_full(monkeypatch):
         y1, _ = layer.apply(p, x_next, cache=c, lengths=lengths + T)
         return y, c["latent"], y1
 
-    monkeypatch.setattr(mla, "QUERY_BLOCK", 1024)
-    ref = jax.jit(prefill_then_decode)(params)
-    monkeypatch.setattr(mla, "QUERY_BLOCK", 8)
-    out = jax.jit(prefill_then_decode)(params)
+    def run(query_block: int):
+        monkeypatch.setattr(mla, "QUERY_BLOCK", query_block)
+        f = lambda p: prefill_then_decode(p)  # noqa: E731 - fresh per block size (jit caches by function)
+        return jax.jit(f)(params), _query_blocks_mapped(f, params)
+
+    ref, mapped_ref = run(1024)
+    out, mapped_blk = run(8)
+    assert not mapped_ref and mapped_blk, "the blocked path did not run (or the reference was blocked too)"
     for a, b in zip(out, ref, strict=True):
         assert _rel(a, b) <= 1e-5
 
