@@ -85,3 +85,80 @@ def test_mix_matches_direct_formula():
     expected = (p[..., None] * vn).sum(0)
     np.testing.assert_allclose(np.asarray(attn_res_mix(v, 4, q, 1e-5, jnp.float32)), expected, rtol=1e-5,
                                atol=1e-6)
+
+
+def _plain_mix(sources, n_valid, query, eps, out_dtype):
+    """The mix without rematerialisation (the implementation before it was wrapped in jax.checkpoint)."""
+    p = attn_res_weights(sources, n_valid, query, eps)
+    out = jnp.einsum("rbt,rbtd->btd", p, sources.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out.astype(out_dtype)
+
+
+def test_mix_backward_keeps_only_storage_dtype_sources():
+    # Like the release (bf16 bank/prefix, fp32 only inside _apply_attn_res), bf16 sources must not leave fp32
+    # [R, B, T, D] copies behind for the backward pass: the residuals are the inputs themselves.
+    v = jax.random.normal(jax.random.PRNGKey(4), (5, 2, 8, 64)).astype(jnp.bfloat16)
+    q = jax.random.normal(jax.random.PRNGKey(5), (64,))
+    out, vjp = jax.vjp(lambda s, w: attn_res_mix(s, 3, w, 1e-5, jnp.bfloat16), v, q)
+    assert out.dtype == jnp.bfloat16
+    big = [(a.dtype, a.shape) for a in jax.tree.leaves(vjp) if a.size >= v.size]
+    assert big == [(jnp.dtype(jnp.bfloat16), v.shape)], big
+    # the plain version would have kept fp32 copies (guards that this test can see them)
+    _, vjp_plain = jax.vjp(lambda s, w: _plain_mix(s, 3, w, 1e-5, jnp.bfloat16), v, q)
+    assert any(a.dtype == jnp.float32 and a.shape == v.shape for a in jax.tree.leaves(vjp_plain))
+
+
+def test_mix_remat_is_exact_in_fp32():
+    v = jax.random.normal(jax.random.PRNGKey(6), (4, 2, 5, 32)) * 2
+    q = jax.random.normal(jax.random.PRNGKey(7), (32,))
+    cot = jax.random.normal(jax.random.PRNGKey(8), (2, 5, 32))
+
+    def loss(mix):
+        return jax.jit(jax.value_and_grad(lambda s, w: (mix(s, 3, w, 1e-5, jnp.float32) * cot).sum(), (0, 1)))
+
+    (val, (gv, gq)), (val_p, (gv_p, gq_p)) = loss(attn_res_mix)(v, q), loss(_plain_mix)(v, q)
+    np.testing.assert_array_equal(np.asarray(jax.jit(attn_res_mix, static_argnums=(3, 4))(v, 3, q, 1e-5,
+                                                                                          jnp.float32)),
+                                  np.asarray(jax.jit(_plain_mix, static_argnums=(3, 4))(v, 3, q, 1e-5,
+                                                                                        jnp.float32)))
+    np.testing.assert_allclose(np.asarray(val), np.asarray(val_p), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gv), np.asarray(gv_p), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gq), np.asarray(gq_p), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_model_carries_bf16_sources_and_stays_close_to_fp32_sources(monkeypatch):
+    import flax.linen as nn
+
+    import k3_jax.model as model_mod
+    from k3_jax.config import load_config
+    from k3_jax.model import K3ForCausalLM
+    from tests._model_fixtures import REPO
+
+    cfg = load_config(REPO / "configs" / "k3-tiny.json", dtype="bfloat16")
+    tokens = jax.random.randint(jax.random.PRNGKey(9), (2, 16), 0, cfg.vocab_size)
+    model = K3ForCausalLM(cfg)
+    variables = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens))
+
+    def hidden(t):
+        return model.apply(variables, t, return_hidden=True)
+
+    shape = (cfg.num_attn_res_blocks + 1, 2, 16, cfg.hidden_size)
+    jaxpr = jax.make_jaxpr(hidden)(tokens)
+    carries = [o.aval.dtype for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan" for o in e.outvars
+               if o.aval.shape == shape]
+    assert carries and all(d == jnp.bfloat16 for d in carries), carries
+    h16 = np.asarray(jax.jit(hidden)(tokens), np.float32)
+    # fp32-sources version: the same bf16 model, with only the source array (embedding + block sums) in fp32
+    monkeypatch.setattr(model_mod, "compute_dtype", lambda _cfg: jnp.dtype(jnp.float32))
+
+    def hidden_f32_sources(t):  # a new function: jax caches traces per function
+        return model.apply(variables, t, return_hidden=True)
+
+    carries32 = [o.aval.dtype for e in jax.make_jaxpr(hidden_f32_sources)(tokens).jaxpr.eqns
+                 if e.primitive.name == "scan" for o in e.outvars if o.aval.shape == shape]
+    assert carries32 and all(d == jnp.float32 for d in carries32), carries32
+    h32 = np.asarray(jax.jit(hidden_f32_sources)(tokens), np.float32)
+    # Final normed hidden (RMS ~1). Measured: mean |Δ| 0.100, max 1.25 — the bf16-compute noise floor of this
+    # random-init tiny model (its fp32-sources version is itself mean 0.090 / max 1.06 off the all-fp32 model).
+    err = np.abs(h16 - h32)
+    assert np.all(np.isfinite(h16)) and err.mean() < 0.15 and err.max() < 2.0, (err.mean(), err.max())

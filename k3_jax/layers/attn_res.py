@@ -17,6 +17,8 @@ start the previous block is closed and a new, empty partial sum begins.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -58,7 +60,20 @@ def attn_res_weights(sources: jax.Array, n_valid: jax.Array | int, query: jax.Ar
 
 def attn_res_mix(sources: jax.Array, n_valid: jax.Array | int, query: jax.Array, eps: float,
                  out_dtype: jnp.dtype) -> jax.Array:
-    """``Σ_r p_r V_r`` in fp32, cast to ``out_dtype``. ``sources`` [R, B, T, D] -> [B, T, D]."""
+    """``Σ_r p_r V_r`` in fp32, cast to ``out_dtype``. ``sources`` [R, B, T, D] (storage dtype) -> [B, T, D].
+
+    Like the release (``_apply_attn_res``: bf16 bank/prefix, ``v.float()`` inside), the sources stay in their
+    storage dtype (cfg.dtype) and only the mix works in fp32. Under differentiation the mix is rematerialised:
+    the backward pass keeps just its inputs (``sources`` in storage dtype, ``query`` [D] f32) and recomputes
+    the fp32 upcast, RMS norms and weights, instead of saving three fp32 ``[R, B, T, D]`` residuals per mixing
+    point. Forward values are unchanged.
+    """
+    return _attn_res_mix_remat(sources, jnp.asarray(n_valid), query, eps, jnp.dtype(out_dtype))
+
+
+@functools.partial(jax.checkpoint, static_argnums=(3, 4))
+def _attn_res_mix_remat(sources: jax.Array, n_valid: jax.Array, query: jax.Array, eps: float,
+                        out_dtype: jnp.dtype) -> jax.Array:
     p = attn_res_weights(sources, n_valid, query, eps)
     out = jnp.einsum("rbt,rbtd->btd", p, sources.astype(jnp.float32), precision=HIGHEST)
     return out.astype(out_dtype)
