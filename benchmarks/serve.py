@@ -493,16 +493,12 @@ def jax_part(args: argparse.Namespace) -> None:
         )
         emit({"part": "jax", "event": "check", "file": name, "positions": 1 + len(arg)})
 
+    def engine(run_cfg, run_params, batch: int) -> Engine:
+        return Engine(run_cfg, {"params": run_params}, max_batch=batch, max_len=max_len, prefill_chunk=chunk,
+                      eos_ids=(), max_logprobs=CHECK_TOP)
+
     def measure(b: int, run_cfg) -> dict[str, Any]:
-        eng = Engine(
-            run_cfg,
-            {"params": params},
-            max_batch=b,
-            max_len=max_len,
-            prefill_chunk=chunk,
-            eos_ids=(),
-            max_logprobs=CHECK_TOP,
-        )
+        eng = engine(run_cfg, params, b)
         tw = time.perf_counter()
         _, _, _, w_steps = timed_run(eng, b, 3)  # compiles reset / prefill / sample / decode
         warm = time.perf_counter() - tw
@@ -567,17 +563,7 @@ def jax_part(args: argparse.Namespace) -> None:
         last = time.perf_counter() - tb
     if not checked and deadline - time.perf_counter() > last:
         try:
-            check(
-                Engine(
-                    run_cfg,
-                    {"params": params},
-                    max_batch=1,
-                    max_len=max_len,
-                    prefill_chunk=chunk,
-                    eos_ids=(),
-                    max_logprobs=CHECK_TOP,
-                )
-            )
+            check(engine(run_cfg, params, 1))
         except Exception as e:  # noqa: BLE001
             emit({"part": "jax", "event": "check", "error": f"{type(e).__name__}: {e}"[:600]})
     if dtype != args.check_dtype:  # the compared check: pure-JAX reference kernels, fp32 with HIGHEST dots
@@ -586,15 +572,7 @@ def jax_part(args: argparse.Namespace) -> None:
             cparams = jax.tree.map(lambda x: x.astype(args.check_dtype) if x.dtype == jnp.bfloat16 else x, params)
             precision = "highest" if args.check_dtype == "float32" else None
             with jax.default_matmul_precision(precision):
-                eng = Engine(
-                    ccfg,
-                    {"params": cparams},
-                    max_batch=1,
-                    max_len=max_len,
-                    prefill_chunk=chunk,
-                    eos_ids=(),
-                    max_logprobs=CHECK_TOP,
-                )
+                eng = engine(ccfg, cparams, 1)
                 check(eng, "jax_check.npz")
             del eng, cparams
         except Exception as e:  # noqa: BLE001

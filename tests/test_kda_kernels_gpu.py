@@ -11,10 +11,7 @@ from pallas_kernels.kda import gpu
 from pallas_kernels.kda import reference as ref
 from tests.test_kda_kernels import make_inputs, ref_recurrent, rel, segments
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (jax default backend is not gpu)"),
-]
+pytestmark = pytest.mark.gpu  # skipped unless the default backend is a GPU (tests/conftest.py)
 
 CASES = [(2, 300, 3, 128, 128, (40, 128, 201)), (1, 200, 2, 64, 64, (64, 77))]
 

@@ -46,6 +46,13 @@ def make_tile_table(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array,
     return gid, row0, ends, num.reshape(1).astype(jnp.int32)
 
 
+def _tile_rows(gid_ref, row0_ref, ends_ref, t, tm: int):
+    """Output tile ``t`` of the tile table: ``(group g, first row r0, row mask [tm] = rows before g's end)``."""
+    g = gid_ref[t]
+    r0 = row0_ref[t]
+    return g, r0, r0 + jnp.arange(tm, dtype=jnp.int32) < ends_ref[g]
+
+
 def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, *refs,
                 tm: int, tk: int, tn: int, k: int, num_groups: int, trans_b: bool, n_rhs: int = 1, epilogue=None):
     """One ``[tm, tn]`` output tile; ``refs = (*rhs_refs, out_ref)``; with two rhs, ``epilogue(acc1, acc2)``."""
@@ -55,14 +62,10 @@ def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, *refs,
 
     @pl.when(t < num_ref[0])
     def _run():
-        g = gid_ref[t]
-        r0 = row0_ref[t]
-        end = ends_ref[g]
-        rows = r0 + jnp.arange(tm, dtype=jnp.int32)
-        rmask = (rows < end) & (g < num_groups)  # the virtual trailing group loads zeros, stores zeros
+        g, r0, smask = _tile_rows(gid_ref, row0_ref, ends_ref, t, tm)
+        rmask = smask & (g < num_groups)  # the virtual trailing group loads zeros, stores zeros
         n0 = pl.multiple_of(j * tn, tn)
         gw = jnp.minimum(g, num_groups - 1)
-        smask = rows < end
 
         def body(kk, accs):
             k0 = pl.multiple_of(kk * tk, tk)
@@ -284,11 +287,7 @@ def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, x_ref, *refs,
 
     @pl.when(t < num_ref[0])
     def _run():
-        g = gid_ref[t]
-        r0 = row0_ref[t]
-        end = ends_ref[g]
-        rows = r0 + jnp.arange(tm, dtype=jnp.int32)
-        smask = rows < end
+        g, r0, smask = _tile_rows(gid_ref, row0_ref, ends_ref, t, tm)
         n0 = pl.multiple_of(j * tn, tn)
         gw = jnp.minimum(g, num_groups - 1)
         ts = tkh // 16  # scales per K step (one per 32 elements = 16 packed bytes)

@@ -63,28 +63,26 @@ def grouped_matmul(
     (HF ``[out, in]`` orientation).
     """
     impl = resolve(implementation, interpret, "grouped_matmul")
-    if is_mxfp4(rhs) and impl == "pallas_gpu":
-        from pallas_kernels.moe import gpu
-
-        return gpu.gmm_mxfp4(lhs, [(rhs["weight_packed"], rhs["weight_scale"])], group_sizes,
-                             out_dtype=preferred_element_type, interpret=interpret)
-    if is_mxfp4(rhs) and impl == "pallas_tpu":
-        from pallas_kernels.moe import tpu
-
-        layout = tpu.mxfp4_kernel_layout(rhs["weight_packed"], rhs["weight_scale"])
-        return tpu.gmm_mxfp4(lhs, [layout], group_sizes, out_dtype=preferred_element_type, interpret=interpret)
-    w = ref.dense_expert_weight(rhs, lhs.dtype)
     if impl == "reference":
-        return ref.grouped_matmul(lhs, w, group_sizes, preferred_element_type=preferred_element_type)
+        return ref.grouped_matmul(lhs, ref.dense_expert_weight(rhs, lhs.dtype), group_sizes,
+                                  preferred_element_type=preferred_element_type)
+    kern, mxfp4_operand = _kernels(impl)
+    if is_mxfp4(rhs):
+        return kern.gmm_mxfp4(lhs, [mxfp4_operand(rhs)], group_sizes, out_dtype=preferred_element_type,
+                              interpret=interpret)
+    return kern.gmm(lhs, ref.dense_expert_weight(rhs, lhs.dtype), group_sizes,
+                    preferred_element_type=preferred_element_type, tiles=tiles, interpret=interpret)
+
+
+def _kernels(impl: str):
+    """``(kernel module, MXFP4 weight dict -> that module's MXFP4 operand)`` for a Pallas implementation."""
     if impl == "pallas_tpu":
         from pallas_kernels.moe import tpu
 
-        return tpu.gmm(lhs, w, group_sizes, preferred_element_type=preferred_element_type, tiles=tiles,
-                       interpret=interpret)
+        return tpu, lambda w: tpu.mxfp4_kernel_layout(w["weight_packed"], w["weight_scale"])
     from pallas_kernels.moe import gpu
 
-    return gpu.gmm(lhs, w, group_sizes, preferred_element_type=preferred_element_type, tiles=tiles,
-                   interpret=interpret)
+    return gpu, lambda w: (w["weight_packed"], w["weight_scale"])
 
 
 @functools.cache
@@ -162,35 +160,21 @@ def expert_ffn(
     dt = x_sorted.dtype
     a = fake_quant_mxfp8(x_sorted) if mxfp8_activations else x_sorted
     quant = lambda h: fake_quant_mxfp8(h) if mxfp8_activations else h
-    if impl == "pallas_tpu":
-        from pallas_kernels.moe import tpu
-
-        if is_mxfp4(w1) and is_mxfp4(w3) and is_mxfp4(w2):
-            lay = lambda w: tpu.mxfp4_kernel_layout(w["weight_packed"], w["weight_scale"])
-            h = tpu.gmm_mxfp4(a, [lay(w1), lay(w3)], group_sizes, epilogue=tpu.situ_epilogue(beta1, beta2, dt),
-                              out_dtype=dt, interpret=interpret)
-            out = tpu.gmm_mxfp4(quant(h), [lay(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret)
-            return out.astype(dt)
-        d1, d3, d2 = (ref.dense_expert_weight(w, dt) for w in (w1, w3, w2))
-        h = tpu_glu_fn(float(beta1), float(beta2), bool(interpret))(a, d1, d3, group_sizes)
-        out = tpu.gmm(quant(h), d2, group_sizes, preferred_element_type=jnp.float32, interpret=interpret)
-        return out.astype(dt)
-    from pallas_kernels.moe import gpu
-
+    kern, mxfp4_operand = _kernels(impl)
     if is_mxfp4(w1) and is_mxfp4(w3) and is_mxfp4(w2):
-        pair = lambda w: (w["weight_packed"], w["weight_scale"])
-        h = gpu.gmm_mxfp4(a, [pair(w1), pair(w3)], group_sizes, epilogue=gpu.situ_epilogue(beta1, beta2, dt),
-                          out_dtype=dt, interpret=interpret)
-        out = gpu.gmm_mxfp4(quant(h), [pair(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret)
+        h = kern.gmm_mxfp4(a, [mxfp4_operand(w1), mxfp4_operand(w3)], group_sizes,
+                           epilogue=ref.situ_epilogue(beta1, beta2, dt), out_dtype=dt, interpret=interpret)
+        out = kern.gmm_mxfp4(quant(h), [mxfp4_operand(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret)
         return out.astype(dt)
     d1, d3, d2 = (ref.dense_expert_weight(w, dt) for w in (w1, w3, w2))
-    if GPU_FUSED_GLU:
-        h = gpu_glu_fn(float(beta1), float(beta2), bool(interpret))(a, d1, d3, group_sizes)
+    if impl == "pallas_tpu" or GPU_FUSED_GLU:
+        glu_fn = tpu_glu_fn if impl == "pallas_tpu" else gpu_glu_fn
+        h = glu_fn(float(beta1), float(beta2), bool(interpret))(a, d1, d3, group_sizes)
     else:
-        gate = gpu.gmm(a, d1, group_sizes, interpret=interpret)
-        up = gpu.gmm(a, d3, group_sizes, interpret=interpret)
+        gate = kern.gmm(a, d1, group_sizes, interpret=interpret)
+        up = kern.gmm(a, d3, group_sizes, interpret=interpret)
         h = ref.situ_glu(gate, up, beta1, beta2)
-    out = gpu.gmm(quant(h), d2, group_sizes, preferred_element_type=jnp.float32, interpret=interpret)
+    out = kern.gmm(quant(h), d2, group_sizes, preferred_element_type=jnp.float32, interpret=interpret)
     return out.astype(dt)
 
 
