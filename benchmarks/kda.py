@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._profile import device_op_times  # noqa: E402
 from pallas_kernels.kda import gpu as kgpu  # noqa: E402
 from pallas_kernels.kda import ops  # noqa: E402
 from pallas_kernels.kda import reference as ref  # noqa: E402
@@ -123,9 +124,15 @@ def bench_shape(B, T, H, args, gpu_cfg):
     o_ours = fwd(q, k, v, g, beta)[0]
     res["ours_compile_s"] = round(time.perf_counter() - t0, 1)
     res["ours_fwd_ms"] = time_jax(fwd, q, k, v, g, beta)
+    if args.profile_dir:
+        res["ours_fwd_profile"] = device_op_times(fwd, q, k, v, g, beta, top=8,
+                                                  out_dir=os.path.join(args.profile_dir, f"fwd_{B}x{T}x{H}"))
     log(res)
     if not args.no_bwd:
         res["ours_fwdbwd_ms"] = time_jax(grad, q, k, v, g, beta, do, iters=3, repeats=2)
+        if args.profile_dir:
+            res["ours_fwdbwd_profile"] = device_op_times(
+                grad, q, k, v, g, beta, do, top=15, out_dir=os.path.join(args.profile_dir, f"fb_{B}x{T}x{H}"))
         log(res)
     if not args.no_reference:
         rfwd, rgrad = jax_fns("reference", K)
@@ -210,6 +217,7 @@ def main():
     p.add_argument("--no-decode", action="store_true")
     p.add_argument("--reference-shapes", type=int, default=1, help="time the reference on the first N shapes")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
+    p.add_argument("--profile-dir", default=None, help="add per-kernel device times (JAX profiler) of our calls")
     args = p.parse_args()
     out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "results": []}
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]

@@ -530,9 +530,35 @@ def jax_part(args: argparse.Namespace) -> None:
             and rec["latent_bytes_per_token_held"] == analytic["mla_latent_per_token"]
         )
         emit(rec)
+        if args.profile_dir and b == args.batches[0]:
+            emit({"part": "jax", "batch": b, "event": "profile", **profile_decode(eng, b)})
         if b == 1:
             check(eng)
         return rec
+
+    def profile_decode(eng: Engine, b: int, tokens: int = 17) -> dict[str, Any]:
+        """Device time by kernel of ``tokens - 1`` decode steps (JAX profiler), next to their wall time."""
+        from benchmarks._profile import summarize_trace
+
+        out_dir = os.path.join(args.profile_dir, f"decode_b{b}")
+        os.makedirs(out_dir, exist_ok=True)
+        sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        for i in range(b):
+            eng.add_request(prompts[i].tolist(), sp)
+        eng.step()  # admissions + first decode step, outside the trace
+        s0 = eng.stats["decode_steps"]
+        jax.profiler.start_trace(out_dir, create_perfetto_trace=True)
+        t0 = time.perf_counter()
+        while eng.has_work:
+            eng.step()
+        wall = time.perf_counter() - t0
+        jax.profiler.stop_trace()
+        steps = max(eng.stats["decode_steps"] - s0, 1)
+        trace = sorted(Path(out_dir).rglob("perfetto_trace.json.gz"), key=os.path.getmtime)[-1]
+        summ = summarize_trace(str(trace), top=20, divide_by=steps)
+        return {"profiled_steps": steps, "wall_ms_per_step": round(1000 * wall / steps, 3),
+                "device_ms_per_step": summ["total_ms"], "device_events_per_step": summ["n_events"],
+                "top_device_ops_ms_per_step": summ["top"]}
 
     run_cfg = cfg
     last, checked = 0.0, False
@@ -603,6 +629,8 @@ def run_part(
     }
     if args.dtype:
         opts["--dtype"] = args.dtype
+    if args.profile_dir and part == "jax":
+        opts["--profile-dir"] = args.profile_dir
     opts.update({f"--{k.replace('_', '-')}": v for k, v in overrides.items()})
     cmd = [python, "-u", str(Path(__file__).resolve())] + [x for kv in opts.items() for x in kv]
     if not args.jax_fallback:
@@ -840,6 +868,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0, help="wall budget of the whole run")
     ap.add_argument("--torch-budget-s", type=float, default=120.0)
     ap.add_argument("--export-budget-s", type=float, default=90.0)
+    ap.add_argument("--profile-dir", default=None,
+                    help="jax side: also profile 16 decode steps at the first batch (device time by kernel)")
     ap.add_argument("--skip-export", action="store_true", help="reuse --ckpt")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-jax", action="store_true")

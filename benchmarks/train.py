@@ -45,7 +45,7 @@ def gpu_lock():
 
 
 def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: int, remat: str,
-          mesh: str | None, peak_tflops: float | None) -> dict:
+          mesh: str | None, peak_tflops: float | None, profile_dir: str | None = None) -> dict:
     from k3_jax.training.loop import TrainConfig, Trainer
 
     overrides = {"kda_implementation": impl, "moe_implementation": impl, "remat": remat}
@@ -70,6 +70,17 @@ def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: i
             state, m = train_step(state, b)
             jax.block_until_ready(m)
             times.append(time.time() - t0)
+        prof = None
+        if profile_dir:
+            from benchmarks._profile import device_op_times
+
+            state_box = [state]
+
+            def one_step(b):
+                state_box[0], m = train_step(state_box[0], b)
+                return m
+
+            prof = device_op_times(one_step, b, out_dir=os.path.join(profile_dir, impl), iters=1, top=30)
     step_s = statistics.median(times)
     tokens = batch * seq_len
     achieved = tr.flops["total"] * tokens / step_s
@@ -80,7 +91,7 @@ def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: i
             "tflops_per_device": round(achieved / n_dev / 1e12, 3),
             "mfu": round(achieved / (tr.peak * n_dev), 4) if tr.peak else None,
             "compile_s": round(compile_s, 1), "loss": round(float(m["loss"]), 4),
-            "flops_per_token": tr.flops["total"]}
+            "flops_per_token": tr.flops["total"], **({"device_profile": prof} if prof else {})}
 
 
 def main() -> None:
@@ -94,12 +105,14 @@ def main() -> None:
     ap.add_argument("--impls", default="auto,reference")
     ap.add_argument("--mesh", default=None)
     ap.add_argument("--peak-tflops", type=float, default=None)
+    ap.add_argument("--profile-dir", default=None,
+                    help="also profile one step per impl; adds device_profile (top device ops, ms) to the JSON")
     args = ap.parse_args()
     results = []
     for impl in args.impls.split(","):
         try:
             r = bench(args.config, impl, args.batch_size, args.seq_len, args.steps, args.accum, args.remat,
-                      args.mesh, args.peak_tflops)
+                      args.mesh, args.peak_tflops, args.profile_dir)
         except Exception as e:  # noqa: BLE001 - report and continue with the peer
             r = {"impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(json.dumps(r), flush=True)

@@ -1,0 +1,68 @@
+"""Device-time breakdown of a jitted call, from a JAX profiler trace (used by the GPU benchmarks).
+
+``device_op_times(fn, *args, out_dir=...)`` runs ``fn(*args)`` ``iters`` times under
+``jax.profiler.trace`` and sums the device-side events of the Perfetto trace by name, so a benchmark can
+print which kernels take the time (e.g. ``kda_chunk_state_gpu`` vs ``kda_chunk_intra_gpu``, or the
+top fusions of a train step) next to its wall-clock figures. On CPU there is no device stream: the result
+lists host-side XLA ops instead, so the function is testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+
+import jax
+
+
+def _device_pids(events: list[dict]) -> tuple[set[int], bool]:
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    dev = {pid for pid, nm in names.items() if nm.startswith(("/device:GPU", "/device:TPU"))}
+    return (dev, True) if dev else (set(names), False)
+
+
+def summarize_trace(path: str, top: int = 25, divide_by: int = 1) -> dict:
+    """Sums ``ph == "X"`` events of a ``perfetto_trace.json.gz`` on device processes, by event name.
+
+    Returns ``{"device_events": bool, "total_ms": float, "n_events": int, "top": [[name, ms, count], ...]}``
+    with times divided by ``divide_by`` (the number of profiled iterations).
+    """
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    pids, on_device = _device_pids(events)
+    total = collections.Counter()
+    count = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e:
+            total[e["name"]] += float(e["dur"])
+            count[e["name"]] += 1
+    ms = lambda us: round(us / 1e3 / divide_by, 4)
+    return {
+        "device_events": on_device,
+        "total_ms": ms(sum(total.values())),
+        "n_events": sum(count.values()) // divide_by,
+        "top": [[n[:120], ms(t), count[n] // divide_by] for n, t in total.most_common(top)],
+    }
+
+
+def device_op_times(fn, *args, out_dir: str, iters: int = 3, top: int = 25) -> dict:
+    """Profiles ``iters`` calls of ``fn(*args)`` (already compiled) and returns :func:`summarize_trace`."""
+    jax.block_until_ready(fn(*args))
+    os.makedirs(out_dir, exist_ok=True)
+    jax.profiler.start_trace(out_dir, create_perfetto_trace=True)
+    try:
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    finally:
+        jax.profiler.stop_trace()
+    traces = sorted(glob.glob(os.path.join(out_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                    key=os.path.getmtime)
+    if not traces:
+        return {"error": f"no perfetto_trace.json.gz under {out_dir}"}
+    return summarize_trace(traces[-1], top=top, divide_by=iters)
