@@ -78,16 +78,21 @@ def test_moe_kernels_lower(verified_modules):
     assert len(verified_modules) >= 6, verified_modules
 
 
-def test_kda_kernels_lower(verified_modules):
-    b, t, h, d = 1, 128, 2, 64
-    q = jnp.ones((b, t, h, d), jnp.bfloat16)
-    g = jnp.full((b, t, h, d), -0.1, jnp.float32)
-    beta = jnp.full((b, t, h), 0.5, jnp.bfloat16)
-    seg = jnp.ones((b, t), jnp.int32)
-    _lower_for_cuda(lambda q, g, beta: kda_gpu.chunk_kda_fwd(q, q, q, g, beta, d ** -0.5, segment_ids=seg),
-                    q, g, beta)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_kda_kernels_lower(verified_modules, dtype):
+    """All four chunk-forward kernels (A, solve, W/U, state) and the decode step, for bf16 operands and for
+    fp32 (3xTF32) operands, K=V=64 and 128."""
+    b, t, h = 1, 128, 2
+    for d in (64, 128):
+        q = jnp.ones((b, t, h, d), dtype)
+        g = jnp.full((b, t, h, d), -0.1, jnp.float32)
+        beta = jnp.full((b, t, h), 0.5, dtype)
+        seg = jnp.ones((b, t), jnp.int32)
+        _lower_for_cuda(lambda q, g, beta, seg: kda_gpu.chunk_kda_fwd(q, q, q, g, beta, q.shape[-1] ** -0.5,
+                                                                      segment_ids=seg), q, g, beta, seg)
     pool = jnp.zeros((3, h, d, d), jnp.float32)
     slots = jnp.array([2], jnp.int32)
     _lower_for_cuda(lambda q1, g1, b1, pool: kda_gpu.decode_step(q1, q1, q1, g1, b1, d ** -0.5, pool, slots),
                     q[:, 0], g[:, 0], beta[:, 0], pool)
-    assert len(verified_modules) >= 3, verified_modules
+    chunk = ["kda_chunk_a_gpu", "kda_chunk_solve_gpu", "kda_chunk_wu_gpu", "kda_chunk_state_gpu"]
+    assert verified_modules == chunk + chunk + ["kda_decode_gpu"], verified_modules

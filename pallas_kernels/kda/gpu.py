@@ -1,25 +1,27 @@
 """KDA Pallas kernels for GPU (Triton lowering): chunked forward and a decode step.
 
-Chunked forward (``chunk_kda_fwd``), two kernels, the split fla also uses:
+Chunked forward (``chunk_kda_fwd``): four lean kernels, the split flash-linear-attention also uses. Triton has
+no value slicing or concatenation, so every sub-block is loaded from a ref (``pl.ds``):
 
-1. ``_intra_kernel``, grid ``(B*H, N)``, fully parallel: everything of a chunk that does not depend on the
-   carried state. Triton has no value slicing or concatenation, so it works on 16-token tiles loaded
-   straight from the refs: ``A_kk[a, b]``, ``A_qk[a, b]`` (``b <= a``) are 16x16 matmuls of decay-factored
-   tiles, reference point ``m_a = G`` at the token before tile ``a`` (exponents ``<= 0`` off the diagonal,
-   ``<= 80`` on it, which needs ``g >= -5``; see :mod:`pallas_kernels.kda.tpu`); the inverse
-   ``X = (I + diag(beta) A_kk)^-1`` is built tile by tile (diagonal tiles by the Neumann product, the
-   rest by blocked substitution, all matmuls); it writes ``W = X (beta e^G K)``, ``U = X (beta V)``, the
-   masked ``A_qk``, ``q e^G``, ``e^{G_C - G} K`` and the chunk decay.
-2. ``_state_kernel``, grid ``(B*H, V / BV)``: carries the fp32 state slice ``S^T [BV, K]`` in registers
+1. ``_a_kernel``, grid ``(B*H, N, C/16)``: one program per 16-token row tile ``a`` of a chunk. With the
+   reference point ``m_a = G`` at the token before the tile (0 for ``a = 0``) the rows
+   ``k_a e^{G_a - m_a}``, ``q_a e^{G_a - m_a} scale`` (exponents ``<= 0``) meet the columns of the whole
+   chunk ``k e^{min(m_a - G, 80)}`` (``<= 80`` inside the tile, which needs ``g >= -5``; later tokens are
+   clamped and masked) in ONE ``[16, K] x [K, C]`` matmul each (K in ``block_k`` slices): the rows of
+   ``N = diag(beta) A_kk`` (strictly lower, same segment; fp32) and of the masked ``A_qk`` (incl. diagonal),
+   plus the rows of ``q e^G scale`` and ``e^{G_C - G} k``.
+2. ``_solve_kernel``, grid ``(B*H, N)``: ``X = (I + N)^-1`` from the 16x16 tiles of ``N``: diagonal tiles by
+   the Neumann product, the rest by blocked substitution, all matmuls (3xTF32); writes ``X [C, C]``.
+3. ``_wu_kernel``, grid ``(B*H, N)``: ``W = X (beta e^G k)``, ``U = X (beta v)`` as ``[C, C] x [C, 64]``
+   matmuls, and the chunk decay ``e^{G_C}``.
+4. ``_state_kernel``, grid ``(B*H, V / BV)``: carries the fp32 state slice ``S^T [BV, K]`` in registers
    through the chunks (``fori_loop``; never to HBM in between): ``V~ = U - W S``,
    ``O = (q e^G) S + A_qk V~``, ``S' = diag(e^{G_C}) S + (e^{G_C - G} K)^T V~``.
 
-``chunk_kda_fwd_fused`` does both in one kernel per (sequence, head, V block); it is correct but slow
-(measured, see benchmarks/RESULTS.md) and kept for comparison.
-
-Precision: the decay/solve matmuls use 3xTF32 (``DotAlgorithmPreset.TF32_TF32_F32_X3``, ~fp32); with bf16
-inputs the ``A``/state/output matmuls take bf16 operands with fp32 accumulation (as fla does); with fp32
-inputs every matmul is 3xTF32. In ``interpret`` mode (CPU) fp32 ``HIGHEST`` replaces 3xTF32.
+Precision: decay factors, ``N`` and the inverse are fp32 (inverse products in 3xTF32,
+``DotAlgorithmPreset.TF32_TF32_F32_X3``, ~fp32). With bf16 inputs the ``A``, ``W``/``U`` and state matmuls
+take bf16 operands with fp32 accumulation and ``X`` is stored in bf16 (as fla does); with fp32 inputs
+everything is fp32 / 3xTF32. In ``interpret`` mode (CPU) fp32 ``HIGHEST`` replaces 3xTF32.
 
 Decode step, grid ``(B, H, V / BV)``: one token per sequence, state pool row ``state_slots[b]`` read and
 written in place (``input_output_aliases``).
@@ -63,197 +65,93 @@ def _make_mm(interpret: bool):
     return mm
 
 
-def _chunk_fwd_kernel(
-    q_ref, k_ref, v_ref, gam_ref, beta_ref, segc_ref, segr_ref, h0_ref, o_ref, ht_ref,
-    *, scale: float, chunk: int, n_chunks: int, mm_dtype, interpret: bool,
+def _a_kernel(
+    q_ref, k_ref, gam_ref, beta_ref, segc_ref, segr_ref,  # q, beta: this row tile; k, gam, seg: the chunk
+    nkk_ref, aqk_ref, qg_ref, kdec_ref,  # outputs: this row tile
+    *, scale: float, mm_dtype, block_k: int, interpret: bool,
 ):
-    f32 = jnp.float32
-    C = chunk
-    nt = C // SUB
-    K = k_ref.shape[-1]
-    mm = _make_mm(interpret)
-    mmp = lambda a, b, dims: mm(a, b, dims, f32)
-    ri = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    ci = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    """Rows ``[16a, 16a + 16)`` of ``N = diag(beta) A_kk``, masked ``A_qk``, ``q e^G scale``, ``e^{G_C-G} k``.
 
-    def body(c, st):  # st: [BV, K] f32 (state slice, transposed)
-        base = c * C
-        rows = [pl.ds(base + a * SUB, SUB) for a in range(nt)]
-        kt = [k_ref[r, :].astype(f32) for r in rows]
-        gt = [gam_ref[r, :] for r in rows]
-        bt = [beta_ref[r, :] for r in rows]  # [16, 1]
-        sc = [segc_ref[r, :] for r in rows]  # [16, 1]
-        sr = [segr_ref[c, :, pl.ds(a * SUB, SUB)] for a in range(nt)]  # [1, 16]
-        eg = [jnp.where(sc[a] == 0, jnp.exp(gt[a]), 0.0) for a in range(nt)]
-        glast = gam_ref[pl.ds(base + C - 1, 1), :]  # [1, K]
-        seglast = segc_ref[pl.ds(base + C - 1, 1), :]  # [1, 1]
-
-        akk = [[None] * nt for _ in range(nt)]
-        aqk = [[None] * nt for _ in range(nt)]
-        for a in range(nt):
-            m = jnp.zeros((1, K), f32) if a == 0 else gam_ref[pl.ds(base + a * SUB - 1, 1), :]
-            left = jnp.exp(gt[a] - m)
-            rowk = kt[a] * left
-            rowq = q_ref[rows[a], :].astype(f32) * (left * scale)
-            for b in range(a + 1):
-                colf = kt[b] * jnp.exp(jnp.minimum(m - gt[b], EXP_CLAMP))
-                same = sc[a] == sr[b]
-                mk = same & (ri > ci) if a == b else same
-                mq = same & (ri >= ci) if a == b else same
-                akk[a][b] = jnp.where(mk, mm(rowk, colf, NT, mm_dtype), 0.0)
-                aqk[a][b] = jnp.where(mq, mm(rowq, colf, NT, mm_dtype), 0.0)
-
-        w, u = [], []
-        for a in range(nt):
-            rw = bt[a] * eg[a] * kt[a]
-            ru = bt[a] * v_ref[rows[a], :].astype(f32)
-            for b in range(a):
-                nab = bt[a] * akk[a][b]
-                rw = rw - mmp(nab, w[b], NN)
-                ru = ru - mmp(nab, u[b], NN)
-            dinv = _layout.neumann_inverse(bt[a] * akk[a][a], SUB, lambda x, y: mmp(x, y, NN))
-            w.append(mmp(dinv, rw, NN))
-            u.append(mmp(dinv, ru, NN))
-
-        vt = [u[b] - mm(w[b], st, NT, mm_dtype) for b in range(nt)]  # [16, BV]
-        for a in range(nt):
-            qg = q_ref[rows[a], :].astype(f32) * (eg[a] * scale)
-            o = mm(qg, st, NT, mm_dtype)
-            for b in range(a + 1):
-                o = o + mm(aqk[a][b], vt[b], NN, mm_dtype)
-            o_ref[rows[a], :] = o.astype(o_ref.dtype)
-
-        st_new = st * jnp.where(seglast == 0, jnp.exp(glast), 0.0)
-        for b in range(nt):
-            kdec = jnp.where(sc[b] == seglast, kt[b] * jnp.exp(glast - gt[b]), 0.0)
-            st_new = st_new + mm(vt[b], kdec, TN, mm_dtype)
-        return st_new
-
-    st = jax.lax.fori_loop(0, n_chunks, body, h0_ref[...])
-    ht_ref[...] = st
-
-
-def chunk_kda_fwd_fused(
-    q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, chunk_size: int = 64,
-    interpret: bool = False, block_v: int | None = None, num_warps: int = 4, num_stages: int = 1,
-):
-    """Chunked KDA forward on GPU, one fused Triton kernel per (sequence, head, V block).
-
-    Kept for comparison: measured 35 ms at B=1, T=8192, H=96 on an H200 (spills; the intra-chunk work
-    is serialised with the state). Args as the reference ``chunk_kda`` (``g >= -5``).
-
-    Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32)``. ``K``, ``V`` and ``block_v``
-    must be powers of two >= 16.
+    Grid ``(B*H, N, C/16)``. ``k_ref, gam_ref [C, K]``, ``segc_ref [C, 1]``, ``segr_ref [1, C]`` hold the
+    chunk; ``q_ref [16, K]``, ``beta_ref [16, 1]`` the row tile.
     """
-    _layout.check_chunk_args(q, k, v, g, beta, initial_state, segment_ids, chunk_size, "gpu.chunk_kda_fwd")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = chunk_size
-    BV = block_v or min(V, 64)
-    for nm, d in (("K", K), ("V", V), ("block_v", BV), ("chunk_size", C)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"gpu.chunk_kda_fwd: {nm} must be a power of two >= 16, got {d}")
-    if V % BV:
-        raise ValueError(f"gpu.chunk_kda_fwd: block_v={BV} must divide V={V}")
-    x = _layout.prepare_chunk_inputs(q, k, v, g, beta, initial_state, segment_ids, C)
-    BH, Tp = B * H, x.q.shape[1]
-    N = Tp // C
-    mm_dtype = jnp.float32 if jnp.promote_types(q.dtype, v.dtype) == jnp.float32 else jnp.bfloat16
-    seq = lambda d: pl.BlockSpec((None, Tp, d), lambda bh, j: (bh, 0, 0))
-    seq_v = pl.BlockSpec((None, Tp, BV), lambda bh, j: (bh, 0, j))
-    per_b = pl.BlockSpec((None, Tp, 1), lambda bh, j: (jax.lax.div(bh, H), 0, 0))
-    per_b_row = pl.BlockSpec((None, N, 1, C), lambda bh, j: (jax.lax.div(bh, H), 0, 0, 0))
-    state = pl.BlockSpec((None, BV, K), lambda bh, j: (bh, j, 0))
-    kernel = functools.partial(
-        _chunk_fwd_kernel, scale=float(scale), chunk=C, n_chunks=N, mm_dtype=mm_dtype, interpret=bool(interpret)
-    )
-    o, ht = pl.pallas_call(
-        kernel,
-        grid=(BH, V // BV),
-        in_specs=[seq(K), seq(K), seq_v, seq(K), seq(1), per_b, per_b_row, state],
-        out_specs=[seq_v, state],
-        out_shape=[
-            jax.ShapeDtypeStruct((BH, Tp, V), v.dtype),
-            jax.ShapeDtypeStruct((BH, V, K), jnp.float32),
-        ],
-        compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
-        interpret=bool(interpret),
-        name="kda_chunk_fwd_gpu",
-    )(x.q, x.k, x.v, x.gam, x.beta, x.seg_col, x.seg_row, x.h0t)
-    return _layout.finish_chunk_outputs(o, ht, B, T, H)
-
-
-# ------------------------------------------------------------------------------------------------------
-# Two-phase forward (default): a fully parallel intra-chunk kernel, then a thin sequential state pass.
-# ------------------------------------------------------------------------------------------------------
-
-
-def _intra_kernel(
-    q_ref, k_ref, v_ref, gam_ref, beta_ref, segc_ref, segr_ref,  # inputs, one chunk
-    w_ref, u_ref, aqk_ref, qg_ref, kdec_ref, dl_ref,  # outputs, one chunk
-    *, scale: float, mm_dtype, interpret: bool,
-):
-    """Everything of a chunk that does not depend on the carried state (grid ``(B*H, N)``, parallel)."""
     f32 = jnp.float32
     C, K = k_ref.shape
+    mm = _make_mm(interpret)
+    a = pl.program_id(2)
+    r0 = pl.multiple_of(a * SUB, SUB)
+    rows = pl.ds(r0, SUB)
+    prev = pl.ds(jnp.maximum(r0 - 1, 0), 1)  # token before the tile (row 0 for a = 0, then unused)
+    last = pl.ds(C - 1, 1)
+    sc = segc_ref[rows, :]  # [16, 1]
+    seglast = segc_ref[last, :]  # [1, 1]
+    acc_k = jnp.zeros((SUB, C), f32)
+    acc_q = jnp.zeros((SUB, C), f32)
+    for kb in range(K // block_k):
+        cols = pl.ds(kb * block_k, block_k)
+        m = jnp.where(a == 0, 0.0, gam_ref[prev, cols])  # [1, BK]
+        ga = gam_ref[rows, cols]  # [16, BK]
+        left = jnp.exp(ga - m)  # <= 1
+        ka = k_ref[rows, cols].astype(f32)
+        qa = q_ref[:, cols].astype(f32)
+        colf = k_ref[:, cols].astype(f32) * jnp.exp(jnp.minimum(m - gam_ref[:, cols], EXP_CLAMP))  # [C, BK]
+        acc_k = acc_k + mm(ka * left, colf, NT, mm_dtype)
+        acc_q = acc_q + mm(qa * (left * scale), colf, NT, mm_dtype)
+        qg_ref[:, cols] = (qa * jnp.where(sc == 0, jnp.exp(ga) * scale, 0.0)).astype(qg_ref.dtype)
+        glast = gam_ref[last, cols]
+        kdec_ref[:, cols] = jnp.where(sc == seglast, ka * jnp.exp(glast - ga), 0.0).astype(kdec_ref.dtype)
+    ri = r0 + jax.lax.broadcasted_iota(jnp.int32, (SUB, C), 0)
+    ci = jax.lax.broadcasted_iota(jnp.int32, (SUB, C), 1)
+    same = sc == segr_ref[...]  # [16, C]
+    nkk_ref[...] = jnp.where(same & (ri > ci), beta_ref[...] * acc_k, 0.0)
+    aqk_ref[...] = jnp.where(same & (ri >= ci), acc_q, 0.0).astype(aqk_ref.dtype)
+
+
+def _solve_kernel(n_ref, x_ref, *, interpret: bool):
+    """``X = (I + N)^-1`` for one chunk (grid ``(B*H, N)``), ``N [C, C]`` strictly lower, as 16x16 tiles:
+    ``X_aa = D_a^-1`` (Neumann product), ``X_ab = -D_a^-1 sum_{b <= c < a} N_ac X_cb``."""
+    C = n_ref.shape[0]
     nt = C // SUB
     mm = _make_mm(interpret)
-    mmp = lambda a, b, dims: mm(a, b, dims, f32)
-    ri = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    ci = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    rows = [pl.ds(a * SUB, SUB) for a in range(nt)]
-    kt = [k_ref[r, :].astype(f32) for r in rows]
-    gt = [gam_ref[r, :] for r in rows]
-    bt = [beta_ref[r, :] for r in rows]
-    sc = [segc_ref[r, :] for r in rows]
-    sr = [segr_ref[:, r] for r in rows]
-    eg = [jnp.where(sc[a] == 0, jnp.exp(gt[a]), 0.0) for a in range(nt)]
-    glast = gam_ref[pl.ds(C - 1, 1), :]
-    seglast = segc_ref[pl.ds(C - 1, 1), :]
-
-    akk = [[None] * nt for _ in range(nt)]
-    zeros = jnp.zeros((SUB, SUB), f32)
-    for a in range(nt):
-        m = jnp.zeros((1, K), f32) if a == 0 else gam_ref[pl.ds(a * SUB - 1, 1), :]
-        left = jnp.exp(gt[a] - m)
-        rowk = kt[a] * left
-        qa = q_ref[rows[a], :].astype(f32)
-        rowq = qa * (left * scale)
-        for b in range(nt):
-            if b > a:
-                aqk_ref[rows[a], rows[b]] = zeros.astype(aqk_ref.dtype)
-                continue
-            colf = kt[b] * jnp.exp(jnp.minimum(m - gt[b], EXP_CLAMP))
-            same = sc[a] == sr[b]
-            mk = same & (ri > ci) if a == b else same
-            mq = same & (ri >= ci) if a == b else same
-            akk[a][b] = jnp.where(mk, mm(rowk, colf, NT, mm_dtype), 0.0)
-            aqk_ref[rows[a], rows[b]] = jnp.where(mq, mm(rowq, colf, NT, mm_dtype), 0.0).astype(aqk_ref.dtype)
-        qg_ref[rows[a], :] = (qa * (eg[a] * scale)).astype(qg_ref.dtype)
-        kdec = jnp.where(sc[a] == seglast, kt[a] * jnp.exp(glast - gt[a]), 0.0)
-        kdec_ref[rows[a], :] = kdec.astype(kdec_ref.dtype)
-    dl_ref[...] = jnp.where(seglast == 0, jnp.exp(glast), 0.0)
-
-    # X = (I + diag(beta) A_kk)^-1 as 16x16 tiles: X_aa = D_a^-1, X_ab = -D_a^-1 sum_{b<=c<a} N_ac X_cb.
+    mmp = lambda p_, r_: mm(p_, r_, NN, jnp.float32)
+    ds = lambda i: pl.ds(i * SUB, SUB)
+    zeros = jnp.zeros((SUB, SUB), x_ref.dtype)
     x = [[None] * nt for _ in range(nt)]
     for a in range(nt):
-        dinv = _layout.neumann_inverse(bt[a] * akk[a][a], SUB, lambda p_, r_: mmp(p_, r_, NN))
+        n_row = [n_ref[ds(a), ds(c)] for c in range(a + 1)]
+        dinv = _layout.neumann_inverse(n_row[a], SUB, mmp)
         x[a][a] = dinv
         for b in range(a):
-            acc = mmp(bt[a] * akk[a][b], x[b][b], NN)
+            acc = mmp(n_row[b], x[b][b])
             for c in range(b + 1, a):
-                acc = acc + mmp(bt[a] * akk[a][c], x[c][b], NN)
-            x[a][b] = -mmp(dinv, acc, NN)
-    rk = [bt[b] * eg[b] * kt[b] for b in range(nt)]
-    rv = [bt[b] * v_ref[rows[b], :].astype(f32) for b in range(nt)]
-    for a in range(nt):
-        w = mmp(x[a][0], rk[0], NN)
-        u = mmp(x[a][0], rv[0], NN)
-        for b in range(1, a + 1):
-            w = w + mmp(x[a][b], rk[b], NN)
-            u = u + mmp(x[a][b], rv[b], NN)
-        w_ref[rows[a], :] = w.astype(w_ref.dtype)
-        u_ref[rows[a], :] = u.astype(u_ref.dtype)
+                acc = acc + mmp(n_row[c], x[c][b])
+            x[a][b] = -mmp(dinv, acc)
+        for b in range(nt):
+            x_ref[ds(a), ds(b)] = x[a][b].astype(x_ref.dtype) if b <= a else zeros
+
+
+def _wu_kernel(x_ref, k_ref, v_ref, gam_ref, beta_ref, segc_ref, w_ref, u_ref, dl_ref,
+               *, block: int, interpret: bool):
+    """``W = X (beta e^G k)`` (``e^G`` only for the segment entering the chunk), ``U = X (beta v)`` and the
+    chunk decay ``e^{G_C}`` (0 if a document starts inside the chunk); grid ``(B*H, N)``. The matmuls take
+    ``X``'s dtype as operand dtype (bf16, or fp32 = 3xTF32)."""
+    f32 = jnp.float32
+    C, K = k_ref.shape
+    V = v_ref.shape[-1]
+    mm = _make_mm(interpret)
+    xdt = x_ref.dtype
+    xm = x_ref[...]
+    beta = beta_ref[...]  # [C, 1]
+    first = segc_ref[...] == 0  # [C, 1]
+    for kb in range(K // min(block, K)):
+        cols = pl.ds(kb * min(block, K), min(block, K))
+        rk = jnp.where(first, beta * jnp.exp(gam_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
+        w_ref[:, cols] = mm(xm, rk, NN, xdt).astype(w_ref.dtype)
+    for vb in range(V // min(block, V)):
+        cols = pl.ds(vb * min(block, V), min(block, V))
+        u_ref[:, cols] = mm(xm, beta * v_ref[:, cols].astype(f32), NN, xdt).astype(u_ref.dtype)
+    last = pl.ds(C - 1, 1)
+    dl_ref[...] = jnp.where(segc_ref[last, :] == 0, jnp.exp(gam_ref[last, :]), 0.0)
 
 
 def _state_kernel(w_ref, u_ref, aqk_ref, qg_ref, kdec_ref, dl_ref, h0_ref, o_ref, ht_ref,
@@ -272,16 +170,23 @@ def _state_kernel(w_ref, u_ref, aqk_ref, qg_ref, kdec_ref, dl_ref, h0_ref, o_ref
     ht_ref[...] = jax.lax.fori_loop(0, n_chunks, body, h0_ref[...])
 
 
+def _pow2(name: str, d: int) -> None:
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"gpu.chunk_kda_fwd: {name} must be a power of two >= 16, got {d}")
+
+
 def chunk_kda_fwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, chunk_size: int = 64,
     interpret: bool = False, block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
-    intra_num_warps: int = 8,
+    a_num_warps: int = 4, solve_num_warps: int = 2, wu_num_warps: int = 4, block_k: int = 64,
+    x_dtype=None,
 ):
-    """Chunked KDA forward on GPU, two Triton kernels. Args as the reference ``chunk_kda`` (``g >= -5``).
+    """Chunked KDA forward on GPU, four Triton kernels. Args as the reference ``chunk_kda`` (``g >= -5``).
 
-    Phase 1 (grid ``(B*H, N)``, parallel) writes per chunk ``W``, ``U``, the masked ``A_qk``,
-    ``q e^G``, ``e^{G_C - G} K`` (in the matmul dtype: bf16 for bf16 inputs) and the chunk decay; phase 2
-    (grid ``(B*H, V / BV)``) carries the fp32 state through the chunks with four small matmuls each.
+    ``num_warps``/``num_stages``/``block_v``: the state kernel (grid ``(B*H, V / block_v)``);
+    ``a_num_warps``, ``solve_num_warps``, ``wu_num_warps``: the A, solve and W/U kernels; ``block_k``: the
+    K slice of the A kernel and the column block of the W/U kernel; ``x_dtype``: storage and matmul dtype of
+    ``X = (I + diag(beta) A_kk)^-1`` (default: the matmul dtype, bf16 for bf16 inputs, else fp32).
     Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32)``.
     """
     _layout.check_chunk_args(q, k, v, g, beta, initial_state, segment_ids, chunk_size, "gpu.chunk_kda_fwd")
@@ -289,39 +194,73 @@ def chunk_kda_fwd(
     V = v.shape[-1]
     C = chunk_size
     BV = block_v or min(V, 64)
-    for nm, d in (("K", K), ("V", V), ("block_v", BV), ("chunk_size", C)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"gpu.chunk_kda_fwd: {nm} must be a power of two >= 16, got {d}")
+    BK = min(block_k, K)
+    for nm, d in (("K", K), ("V", V), ("block_v", BV), ("block_k", BK), ("chunk_size", C)):
+        _pow2(nm, d)
     if V % BV:
         raise ValueError(f"gpu.chunk_kda_fwd: block_v={BV} must divide V={V}")
     x = _layout.prepare_chunk_inputs(q, k, v, g, beta, initial_state, segment_ids, C)
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
+    nt = C // SUB
     mm_dtype = jnp.float32 if jnp.promote_types(q.dtype, v.dtype) == jnp.float32 else jnp.bfloat16
+    x_dtype = jnp.dtype(x_dtype or mm_dtype)
     interp = bool(interpret)
+    params = lambda nw, ns=1: None if interp else _compiler_params(nw, ns)
 
-    tok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c: (bh, c, 0))
-    per_b = pl.BlockSpec((None, C, 1), lambda bh, c: (jax.lax.div(bh, H), c, 0))
-    per_b_row = pl.BlockSpec((None, None, 1, C), lambda bh, c: (jax.lax.div(bh, H), c, 0, 0))
-    dl_spec = pl.BlockSpec((None, None, 1, K), lambda bh, c: (bh, c, 0, 0))
-    w, u, aqk, qg, kdec, dl = pl.pallas_call(
-        functools.partial(_intra_kernel, scale=float(scale), mm_dtype=mm_dtype, interpret=interp),
-        grid=(BH, N),
-        in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), per_b, per_b_row],
-        out_specs=[tok(K), tok(V), tok(C), tok(K), tok(K), dl_spec],
+    # 1. A: one program per (sequence/head, chunk, 16-row tile).
+    row = lambda d: pl.BlockSpec((None, SUB, d), lambda bh, c, a: (bh, c * nt + a, 0))
+    chunk3 = lambda d: pl.BlockSpec((None, C, d), lambda bh, c, a: (bh, c, 0))
+    seg3 = pl.BlockSpec((None, C, 1), lambda bh, c, a: (jax.lax.div(bh, H), c, 0))
+    segr3 = pl.BlockSpec((None, None, 1, C), lambda bh, c, a: (jax.lax.div(bh, H), c, 0, 0))
+    nkk, aqk, qg, kdec = pl.pallas_call(
+        functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BK, interpret=interp),
+        grid=(BH, N, nt),
+        in_specs=[row(K), chunk3(K), chunk3(K), row(1), seg3, segr3],
+        out_specs=[row(C), row(C), row(K), row(K)],
         out_shape=[
-            jax.ShapeDtypeStruct((BH, Tp, K), mm_dtype),
-            jax.ShapeDtypeStruct((BH, Tp, V), mm_dtype),
+            jax.ShapeDtypeStruct((BH, Tp, C), jnp.float32),
             jax.ShapeDtypeStruct((BH, Tp, C), mm_dtype),
             jax.ShapeDtypeStruct((BH, Tp, K), mm_dtype),
             jax.ShapeDtypeStruct((BH, Tp, K), mm_dtype),
+        ],
+        compiler_params=params(a_num_warps),
+        interpret=interp,
+        name="kda_chunk_a_gpu",
+    )(x.q, x.k, x.gam, x.beta, x.seg_col, x.seg_row)
+
+    # 2. X = (I + N)^-1 per chunk.
+    tok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c: (bh, c, 0))
+    xm = pl.pallas_call(
+        functools.partial(_solve_kernel, interpret=interp),
+        grid=(BH, N),
+        in_specs=[tok(C)],
+        out_specs=tok(C),
+        out_shape=jax.ShapeDtypeStruct((BH, Tp, C), x_dtype),
+        compiler_params=params(solve_num_warps),
+        interpret=interp,
+        name="kda_chunk_solve_gpu",
+    )(nkk)
+
+    # 3. W, U and the chunk decay.
+    seg2 = pl.BlockSpec((None, C, 1), lambda bh, c: (jax.lax.div(bh, H), c, 0))
+    dl_spec = pl.BlockSpec((None, None, 1, K), lambda bh, c: (bh, c, 0, 0))
+    w, u, dl = pl.pallas_call(
+        functools.partial(_wu_kernel, block=BK, interpret=interp),
+        grid=(BH, N),
+        in_specs=[tok(C), tok(K), tok(V), tok(K), tok(1), seg2],
+        out_specs=[tok(K), tok(V), dl_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((BH, Tp, K), mm_dtype),
+            jax.ShapeDtypeStruct((BH, Tp, V), mm_dtype),
             jax.ShapeDtypeStruct((BH, N, 1, K), jnp.float32),
         ],
-        compiler_params=None if interp else _compiler_params(intra_num_warps, 1),
+        compiler_params=params(wu_num_warps),
         interpret=interp,
-        name="kda_chunk_intra_gpu",
-    )(x.q, x.k, x.v, x.gam, x.beta, x.seg_col, x.seg_row)
+        name="kda_chunk_wu_gpu",
+    )(xm, x.k, x.v, x.gam, x.beta, x.seg_col)
 
+    # 4. Sequential state pass.
     seq = lambda d: pl.BlockSpec((None, Tp, d), lambda bh, j: (bh, 0, 0))
     seq_v = pl.BlockSpec((None, Tp, BV), lambda bh, j: (bh, 0, j))
     state = pl.BlockSpec((None, BV, K), lambda bh, j: (bh, j, 0))
@@ -335,12 +274,11 @@ def chunk_kda_fwd(
             jax.ShapeDtypeStruct((BH, Tp, V), v.dtype),
             jax.ShapeDtypeStruct((BH, V, K), jnp.float32),
         ],
-        compiler_params=None if interp else _compiler_params(num_warps, num_stages),
+        compiler_params=params(num_warps, num_stages),
         interpret=interp,
         name="kda_chunk_state_gpu",
     )(w, u, aqk, qg, kdec, dl, x.h0t)
     return _layout.finish_chunk_outputs(o, ht, B, T, H)
-
 
 # ------------------------------------------------------------------------------------------------------
 # Decode
