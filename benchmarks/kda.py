@@ -5,7 +5,7 @@ Prints one JSON line on stdout (progress goes to stderr). Times are milliseconds
 repeats, after warm-up); ``speed_vs_fla`` = fla time / our time (>= 1 means we are faster).
 
     python benchmarks/kda.py                       # the issue-4 shapes + decode
-    python benchmarks/kda.py --shapes 1x8192x96 --no-reference --configs 64:4:1,32:4:1
+    python benchmarks/kda.py --shapes 1x8192x96 --no-reference --configs 64:4:1,32:4:1,64:4:2:4:1:4,64:4:2:8:2:8:32
 
 Shapes are ``BxTxH`` with K = V = 128, bf16 q/k/v/beta, fp32 log-decay from ``kda_gate`` (in (-5, 0)).
 fla is called as ``chunk_kda(..., safe_gate=True, lower_bound=-5.0)`` and ``fused_recurrent_kda`` for
@@ -61,12 +61,21 @@ def time_jax(fn, *args, iters=10, repeats=3):
     return float(np.median(times))
 
 
+GPU_CFG_KEYS = ("block_v", "num_warps", "num_stages", "a_num_warps", "solve_num_warps", "wu_num_warps", "block_k")
+
+
+def gpu_kwargs(cfg):
+    """``--configs`` entry (ints, in ``GPU_CFG_KEYS`` order; trailing ones may be left out) -> keyword args of
+    ``gpu.chunk_kda_fwd``."""
+    if not 1 <= len(cfg) <= len(GPU_CFG_KEYS):
+        raise ValueError(f"--configs entry {cfg}: expected 1..{len(GPU_CFG_KEYS)} ints ({':'.join(GPU_CFG_KEYS)})")
+    return dict(zip(GPU_CFG_KEYS[: len(cfg)], cfg, strict=True))
+
+
 def jax_fns(impl, K, gpu_cfg=None):
     def fwd(q, k, v, g, beta):
         if impl == "pallas_gpu" and gpu_cfg is not None:
-            bv, nw, ns = gpu_cfg
-            return kgpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, None, None, 64, block_v=bv, num_warps=nw,
-                                      num_stages=ns)
+            return kgpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, None, None, 64, **gpu_kwargs(gpu_cfg))
         return ops.chunk_kda(q, k, v, g, beta, output_final_state=True, implementation=impl)
 
     def loss(q, k, v, g, beta, do):
@@ -209,8 +218,10 @@ def bench_decode(B, H, args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x8192x96,1x32768x32,8x4096x32")
-    p.add_argument("--configs", default="64:4:2", help="GPU kernel block_v:num_warps:num_stages, comma list; "
-                   "the fastest on the first shape is used for the rest")
+    p.add_argument("--configs", default="64:4:2", help="GPU kernel configs, comma list of "
+                   "block_v:num_warps:num_stages[:a_num_warps:solve_num_warps:wu_num_warps[:block_k]] (state "
+                   "kernel, then the A / solve / W-U kernels; left out = defaults of gpu.chunk_kda_fwd); the "
+                   "fastest on the first shape is used for the rest")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--no-bwd", action="store_true")
