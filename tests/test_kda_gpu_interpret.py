@@ -8,21 +8,29 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.kda import gpu
-from tests.test_kda_kernels import make_inputs, ref_recurrent, rel, segments
+from tests.test_kda_kernels import make_inputs, ref_recurrent, rel
 
-# (B, T, H, K, V, cuts, kwargs): T not a multiple of 64, documents starting mid-chunk and at a chunk boundary,
-# K=V=128 (two K slices in the A kernel) and K=V=64 (one slice; 32-wide W/U column blocks, BV=32).
+# (B, T, H, K, V, cuts per batch row, kwargs): T not a multiple of 64, documents starting mid-chunk and at a
+# chunk boundary, K=V=128 (two K slices in the A kernel) and K=V=64 with B=2, H=2 and different documents per
+# row (the kernels index [B, T, H, D] inputs per (sequence, head) program; one K slice, 32-wide W/U column
+# blocks, BV=32).
 CASES = [
-    (1, 300, 1, 128, 128, (40, 128, 201), {}),
-    (1, 200, 1, 64, 64, (64, 77), {"block_k": 32, "block_v": 32}),
+    (1, 300, 1, 128, 128, [(40, 128, 201)], {}),
+    (2, 200, 2, 64, 64, [(64, 77), (5, 150)], {"block_k": 32, "block_v": 32}),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=["K128", "K64"])
+def segments_per_row(T, cuts_per_row):
+    """[B, T] int32 ids with document starts at ``cuts_per_row[b]`` in row b."""
+    t = jnp.arange(T)
+    return jnp.stack([sum((t >= c).astype(jnp.int32) for c in cuts) for cuts in cuts_per_row])
+
+
+@pytest.mark.parametrize("case", CASES, ids=["K128", "K64-B2-H2"])
 def test_gpu_chunk_fwd_interpret_fp32(case):
     B, T, H, K, V, cuts, kw = case
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V)
-    seg = segments(B, T, cuts)
+    seg = segments_per_row(T, cuts)
     o, ht = gpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, h0, seg, interpret=True, **kw)
     ro, rh = ref_recurrent(q, k, v, g, beta, h0, seg)
     assert o.shape == ro.shape and o.dtype == ro.dtype and ht.shape == (B, H, K, V)
@@ -35,7 +43,7 @@ def test_gpu_chunk_fwd_interpret_bf16():
     X gives 4.0e-3 / 1.7e-3)."""
     B, T, H, K, V, cuts, _ = CASES[0]
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, jnp.bfloat16)
-    seg = segments(B, T, cuts)
+    seg = segments_per_row(T, cuts)
     o, ht = gpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, h0, seg, interpret=True)
     ro, rh = ref_recurrent(q, k, v, g, beta, h0, seg)
     assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32

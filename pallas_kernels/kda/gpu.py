@@ -3,7 +3,7 @@
 Chunked forward (``chunk_kda_fwd``): four lean kernels, the split flash-linear-attention also uses. Triton has
 no value slicing or concatenation, so every sub-block is loaded from a ref (``pl.ds``):
 
-1. ``_a_kernel``, grid ``(B*H, N, C/16)``: one program per 16-token row tile ``a`` of a chunk. With the
+1. ``_a_kernel``, grid ``(C/16, B*H, N)``: one program per 16-token row tile ``a`` of a chunk. With the
    reference point ``m_a = G`` at the token before the tile (0 for ``a = 0``) the rows
    ``k_a e^{G_a - m_a}``, ``q_a e^{G_a - m_a} scale`` (exponents ``<= 0``) meet the columns of the whole
    chunk ``k e^{min(m_a - G, 80)}`` (``<= 80`` inside the tile, which needs ``g >= -5``; later tokens are
@@ -30,6 +30,7 @@ written in place (``input_output_aliases``).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.forward_only import forward_only
 from pallas_kernels.kda import _layout
+from pallas_kernels.kda import reference as ref
 
 SUB = 16
 EXP_CLAMP = 80.0
@@ -72,13 +74,13 @@ def _a_kernel(
 ):
     """Rows ``[16a, 16a + 16)`` of ``N = diag(beta) A_kk``, masked ``A_qk``, ``q e^G scale``, ``e^{G_C-G} k``.
 
-    Grid ``(B*H, N, C/16)``. ``k_ref, gam_ref [C, K]``, ``segc_ref [C, 1]``, ``segr_ref [1, C]`` hold the
+    Grid ``(C/16, B*H, N)``. ``k_ref, gam_ref [C, K]``, ``segc_ref [C, 1]``, ``segr_ref [1, C]`` hold the
     chunk; ``q_ref [16, K]``, ``beta_ref [16, 1]`` the row tile.
     """
     f32 = jnp.float32
     C, K = k_ref.shape
     mm = _make_mm(interpret)
-    a = pl.program_id(2)
+    a = pl.program_id(0)
     r0 = pl.multiple_of(a * SUB, SUB)
     rows = pl.ds(r0, SUB)
     prev = pl.ds(jnp.maximum(r0 - 1, 0), 1)  # token before the tile (row 0 for a = 0, then unused)
@@ -175,6 +177,39 @@ def _pow2(name: str, d: int) -> None:
         raise ValueError(f"gpu.chunk_kda_fwd: {name} must be a power of two >= 16, got {d}")
 
 
+class _Inputs(NamedTuple):
+    """Kernel inputs; the big ones stay in the caller's ``[B, T, H, D]`` layout (no transposes)."""
+
+    q: jax.Array  # [B, Tp, H, K], caller dtype
+    k: jax.Array  # [B, Tp, H, K]
+    v: jax.Array  # [B, Tp, H, V]
+    gam: jax.Array  # [B, Tp, H, K] f32: chunk-local cumulative log-decay
+    beta: jax.Array  # [B, Tp, H, 1] f32
+    seg_col: jax.Array  # [B, Tp, 1] i32: document starts inside the chunk up to token i
+    seg_row: jax.Array  # [B, N, 1, C] i32: the same, row layout
+    h0t: jax.Array  # [B*H, V, K] f32: initial state, transposed
+
+
+def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int) -> _Inputs:
+    """Pad T to a multiple of ``C`` (only when needed: padding tokens have ``g = 0``, ``beta = 0``, zero
+    q/k/v, so they neither decay nor write the state) and compute the chunk-local cumulative decay."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = -(-T // C)
+    Tp = N * C
+    pad = Tp - T
+    padt = lambda x: x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    gam = jnp.cumsum(padt(g.astype(jnp.float32)).reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
+    reset = padt(ref.segment_resets(segment_ids, B, T).astype(jnp.int32))
+    seg = jnp.cumsum(reset.reshape(B, N, C), axis=-1)
+    if initial_state is None:
+        h0t = jnp.zeros((B * H, V, K), jnp.float32)
+    else:
+        h0t = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2).reshape(B * H, V, K)
+    return _Inputs(padt(q), padt(k), padt(v), gam, padt(beta.astype(jnp.float32))[..., None],
+                   seg.reshape(B, Tp, 1), seg.reshape(B, N, 1, C), h0t)
+
+
 def chunk_kda_fwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, chunk_size: int = 64,
     interpret: bool = False, block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
@@ -187,6 +222,8 @@ def chunk_kda_fwd(
     ``a_num_warps``, ``solve_num_warps``, ``wu_num_warps``: the A, solve and W/U kernels; ``block_k``: the
     K slice of the A kernel and the column block of the W/U kernel; ``x_dtype``: storage and matmul dtype of
     ``X = (I + diag(beta) A_kk)^-1`` (default: the matmul dtype, bf16 for bf16 inputs, else fp32).
+    The kernels read q, k, v, beta and the cumulative decay in the ``[B, T, H, D]`` layout and write ``o`` in
+    it (strided tiles, no transposes); intermediates are ``[B*H, Tp, D]``.
     Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32)``.
     """
     _layout.check_chunk_args(q, k, v, g, beta, initial_state, segment_ids, chunk_size, "gpu.chunk_kda_fwd")
@@ -199,7 +236,7 @@ def chunk_kda_fwd(
         _pow2(nm, d)
     if V % BV:
         raise ValueError(f"gpu.chunk_kda_fwd: block_v={BV} must divide V={V}")
-    x = _layout.prepare_chunk_inputs(q, k, v, g, beta, initial_state, segment_ids, C)
+    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, C)
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
     nt = C // SUB
@@ -207,17 +244,23 @@ def chunk_kda_fwd(
     x_dtype = jnp.dtype(x_dtype or mm_dtype)
     interp = bool(interpret)
     params = lambda nw, ns=1: None if interp else _compiler_params(nw, ns)
+    bi = lambda bh: jax.lax.div(bh, H)  # batch index of a (sequence, head) program
+    hi = lambda bh: jax.lax.rem(bh, H)  # head index
 
-    # 1. A: one program per (sequence/head, chunk, 16-row tile).
-    row = lambda d: pl.BlockSpec((None, SUB, d), lambda bh, c, a: (bh, c * nt + a, 0))
-    chunk3 = lambda d: pl.BlockSpec((None, C, d), lambda bh, c, a: (bh, c, 0))
-    seg3 = pl.BlockSpec((None, C, 1), lambda bh, c, a: (jax.lax.div(bh, H), c, 0))
-    segr3 = pl.BlockSpec((None, None, 1, C), lambda bh, c, a: (jax.lax.div(bh, H), c, 0, 0))
+    # 1. A: one program per (16-row tile, sequence/head, chunk); the row tile is the fastest grid axis so the
+    #    programs of one chunk run together and share its k / decay tiles in L2.
+    row_in = lambda d: pl.BlockSpec((None, SUB, None, d), lambda a, bh, c: (bi(bh), c * nt + a, hi(bh), 0))
+    chunk_in = lambda d: pl.BlockSpec((None, C, None, d), lambda a, bh, c: (bi(bh), c, hi(bh), 0))
+    row_out = lambda d: pl.BlockSpec((None, SUB, d), lambda a, bh, c: (bh, c * nt + a, 0))
     nkk, aqk, qg, kdec = pl.pallas_call(
         functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BK, interpret=interp),
-        grid=(BH, N, nt),
-        in_specs=[row(K), chunk3(K), chunk3(K), row(1), seg3, segr3],
-        out_specs=[row(C), row(C), row(K), row(K)],
+        grid=(nt, BH, N),
+        in_specs=[
+            row_in(K), chunk_in(K), chunk_in(K), row_in(1),
+            pl.BlockSpec((None, C, 1), lambda a, bh, c: (bi(bh), c, 0)),
+            pl.BlockSpec((None, None, 1, C), lambda a, bh, c: (bi(bh), c, 0, 0)),
+        ],
+        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
         out_shape=[
             jax.ShapeDtypeStruct((BH, Tp, C), jnp.float32),
             jax.ShapeDtypeStruct((BH, Tp, C), mm_dtype),
@@ -243,13 +286,13 @@ def chunk_kda_fwd(
     )(nkk)
 
     # 3. W, U and the chunk decay.
-    seg2 = pl.BlockSpec((None, C, 1), lambda bh, c: (jax.lax.div(bh, H), c, 0))
-    dl_spec = pl.BlockSpec((None, None, 1, K), lambda bh, c: (bh, c, 0, 0))
+    tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
     w, u, dl = pl.pallas_call(
         functools.partial(_wu_kernel, block=BK, interpret=interp),
         grid=(BH, N),
-        in_specs=[tok(C), tok(K), tok(V), tok(K), tok(1), seg2],
-        out_specs=[tok(K), tok(V), dl_spec],
+        in_specs=[tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1),
+                  pl.BlockSpec((None, C, 1), lambda bh, c: (bi(bh), c, 0))],
+        out_specs=[tok(K), tok(V), pl.BlockSpec((None, None, 1, K), lambda bh, c: (bh, c, 0, 0))],
         out_shape=[
             jax.ShapeDtypeStruct((BH, Tp, K), mm_dtype),
             jax.ShapeDtypeStruct((BH, Tp, V), mm_dtype),
@@ -260,25 +303,27 @@ def chunk_kda_fwd(
         name="kda_chunk_wu_gpu",
     )(xm, x.k, x.v, x.gam, x.beta, x.seg_col)
 
-    # 4. Sequential state pass.
+    # 4. Sequential state pass; o written straight into [B, Tp, H, V].
     seq = lambda d: pl.BlockSpec((None, Tp, d), lambda bh, j: (bh, 0, 0))
     seq_v = pl.BlockSpec((None, Tp, BV), lambda bh, j: (bh, 0, j))
     state = pl.BlockSpec((None, BV, K), lambda bh, j: (bh, j, 0))
-    dl_all = pl.BlockSpec((None, N, 1, K), lambda bh, j: (bh, 0, 0, 0))
     o, ht = pl.pallas_call(
         functools.partial(_state_kernel, chunk=C, n_chunks=N, mm_dtype=mm_dtype, interpret=interp),
         grid=(BH, V // BV),
-        in_specs=[seq(K), seq_v, seq(C), seq(K), seq(K), dl_all, state],
-        out_specs=[seq_v, state],
+        in_specs=[seq(K), seq_v, seq(C), seq(K), seq(K),
+                  pl.BlockSpec((None, N, 1, K), lambda bh, j: (bh, 0, 0, 0)), state],
+        out_specs=[pl.BlockSpec((None, Tp, None, BV), lambda bh, j: (bi(bh), 0, hi(bh), j)), state],
         out_shape=[
-            jax.ShapeDtypeStruct((BH, Tp, V), v.dtype),
+            jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype),
             jax.ShapeDtypeStruct((BH, V, K), jnp.float32),
         ],
         compiler_params=params(num_warps, num_stages),
         interpret=interp,
         name="kda_chunk_state_gpu",
     )(w, u, aqk, qg, kdec, dl, x.h0t)
-    return _layout.finish_chunk_outputs(o, ht, B, T, H)
+    o = o if Tp == T else o[:, :T]
+    return o, jnp.swapaxes(ht.reshape(B, H, V, K), -1, -2)
+
 
 # ------------------------------------------------------------------------------------------------------
 # Decode
