@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3_jax.quant import pack_mxfp4
-from k3_jax.quant.mxfp4 import E2M1_LUT
+from k3_jax.quant.mxfp4 import E2M1_LUT, unpack_mxfp4
 from pallas_kernels import moe
 from pallas_kernels.moe import gpu
 from pallas_kernels.moe import reference as ref
@@ -108,6 +108,165 @@ def test_ops_dispatch_mxfp4_expert_ffn_and_gmm():
                                                                    gs)), rtol=1e-5, atol=1e-5)
 
 
+# ------------------------------------------------------------------------------------------- decode variants
+VARIANTS = gpu.MXFP4_VARIANTS
+#: E8M0 scales each variant decodes exactly (bf16 activations); see the comment above gpu.MXFP4_VARIANTS.
+#: f32 from 2: its f32 products for s = 0/1 are subnormal and XLA:CPU flushes them (the bf16 paths keep them).
+EXACT_SCALES = {"f32": range(2, 241), "int": range(2, 253), "bf16mul": range(0, 256), "asm": range(0, 256),
+                "asm1": [*range(0, 129), 255]}
+
+
+def _all_bytes_tile(scales):
+    """Every packed byte (all 16 x 16 code pairs) under each scale: codes ``u8 [S, 256]``, scales ``u8 [S, 16]``."""
+    s = np.asarray(list(scales), np.uint8)
+    codes = np.broadcast_to(np.arange(256, dtype=np.uint8), (s.size, 256))
+    return jnp.asarray(codes), jnp.asarray(np.repeat(s[:, None], 16, axis=1))
+
+
+def _reference_lo_hi(codes, scales):
+    """Exact MXFP4 values (float64 E2M1 x 2^(s-127), 255 -> NaN, then f32: overflow -> inf like the f32 reference)
+    split into the even / odd K columns. Computed in numpy: XLA:CPU flushes the f32 subnormals that scale 0/1 give."""
+    c, s = np.asarray(codes).astype(np.int64), np.repeat(np.asarray(scales).astype(np.float64), 16, axis=1)
+    scale = np.where(s == 255, np.nan, np.exp2(s - 127.0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return tuple((E2M1_LUT[(c >> sh) & 15].astype(np.float64) * scale).astype(np.float32) for sh in (0, 4))
+
+
+def _bits_f32(x) -> np.ndarray:
+    """bf16 (jax or numpy) -> f32 through the bit pattern (no subnormal flushing)."""
+    return (np.asarray(x).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _assert_same_values(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_array_equal(got, want)  # NaN == NaN here; +-0 compared below
+    both = ~np.isnan(want)
+    assert np.array_equal(np.signbit(got[both]), np.signbit(want[both])), "signed zero lost"
+
+
+@pytest.mark.parametrize("variant", ["f32", "int"])
+def test_decode_variant_exact_on_all_codes(variant):
+    """Every byte (16 x 16 codes) x every E8M0 scale of the variant's contract decodes to the reference bf16.
+
+    bf16mul/asm/asm1 share one formula (E2M1 * 2^-126 as bf16 bits, x 2^126, x scale), checked in IEEE arithmetic
+    on the PTX text below (XLA:CPU flushes the bf16 subnormal it passes +-0.5 through)."""
+    codes, scales = _all_bytes_tile(EXACT_SCALES[variant])
+    lo, hi = gpu._decode_tile(codes, scales, jnp.bfloat16, variant, interpret=True)
+    want_lo, want_hi = _reference_lo_hi(codes, scales)
+    _assert_same_values(_bits_f32(lo), want_lo)
+    _assert_same_values(_bits_f32(hi), want_hi)
+
+
+# A tiny PTX interpreter for the instructions of gpu._mxfp4_asm, so the asm text itself is checked on CPU.
+def _bf16_bits_to_f32(h):
+    return (np.asarray(h, np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16_bits_exact(f):
+    b = np.asarray(f, np.float32).view(np.uint32)
+    assert np.all((b & 0xFFFF) == 0) | np.isnan(f).all(), "bf16 product not exact (test assumes exact products)"
+    return (b >> 16).astype(np.uint32)
+
+
+def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    regs = dict(regs)
+    val = lambda tok: regs[tok] if tok in regs else np.uint32(int(tok, 0))
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        a = [t.strip() for t in args.split(",")]
+        x = [val(t) for t in a[1:]]
+        if op == "mov.b32":
+            r = x[0]
+        elif op == "shl.b32":
+            r = x[0] << x[1]
+        elif op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "prmt.b32":  # default mode: selector nibble i picks byte (nibble & 7) of {b, a}; bit 3 unused here
+            src = (np.asarray(x[1], np.uint64) << 32) | np.asarray(x[0], np.uint64)
+            sel = int(a[3], 0)
+            assert sel < 0x10000 and not sel & 0x8888, "sign-replicate mode not emulated"
+            r = sum((((src >> np.uint64(8 * ((sel >> 4 * i) & 7))) & np.uint64(0xFF)) << np.uint64(8 * i))
+                    for i in range(4)).astype(np.uint32)
+        elif op == "lop3.b32":
+            lut = int(a[4], 0)
+            f, b, c = (np.asarray(v, np.uint32) for v in x[:3])
+            r = np.zeros_like(f | b | c)
+            for bit in range(8):  # LUT bit index = (a-bit << 2) | (b-bit << 1) | c-bit with a=0xF0, b=0xCC, c=0xAA
+                if lut >> bit & 1:
+                    term = (f if bit & 4 else ~f) & (b if bit & 2 else ~b) & (c if bit & 1 else ~c)
+                    r = r | term
+        elif op == "mul.rn.bf16x2":
+            lo = _bf16_bits_to_f32(x[0] & 0xFFFF) * _bf16_bits_to_f32(x[1] & 0xFFFF)
+            hi = _bf16_bits_to_f32(x[0] >> 16) * _bf16_bits_to_f32(x[1] >> 16)
+            with np.errstate(invalid="ignore", over="ignore"):
+                r = _f32_to_bf16_bits_exact(lo) | (_f32_to_bf16_bits_exact(hi) << 16)
+        else:
+            raise AssertionError(f"PTX op {op} not emulated")
+        regs[a[0]] = np.asarray(r, np.uint32)
+    return regs
+
+
+@pytest.mark.parametrize("variant", ["asm", "asm1"])
+def test_inline_ptx_decodes_like_reference(variant):
+    """gpu._mxfp4_asm's PTX, run by the emulator above on all 256 bytes (4 per block) x the variant's scales."""
+    one_mul = variant == "asm1"
+    scales = np.asarray(EXACT_SCALES[variant], np.int32)
+    sbits = np.asarray(gpu._scale_bf16_bits_times_2p126(jnp.asarray(scales)) if one_mul
+                       else gpu._scale_bf16_bits(jnp.asarray(scales)), np.uint32)
+    packed = np.arange(256, dtype=np.uint32).reshape(64, 4)
+    word = packed[:, 0] | packed[:, 1] << 8 | packed[:, 2] << 16 | packed[:, 3] << 24  # b0 lowest (Triton's packing)
+    word = np.broadcast_to(word[None], (scales.size, 64))
+    sreg = np.broadcast_to((sbits | sbits << 16)[:, None], (scales.size, 64)).astype(np.uint32)
+    codes, sc = _all_bytes_tile(EXACT_SCALES[variant])
+    for high, want in zip((False, True), _reference_lo_hi(codes, sc), strict=True):
+        regs = _run_ptx(gpu._mxfp4_asm(high, one_mul), {"$2": word, "$3": sreg, "$4": sreg})
+        got = np.stack([regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16], axis=-1)
+        _assert_same_values(_bf16_bits_to_f32(got.reshape(scales.size, 256)), want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gmm_mxfp4_variants_match_reference(variant, dtype):
+    """Each variant in the interpreter (bf16mul/asm/asm1 run the int decode there) with empty experts and trailing
+    rows: checks the kernel around the decode (tiles, masks, virtual group) per variant option."""
+    kx, kw = jax.random.split(jax.random.key(5))
+    x = jax.random.normal(kx, (M, K)).astype(dtype)
+    packed, scale = _mx_weight(kw, E, N, K)
+    gs = jnp.array(SIZES[0], jnp.int32)
+    got = gpu.gmm_mxfp4(x, [(packed, scale)], gs, tiles=MX_TILES, interpret=True, variant=variant)
+    assert got.dtype == dtype
+    xf = x.astype(jnp.float32)
+    want, mag = _ref_mx(xf, packed, scale, gs), _ref_mx(xf, packed, scale, gs, absolute=True)
+    if dtype == jnp.float32:
+        _assert_f32_close(got, want, mag)
+    else:  # exact bf16 weights, f32 accumulation: only the final bf16 rounding differs
+        np.testing.assert_array_less(np.abs(np.asarray(got, np.float32) - np.asarray(want)),
+                                     np.asarray(mag) * 2.0**-8 + 1e-6)
+    assert np.all(np.asarray(got[sum(SIZES[0]):], np.float32) == 0)
+
+
+@pytest.mark.parametrize("variant", ["f32", "asm1"])
+def test_gmm_mxfp4_variant_fused_glu_bf16(variant):
+    k0, k1, k3 = jax.random.split(jax.random.key(6), 3)
+    x = jax.random.normal(k0, (M, K)).astype(jnp.bfloat16)
+    w1, w3 = _mx_weight(k1, E, N, K, 1, -3), _mx_weight(k3, E, N, K, 1, -3)
+    gs = jnp.array(SIZES[1], jnp.int32)
+    got = gpu.gmm_mxfp4(x, [w1, w3], gs, epilogue=gpu.situ_epilogue(4.0, 25.0, jnp.float32), tiles=MX_TILES,
+                        interpret=True, out_dtype=jnp.float32, variant=variant)
+    xf = x.astype(jnp.float32)
+    want = ref.situ_glu(_ref_mx(xf, *w1, gs), _ref_mx(xf, *w3, gs))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_variant_is_rejected():
+    with pytest.raises(ValueError, match="unknown variant"):
+        gpu.gmm_mxfp4(jnp.ones((8, K)), [_mx_weight(jax.random.key(0), E, N, K)], jnp.array([8, 0, 0, 0]),
+                      variant="nope")
+
+
 @pytest.mark.gpu
 def test_mxfp4_and_glu_on_gpu():
     """Compiled Triton kernels: MXFP4 decode (single and fused w1/w3) and bf16 fused GLU vs the reference."""
@@ -116,10 +275,20 @@ def test_mxfp4_and_glu_on_gpu():
     x = jax.random.normal(ks[0], (m, lat), jnp.bfloat16)
     gs = jnp.array([0, 20, 3, 0, 8, 1, 0, 30], jnp.int32)  # sum 62 < 64
     w1, w3 = _mx_weight(ks[1], e, inter, lat, 1, -4), _mx_weight(ks[2], e, inter, lat, 1, -4)
-    got = gpu.gmm_mxfp4(x, [w1], gs)
     want = _ref_mx(x.astype(jnp.float32), *w1, gs)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
-    assert np.all(np.asarray(got[62:], np.float32) == 0)
+    for variant in VARIANTS:
+        got = gpu.gmm_mxfp4(x, [w1], gs, variant=variant)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2,
+                                   err_msg=variant)
+        assert np.all(np.asarray(got[62:], np.float32) == 0)
+    codes, scales = _all_bytes_tile(range(100, 132))  # every code pair, compiled decode vs reference
+    eye = jnp.eye(512, dtype=jnp.bfloat16)
+    for variant in VARIANTS:
+        w = gpu.gmm_mxfp4(eye, [(codes[None], scales[None])], jnp.array([512], jnp.int32), variant=variant,
+                          out_dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(w).T, np.asarray(unpack_mxfp4(codes, scales, jnp.float32)),
+                                      err_msg=variant)
+    got = gpu.gmm_mxfp4(x, [w1], gs)
     got = gpu.gmm_mxfp4(x, [w1, w3], gs, epilogue=gpu.situ_epilogue(4.0, 25.0, jnp.bfloat16))
     want = ref.situ_glu(want, _ref_mx(x.astype(jnp.float32), *w3, gs))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)

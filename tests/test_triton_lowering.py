@@ -72,27 +72,29 @@ def test_moe_kernels_lower(verified_modules):
     _lower_for_cuda(lambda x, w: moe_gpu.gmm_glu(x, w, w, gs), x, w)
     c1, s1 = _mxfp4(e, n, k, 0)
     c3, s3 = _mxfp4(e, n, k, 1)
-    _lower_for_cuda(lambda x: moe_gpu.gmm_mxfp4(x, [(c1, s1)], gs), x)
-    _lower_for_cuda(lambda x: moe_gpu.gmm_mxfp4(x, [(c1, s1), (c3, s3)], gs,
-                                                 epilogue=moe_gpu.situ_epilogue(4.0, 25.0, jnp.bfloat16)), x)
-    assert len(verified_modules) >= 6, verified_modules
+    for v in moe_gpu.MXFP4_VARIANTS:  # every decode variant, single weight and fused w1/w3
+        _lower_for_cuda(lambda x, v=v: moe_gpu.gmm_mxfp4(x, [(c1, s1)], gs, variant=v), x)
+        _lower_for_cuda(lambda x, v=v: moe_gpu.gmm_mxfp4(x, [(c1, s1), (c3, s3)], gs, variant=v,
+                                                         epilogue=moe_gpu.situ_epilogue(4.0, 25.0, jnp.bfloat16)), x)
+    _lower_for_cuda(lambda x: moe_gpu.gmm_mxfp4(x, [(c1, s1)], gs, variant="asm1", tiles=(16, 256, 128, 8, 3)), x)
+    assert len(verified_modules) >= 4 + 2 * len(moe_gpu.MXFP4_VARIANTS) + 1, verified_modules
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_kda_kernels_lower(verified_modules, dtype):
     """All four chunk-forward kernels (A, solve, W/U, state) and the decode step, for bf16 operands and for
-    fp32 (3xTF32) operands, K=V=64 and 128."""
+    fp32 (3xTF32) operands, K=V=64 and 128, decay cumsum in the kernels (tl.cumsum) and in XLA."""
     b, t, h = 1, 128, 2
-    for d in (64, 128):
+    for d, cumsum in ((64, True), (128, True), (128, False)):
         q = jnp.ones((b, t, h, d), dtype)
         g = jnp.full((b, t, h, d), -0.1, jnp.float32)
         beta = jnp.full((b, t, h), 0.5, dtype)
         seg = jnp.ones((b, t), jnp.int32)
-        _lower_for_cuda(lambda q, g, beta, seg: kda_gpu.chunk_kda_fwd(q, q, q, g, beta, q.shape[-1] ** -0.5,
-                                                                      segment_ids=seg), q, g, beta, seg)
+        _lower_for_cuda(lambda q, g, beta, seg, cumsum=cumsum: kda_gpu.chunk_kda_fwd(
+            q, q, q, g, beta, q.shape[-1] ** -0.5, segment_ids=seg, cumsum_in_kernel=cumsum), q, g, beta, seg)
     pool = jnp.zeros((3, h, d, d), jnp.float32)
     slots = jnp.array([2], jnp.int32)
     _lower_for_cuda(lambda q1, g1, b1, pool: kda_gpu.decode_step(q1, q1, q1, g1, b1, d ** -0.5, pool, slots),
                     q[:, 0], g[:, 0], beta[:, 0], pool)
     chunk = ["kda_chunk_a_gpu", "kda_chunk_solve_gpu", "kda_chunk_wu_gpu", "kda_chunk_state_gpu"]
-    assert verified_modules == chunk + chunk + ["kda_decode_gpu"], verified_modules
+    assert verified_modules == chunk * 3 + ["kda_decode_gpu"], verified_modules
