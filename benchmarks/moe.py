@@ -4,9 +4,11 @@ Parts (``--parts``, in this order; each under its own wall-clock budget, one JSO
 
 - ``decode``: MXFP4 experts (packed E2M1 codes + E8M0 scales, HF layout) with <= 8 rows per expert. Measures an
   HBM copy (read + write bytes / s) first, then ``pallas_kernels.moe`` with ``implementation="pallas_gpu"``
-  (Triton kernels decoding the codes in registers): one w1 grouped matmul (tile sweep; the best tiles become
-  ``gpu.MXFP4_TILES`` for the rest), the expert FFN (fused w1/w3 + SiTU-GLU, then w2) on 64 local experts x 8
-  rows, the reference (dequantize to bf16 + ``jax.lax.ragged_dot``) on the same, and K3's decode routing
+  (Triton kernels decoding the codes in registers): one w1 grouped matmul swept over (decode variant, tiles)
+  combos (``--mx-variants``; each checked against the first f32 combo's output, ``rel_err_vs_f32``; the fastest
+  matching combo becomes ``gpu.MXFP4_VARIANT`` / ``gpu.MXFP4_TILES`` for the rest), the expert FFN (fused w1/w3
+  + SiTU-GLU, then w2) on 64 local experts x 8 rows, the reference (dequantize to bf16 + ``jax.lax.ragged_dot``)
+  on the same, and K3's decode routing
   (``--decode-tokens`` tokens, top-16 of 896 experts: dispatch + FFN + combine). ``gbps`` = weight bytes of the
   experts that received rows (codes + scales) / time; ``pct_hbm`` = that / the copy bandwidth.
 - ``ffn``: the routed expert FFN ``w2(SiTU-GLU(x w1, x w3))`` at K3 shapes (L = 3584, I = 3072; 65,536 rows over 64
@@ -120,6 +122,14 @@ def random_mxfp4(key, e: int, n: int, k: int) -> dict[str, jax.Array]:
             "weight_scale": jax.random.randint(k2, (e, n, k // 32), 118, 123).astype(jnp.uint8)}
 
 
+#: (decode variant, tiles) combos of the decode sweep: the first kernel's f32 decode as the baseline, each variant at
+#: the baseline tiles, then the single-multiply PTX decode with more bytes in flight (bigger K steps / N tiles).
+MX_VARIANTS = ";".join([
+    "f32:16,128,64,4,4", "bf16mul:16,128,64,4,4", "int:16,128,64,4,4", "asm:16,128,64,4,4", "asm1:16,128,64,4,4",
+    "asm1:16,256,64,4,4", "asm1:16,128,128,4,4", "asm1:16,256,128,8,3", "asm:16,256,128,8,3", "asm1:16,512,64,8,3",
+])
+
+
 def mx_bytes(w: dict[str, jax.Array], live_experts: int) -> int:
     e = w["weight_packed"].shape[0]
     return (w["weight_packed"].size + w["weight_scale"].size) // e * live_experts
@@ -153,18 +163,28 @@ def part_decode(a, budget: Budget) -> None:
     w2 = random_mxfp4(ks[3], e, lat, inter)
     case = f"E{e}x{rows}"
     best = None
-    for cfg in a.mx_tiles.split(";"):
+    base = None  # the first f32-variant output: every other combo must match it
+    for combo in a.mx_variants.split(";"):
+        variant, cfg = combo.split(":") if ":" in combo else ("f32", combo)
         tiles = tuple(int(v) for v in cfg.split(","))
         try:
-            f = jax.jit(lambda x, c, s, g, t=tiles: gpu.gmm_mxfp4(x, [(c, s)], g, tiles=t, interpret=a.interpret))
-            _, tm = timeit(f, x, w1["weight_packed"], w1["weight_scale"], gs, iters=a.decode_iters, budget=budget)
-            report("ours_gmm_w1", case, tm, mx_bytes(w1, e), tiles=list(tiles))
-            if best is None or tm["ms"] < best[0]:
-                best = (tm["ms"], tiles)
+            f = jax.jit(lambda x, c, s, g, t=tiles, v=variant: gpu.gmm_mxfp4(x, [(c, s)], g, tiles=t, variant=v,
+                                                                              interpret=a.interpret))
+            out, tm = timeit(f, x, w1["weight_packed"], w1["weight_scale"], gs, iters=a.decode_iters, budget=budget)
+            if base is None and variant == "f32":
+                base = out
+            err = rel_err(out, base) if base is not None else float("nan")
+            report("ours_gmm_w1", case, tm, mx_bytes(w1, e), variant=variant, tiles=list(tiles),
+                   rel_err_vs_f32=err)
+            if err <= 1e-2 and (best is None or tm["ms"] < best[0]):
+                best = (tm["ms"], tiles, variant)
+            del out
         except Exception as exc:  # noqa: BLE001
-            err_line(part, "ours_gmm_w1", exc, case=case, tiles=list(tiles))
+            err_line(part, "ours_gmm_w1", exc, case=case, variant=variant, tiles=list(tiles))
     if best is not None:
-        gpu.MXFP4_TILES = best[1]
+        gpu.MXFP4_TILES, gpu.MXFP4_VARIANT = best[1], best[2]
+        emit({"part": part, "case": case, "best_mx": {"variant": best[2], "tiles": list(best[1]), "ms": best[0]}})
+    del base
     ffn_bytes = mx_bytes(w1, e) + mx_bytes(w3, e) + mx_bytes(w2, e)
     ours = jax.jit(lambda x, g, w1, w3, w2: ops.expert_ffn(x, g, w1, w3, w2, implementation="pallas_gpu",
                                                             interpret=a.interpret))
@@ -172,7 +192,7 @@ def part_decode(a, budget: Budget) -> None:
     out_ours = None
     try:
         out_ours, tm = timeit(ours, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
-        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.MXFP4_TILES))
+        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.MXFP4_TILES), variant=gpu.MXFP4_VARIANT)
     except Exception as exc:  # noqa: BLE001
         err_line(part, "ours_ffn", exc, case=case)
     try:
@@ -329,7 +349,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens of decode case 2 (K3 routing)")
     ap.add_argument("--k3-experts", type=int, default=896)
     ap.add_argument("--k3-topk", type=int, default=16)
-    ap.add_argument("--mx-tiles", default="16,128,64,4,4;16,256,64,8,3;16,128,128,8,4;16,64,64,4,6")
+    ap.add_argument("--mx-variants", default=MX_VARIANTS,
+                    help="'variant:tm,tkh,tn,warps,stages;...' MXFP4 decode variants x tiles for the w1 sweep (the "
+                         "first f32 combo is the correctness baseline; the fastest matching one drives the FFN)")
     ap.add_argument("--gmm-tiles", default="128,64,256,8,3;128,64,128,8,4")
     ap.add_argument("--budget-decode", type=float, default=60.0)
     ap.add_argument("--budget-ffn", type=float, default=150.0)
