@@ -13,10 +13,10 @@ from tests.test_kda_kernels import make_inputs, ref_recurrent, rel
 # (B, T, H, K, V, cuts per batch row, kwargs): T not a multiple of 64, documents starting mid-chunk and at a
 # chunk boundary, K=V=128 (two K slices in the A kernel) and K=V=64 with B=2, H=2 and different documents per
 # row (the kernels index [B, T, H, D] inputs per (sequence, head) program; one K slice, 32-wide W/U column
-# blocks, BV=32).
+# blocks, BV=32, decay cumsum by XLA instead of in the kernels).
 CASES = [
     (1, 300, 1, 128, 128, [(40, 128, 201)], {}),
-    (2, 200, 2, 64, 64, [(64, 77), (5, 150)], {"block_k": 32, "block_v": 32}),
+    (2, 200, 2, 64, 64, [(64, 77), (5, 150)], {"block_k": 32, "block_v": 32, "cumsum_in_kernel": False}),
 ]
 
 

@@ -26,6 +26,31 @@ def test_gpu_chunk_fwd_fp32(case):
     assert rel(o, ro) < 1e-4 and rel(ht, rh) < 1e-4
 
 
+@pytest.mark.parametrize("knobs", [
+    {"a_num_warps": 8, "solve_num_warps": 1, "wu_num_warps": 8, "block_k": 32, "num_warps": 8},
+    {"a_num_warps": 2, "solve_num_warps": 4, "wu_num_warps": 2, "block_v": 32, "cumsum_in_kernel": False},
+], ids=["wide", "narrow-xla-cumsum"])
+def test_gpu_chunk_fwd_knobs(knobs):
+    """The per-kernel launch knobs the benchmark sweeps compile on the GPU and leave the result unchanged."""
+    B, T, H, K, V, cuts = CASES[0]
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V)
+    seg = segments(B, T, cuts)
+    ro, rh = ref_recurrent(q, k, v, g, beta, h0, seg)
+    o, ht = gpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, h0, seg, **knobs)
+    assert rel(o, ro) < 1e-4 and rel(ht, rh) < 1e-4
+
+
+@pytest.mark.parametrize("x_dtype", [None, jnp.float32], ids=["x-bf16", "x-fp32"])
+def test_gpu_chunk_fwd_bf16_x_dtype(x_dtype):
+    """bf16 inputs with X = (I + N)^-1 stored in bf16 (default) or fp32: both within the bf16 tolerance."""
+    B, T, H, K, V, cuts = CASES[0]
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, jnp.bfloat16)
+    seg = segments(B, T, cuts)
+    o, ht = gpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, h0, seg, x_dtype=x_dtype)
+    ro, rh = ref_recurrent(q, k, v, g, beta, h0, seg)
+    assert o.dtype == jnp.bfloat16 and rel(o, ro) < 2e-2 and rel(ht, rh) < 2e-2
+
+
 def test_gpu_chunk_fwd_bf16():
     B, T, H, K, V, cuts = CASES[0]
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, jnp.bfloat16)

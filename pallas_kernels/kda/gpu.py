@@ -67,15 +67,32 @@ def _make_mm(interpret: bool):
     return mm
 
 
+def _decay_tiles(g_ref, cols, cumsum: bool):
+    """``(G [C, BK], select)`` for the columns ``cols`` of a chunk: ``G`` the chunk-local cumulative log-decay,
+    ``select(i)`` its row ``i`` as ``[1, BK]`` (0 for ``i = -1``). With ``cumsum`` the ref holds the raw
+    ``g`` and ``G`` is its scan (rows picked exactly by a masked sum), else the ref holds ``G``."""
+    if not cumsum:
+        gall = g_ref[:, cols]
+
+        def select(i):
+            return jnp.where(i < 0, 0.0, g_ref[pl.ds(jnp.maximum(i, 0), 1), cols])
+
+        return gall, select
+    gall = jnp.cumsum(g_ref[:, cols], axis=0)
+    rid = jax.lax.broadcasted_iota(jnp.int32, gall.shape, 0)
+    return gall, lambda i: jnp.sum(jnp.where(rid == i, gall, 0.0), axis=0, keepdims=True)
+
+
 def _a_kernel(
-    q_ref, k_ref, gam_ref, beta_ref, segc_ref, segr_ref,  # q, beta: this row tile; k, gam, seg: the chunk
+    q_ref, k_ref, g_ref, beta_ref, segc_ref, segr_ref,  # q, beta: this row tile; k, g, seg: the chunk
     nkk_ref, aqk_ref, qg_ref, kdec_ref,  # outputs: this row tile
-    *, scale: float, mm_dtype, block_k: int, interpret: bool,
+    *, scale: float, mm_dtype, block_k: int, cumsum: bool, interpret: bool,
 ):
     """Rows ``[16a, 16a + 16)`` of ``N = diag(beta) A_kk``, masked ``A_qk``, ``q e^G scale``, ``e^{G_C-G} k``.
 
-    Grid ``(C/16, B*H, N)``. ``k_ref, gam_ref [C, K]``, ``segc_ref [C, 1]``, ``segr_ref [1, C]`` hold the
-    chunk; ``q_ref [16, K]``, ``beta_ref [16, 1]`` the row tile.
+    Grid ``(C/16, B*H, N)``. ``k_ref [C, K]``, ``g_ref [C, K]`` (raw log-decay if ``cumsum``, else its
+    chunk-local cumsum ``G``), ``segc_ref [C, 1]``, ``segr_ref [1, C]`` hold the chunk; ``q_ref [16, K]``,
+    ``beta_ref [16, 1]`` the row tile.
     """
     f32 = jnp.float32
     C, K = k_ref.shape
@@ -83,7 +100,6 @@ def _a_kernel(
     a = pl.program_id(0)
     r0 = pl.multiple_of(a * SUB, SUB)
     rows = pl.ds(r0, SUB)
-    prev = pl.ds(jnp.maximum(r0 - 1, 0), 1)  # token before the tile (row 0 for a = 0, then unused)
     last = pl.ds(C - 1, 1)
     sc = segc_ref[rows, :]  # [16, 1]
     seglast = segc_ref[last, :]  # [1, 1]
@@ -91,16 +107,17 @@ def _a_kernel(
     acc_q = jnp.zeros((SUB, C), f32)
     for kb in range(K // block_k):
         cols = pl.ds(kb * block_k, block_k)
-        m = jnp.where(a == 0, 0.0, gam_ref[prev, cols])  # [1, BK]
-        ga = gam_ref[rows, cols]  # [16, BK]
+        gall, select = _decay_tiles(g_ref, cols, cumsum)
+        m = select(r0 - 1)  # [1, BK]: G at the token before the tile (0 for a = 0)
+        glast = select(C - 1)
+        ga = m + jnp.cumsum(g_ref[rows, cols], axis=0) if cumsum else g_ref[rows, cols]  # [16, BK]
         left = jnp.exp(ga - m)  # <= 1
         ka = k_ref[rows, cols].astype(f32)
         qa = q_ref[:, cols].astype(f32)
-        colf = k_ref[:, cols].astype(f32) * jnp.exp(jnp.minimum(m - gam_ref[:, cols], EXP_CLAMP))  # [C, BK]
+        colf = k_ref[:, cols].astype(f32) * jnp.exp(jnp.minimum(m - gall, EXP_CLAMP))  # [C, BK]
         acc_k = acc_k + mm(ka * left, colf, NT, mm_dtype)
         acc_q = acc_q + mm(qa * (left * scale), colf, NT, mm_dtype)
         qg_ref[:, cols] = (qa * jnp.where(sc == 0, jnp.exp(ga) * scale, 0.0)).astype(qg_ref.dtype)
-        glast = gam_ref[last, cols]
         kdec_ref[:, cols] = jnp.where(sc == seglast, ka * jnp.exp(glast - ga), 0.0).astype(kdec_ref.dtype)
     ri = r0 + jax.lax.broadcasted_iota(jnp.int32, (SUB, C), 0)
     ci = jax.lax.broadcasted_iota(jnp.int32, (SUB, C), 1)
@@ -132,11 +149,11 @@ def _solve_kernel(n_ref, x_ref, *, interpret: bool):
             x_ref[ds(a), ds(b)] = x[a][b].astype(x_ref.dtype) if b <= a else zeros
 
 
-def _wu_kernel(x_ref, k_ref, v_ref, gam_ref, beta_ref, segc_ref, w_ref, u_ref, dl_ref,
-               *, block: int, interpret: bool):
+def _wu_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, w_ref, u_ref, dl_ref,
+               *, block: int, cumsum: bool, interpret: bool):
     """``W = X (beta e^G k)`` (``e^G`` only for the segment entering the chunk), ``U = X (beta v)`` and the
-    chunk decay ``e^{G_C}`` (0 if a document starts inside the chunk); grid ``(B*H, N)``. The matmuls take
-    ``X``'s dtype as operand dtype (bf16, or fp32 = 3xTF32)."""
+    chunk decay ``e^{G_C}`` (0 if a document starts inside the chunk); grid ``(B*H, N)``. ``g_ref`` as in
+    :func:`_a_kernel`. The matmuls take ``X``'s dtype as operand dtype (bf16, or fp32 = 3xTF32)."""
     f32 = jnp.float32
     C, K = k_ref.shape
     V = v_ref.shape[-1]
@@ -145,15 +162,17 @@ def _wu_kernel(x_ref, k_ref, v_ref, gam_ref, beta_ref, segc_ref, w_ref, u_ref, d
     xm = x_ref[...]
     beta = beta_ref[...]  # [C, 1]
     first = segc_ref[...] == 0  # [C, 1]
-    for kb in range(K // min(block, K)):
-        cols = pl.ds(kb * min(block, K), min(block, K))
-        rk = jnp.where(first, beta * jnp.exp(gam_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
+    reset = segc_ref[pl.ds(C - 1, 1), :] != 0  # [1, 1]
+    bk = min(block, K)
+    for kb in range(K // bk):
+        cols = pl.ds(kb * bk, bk)
+        gall, select = _decay_tiles(g_ref, cols, cumsum)
+        rk = jnp.where(first, beta * jnp.exp(gall), 0.0) * k_ref[:, cols].astype(f32)
         w_ref[:, cols] = mm(xm, rk, NN, xdt).astype(w_ref.dtype)
+        dl_ref[:, cols] = jnp.where(reset, 0.0, jnp.exp(select(C - 1)))
     for vb in range(V // min(block, V)):
         cols = pl.ds(vb * min(block, V), min(block, V))
         u_ref[:, cols] = mm(xm, beta * v_ref[:, cols].astype(f32), NN, xdt).astype(u_ref.dtype)
-    last = pl.ds(C - 1, 1)
-    dl_ref[...] = jnp.where(segc_ref[last, :] == 0, jnp.exp(gam_ref[last, :]), 0.0)
 
 
 def _state_kernel(w_ref, u_ref, aqk_ref, qg_ref, kdec_ref, dl_ref, h0_ref, o_ref, ht_ref,
@@ -183,23 +202,26 @@ class _Inputs(NamedTuple):
     q: jax.Array  # [B, Tp, H, K], caller dtype
     k: jax.Array  # [B, Tp, H, K]
     v: jax.Array  # [B, Tp, H, V]
-    gam: jax.Array  # [B, Tp, H, K] f32: chunk-local cumulative log-decay
+    gam: jax.Array  # [B, Tp, H, K] f32: log-decay g, or its chunk-local cumsum G (``cumsum=False``)
     beta: jax.Array  # [B, Tp, H, 1] f32
     seg_col: jax.Array  # [B, Tp, 1] i32: document starts inside the chunk up to token i
     seg_row: jax.Array  # [B, N, 1, C] i32: the same, row layout
     h0t: jax.Array  # [B*H, V, K] f32: initial state, transposed
 
 
-def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int) -> _Inputs:
+def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int, cumsum: bool) -> _Inputs:
     """Pad T to a multiple of ``C`` (only when needed: padding tokens have ``g = 0``, ``beta = 0``, zero
-    q/k/v, so they neither decay nor write the state) and compute the chunk-local cumulative decay."""
+    q/k/v, so they neither decay nor write the state); the chunk-local cumulative decay here unless the
+    kernels compute it (``cumsum``)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = -(-T // C)
     Tp = N * C
     pad = Tp - T
     padt = lambda x: x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    gam = jnp.cumsum(padt(g.astype(jnp.float32)).reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
+    gam = padt(g.astype(jnp.float32))
+    if not cumsum:
+        gam = jnp.cumsum(gam.reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
     reset = padt(ref.segment_resets(segment_ids, B, T).astype(jnp.int32))
     seg = jnp.cumsum(reset.reshape(B, N, C), axis=-1)
     if initial_state is None:
@@ -214,14 +236,16 @@ def chunk_kda_fwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, chunk_size: int = 64,
     interpret: bool = False, block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
     a_num_warps: int = 4, solve_num_warps: int = 2, wu_num_warps: int = 4, block_k: int = 64,
-    x_dtype=None,
+    x_dtype=None, cumsum_in_kernel: bool = True,
 ):
     """Chunked KDA forward on GPU, four Triton kernels. Args as the reference ``chunk_kda`` (``g >= -5``).
 
     ``num_warps``/``num_stages``/``block_v``: the state kernel (grid ``(B*H, V / block_v)``);
     ``a_num_warps``, ``solve_num_warps``, ``wu_num_warps``: the A, solve and W/U kernels; ``block_k``: the
     K slice of the A kernel and the column block of the W/U kernel; ``x_dtype``: storage and matmul dtype of
-    ``X = (I + diag(beta) A_kk)^-1`` (default: the matmul dtype, bf16 for bf16 inputs, else fp32).
+    ``X = (I + diag(beta) A_kk)^-1`` (default: the matmul dtype, bf16 for bf16 inputs, else fp32);
+    ``cumsum_in_kernel``: the A and W/U kernels scan the raw ``g`` per chunk (``tl.cumsum``) instead of
+    reading a chunk-local cumsum computed by XLA (one fewer pass over ``[B, T, H, K] f32``).
     The kernels read q, k, v, beta and the cumulative decay in the ``[B, T, H, D]`` layout and write ``o`` in
     it (strided tiles, no transposes); intermediates are ``[B*H, Tp, D]``.
     Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32)``.
@@ -236,7 +260,8 @@ def chunk_kda_fwd(
         _pow2(nm, d)
     if V % BV:
         raise ValueError(f"gpu.chunk_kda_fwd: block_v={BV} must divide V={V}")
-    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, C)
+    cs = bool(cumsum_in_kernel)
+    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, C, cs)
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
     nt = C // SUB
@@ -253,7 +278,8 @@ def chunk_kda_fwd(
     chunk_in = lambda d: pl.BlockSpec((None, C, None, d), lambda a, bh, c: (bi(bh), c, hi(bh), 0))
     row_out = lambda d: pl.BlockSpec((None, SUB, d), lambda a, bh, c: (bh, c * nt + a, 0))
     nkk, aqk, qg, kdec = pl.pallas_call(
-        functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BK, interpret=interp),
+        functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BK, cumsum=cs,
+                          interpret=interp),
         grid=(nt, BH, N),
         in_specs=[
             row_in(K), chunk_in(K), chunk_in(K), row_in(1),
@@ -288,7 +314,7 @@ def chunk_kda_fwd(
     # 3. W, U and the chunk decay.
     tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
     w, u, dl = pl.pallas_call(
-        functools.partial(_wu_kernel, block=BK, interpret=interp),
+        functools.partial(_wu_kernel, block=BK, cumsum=cs, interpret=interp),
         grid=(BH, N),
         in_specs=[tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1),
                   pl.BlockSpec((None, C, 1), lambda bh, c: (bi(bh), c, 0))],
