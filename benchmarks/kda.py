@@ -61,7 +61,8 @@ def time_jax(fn, *args, iters=10, repeats=3):
     return float(np.median(times))
 
 
-GPU_CFG_KEYS = ("block_v", "num_warps", "num_stages", "a_num_warps", "solve_num_warps", "wu_num_warps", "block_k")
+GPU_CFG_KEYS = ("block_v", "num_warps", "num_stages", "a_num_warps", "solve_num_warps", "wu_num_warps", "block_k",
+                "cumsum_in_kernel")
 
 
 def gpu_kwargs(cfg):
@@ -218,10 +219,9 @@ def bench_decode(B, H, args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x8192x96,1x32768x32,8x4096x32")
-    p.add_argument("--configs", default="64:4:2", help="GPU kernel configs, comma list of "
-                   "block_v:num_warps:num_stages[:a_num_warps:solve_num_warps:wu_num_warps[:block_k]] (state "
-                   "kernel, then the A / solve / W-U kernels; left out = defaults of gpu.chunk_kda_fwd); the "
-                   "fastest on the first shape is used for the rest")
+    p.add_argument("--configs", default="64:4:2", help="GPU kernel configs, comma list of ints in the order "
+                   + ":".join(GPU_CFG_KEYS) + " (state kernel, then the A / solve / W-U kernels; trailing ones "
+                   "left out = defaults of gpu.chunk_kda_fwd); the fastest on the first shape is used for the rest")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--no-bwd", action="store_true")
