@@ -1,7 +1,9 @@
 """KDA Pallas kernels for GPU (Triton lowering): chunked forward and a decode step.
 
 Chunked forward (``chunk_kda_fwd``): four lean kernels, the split flash-linear-attention also uses. Triton has
-no value slicing or concatenation, so every sub-block is loaded from a ref (``pl.ds``):
+no value slicing or concatenation, so every sub-block is loaded from a ref (``pl.ds``). q, k, v, g, beta are read
+and o written in the caller's ``[B, T, H, D]`` layout (strided tiles, no transposes; T is padded only when it
+is not a multiple of the chunk); ``G`` (chunk-local cumsum of g) is scanned inside kernels 1 and 3:
 
 1. ``_a_kernel``, grid ``(C/16, B*H, N)``: one program per 16-token row tile ``a`` of a chunk. With the
    reference point ``m_a = G`` at the token before the tile (0 for ``a = 0``) the rows
@@ -9,7 +11,8 @@ no value slicing or concatenation, so every sub-block is loaded from a ref (``pl
    chunk ``k e^{min(m_a - G, 80)}`` (``<= 80`` inside the tile, which needs ``g >= -5``; later tokens are
    clamped and masked) in ONE ``[16, K] x [K, C]`` matmul each (K in ``block_k`` slices): the rows of
    ``N = diag(beta) A_kk`` (strictly lower, same segment; fp32) and of the masked ``A_qk`` (incl. diagonal),
-   plus the rows of ``q e^G scale`` and ``e^{G_C - G} k``.
+   plus the rows of ``q e^G scale`` and ``e^{G_C - G} k``. The tile index is the fastest grid axis, so a
+   chunk's programs run together and share its k / g tiles in L2.
 2. ``_solve_kernel``, grid ``(B*H, N)``: ``X = (I + N)^-1`` from the 16x16 tiles of ``N``: diagonal tiles by
    the Neumann product, the rest by blocked substitution, all matmuls (3xTF32); writes ``X [C, C]``.
 3. ``_wu_kernel``, grid ``(B*H, N)``: ``W = X (beta e^G k)``, ``U = X (beta v)`` as ``[C, C] x [C, 64]``
