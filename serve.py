@@ -43,6 +43,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=8, help="decode slots")
     p.add_argument("--max-len", type=int, default=1024, help="tokens per slot (prompt + output)")
     p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--decode-block", type=int, default=1,
+                   help="decode steps per device call (tokens stream in bursts of this size; see Engine)")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random init (no checkpoint)")
     return p.parse_args(argv)
 
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_chunk=args.prefill_chunk,
         tokenizer=tok,
         eos_ids=eos,
+        decode_block=args.decode_block,
     )
 
     if args.port is not None:

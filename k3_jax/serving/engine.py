@@ -128,6 +128,14 @@ class Engine:
         view gathered from the pages inside the jitted step (a page-reading attention kernel is the next step).
       num_pages: page pool size (default: enough for every slot at ``max_len``, + the null page).
       latent_dtype: page storage dtype, e.g. ``"float8_e4m3fn"`` (per-token scales); default the cache dtype.
+      decode_block: decode steps per device call (multi-step decoding). With ``n > 1`` a step runs ``n`` decode
+        steps in one jitted ``lax.scan`` (sampled tokens fed back on device) and the host reads the ``[n, B]``
+        tokens once, so the per-step host work (dispatch, transfers, the sync on the sampled tokens) is paid
+        once per ``n`` tokens: on the H200 the k3-small decode step at batch 32 spent 3.2 ms on the device and
+        11.4 ms of wall time. Tokens stream in bursts of ``n``; a block runs only when no waiting request could
+        take a free slot and every running request has ``>= n`` tokens left, otherwise one step runs. A request
+        that stops inside a block drops the rest of its block (its slot row is reset when reused), so outputs
+        equal those of ``decode_block=1`` exactly.
     """
 
     def __init__(
@@ -146,11 +154,15 @@ class Engine:
         paged: bool = False,
         num_pages: int | None = None,
         latent_dtype: str | None = None,
+        decode_block: int = 1,
     ):
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"max_batch must be >= 1 and max_len >= 2, got {max_batch}, {max_len}")
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
+        if decode_block < 1:
+            raise ValueError(f"decode_block must be >= 1, got {decode_block}")
+        self.decode_block = decode_block
         self.cfg = cfg
         self.max_batch, self.max_len, self.page_size = max_batch, max_len, page_size
         self.prefill_chunk = prefill_chunk
@@ -264,7 +276,19 @@ class Engine:
             cache = {**cache, "lengths": jnp.where(active, cache["lengths"], 0)}
             return sample(logits[:, 0], samp, num_top_logprobs=num_top), cache
 
+        def decode_multi(variables, cache, tokens, active, samp, num_top, table, n):
+            """``n`` decode steps, each feeding its sampled tokens to the next; outputs stacked ``[n, B, ...]``."""
+
+            def body(carry, _):
+                cache, toks, step = carry
+                out, cache = decode(variables, cache, toks, active, samp._replace(step=step), num_top, table)
+                return (cache, out.tokens, step + 1), out
+
+            (cache, _, _), outs = jax.lax.scan(body, (cache, tokens, samp.step), None, length=n)
+            return outs, cache
+
         self._reset = jax.jit(reset, donate_argnums=(0,))
+        self._decode_multi = jax.jit(decode_multi, donate_argnums=(1,), static_argnums=(5, 7))
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
         self._decode = jax.jit(decode, donate_argnums=(1,), static_argnums=(5,))
         self._sample = jax.jit(sample, static_argnames=("num_top_logprobs",))
@@ -387,6 +411,15 @@ class Engine:
         out = jax.device_get(self._sample(logits[None], samp, num_top_logprobs=self.max_logprobs))
         return [self._emit(req, int(out.tokens[0]), out, 0)]
 
+    def _block_size(self) -> int:
+        """Decode steps of the next device call: ``decode_block`` when no admission is pending and every running
+        request has that many tokens left, else 1."""
+        n = self.decode_block
+        if n == 1 or (self._waiting and any(r is None for r in self._slots)):
+            return 1
+        left = min(r.max_tokens - len(r.output) for r in self._slots if r is not None)
+        return n if left >= n else 1
+
     def _decode_step(self) -> list[TokenEvent]:
         active = np.asarray([r is not None for r in self._slots])
         steps = np.asarray([len(r.output) if r is not None else 0 for r in self._slots], np.int32)
@@ -397,22 +430,23 @@ class Engine:
             seed=jnp.asarray(self._samp["seed"]),
             step=jnp.asarray(steps),
         )
-        out, self.cache = self._decode(
-            self.variables,
-            self.cache,
-            jnp.asarray(self._last_token),
-            jnp.asarray(active),
-            samp,
-            self.max_logprobs,  # always computed: one compiled decode step
-            self._table,
-        )
-        out = jax.device_get(out)
-        self.stats["decode_steps"] += 1
-        self.stats["decode_tokens"] += int(active.sum())
+        n = self._block_size()
+        args = (self.variables, self.cache, jnp.asarray(self._last_token), jnp.asarray(active), samp,
+                self.max_logprobs, self._table)  # max_logprobs: always computed, one compiled decode step
+        if n == 1:
+            out, self.cache = self._decode(*args)
+            outs = [jax.device_get(out)]
+        else:
+            stacked, self.cache = self._decode_multi(*args, n)
+            stacked = jax.device_get(stacked)
+            outs = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
+        self.stats["decode_steps"] += n
         events = []
-        for slot, req in enumerate(self._slots):
-            if req is not None:
-                events.append(self._emit(req, int(out.tokens[slot]), out, slot))
+        for out in outs:
+            for slot, req in enumerate(self._slots):
+                if req is not None:  # a request that finished earlier in this block has left its slot
+                    events.append(self._emit(req, int(out.tokens[slot]), out, slot))
+                    self.stats["decode_tokens"] += 1
         return events
 
     def _emit(self, req: _Request, token: int, out: Any, row: int) -> TokenEvent:
