@@ -98,3 +98,21 @@ def test_kda_kernels_lower(verified_modules, dtype):
                     q[:, 0], g[:, 0], beta[:, 0], pool)
     chunk = ["kda_chunk_a_gpu", "kda_chunk_solve_gpu", "kda_chunk_wu_gpu", "kda_chunk_state_gpu"]
     assert verified_modules == chunk * 3 + ["kda_decode_gpu"], verified_modules
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_kda_bwd_kernels_lower(verified_modules, dtype):
+    """The eight chunk-backward kernels (pallas_kernels.kda.gpu_bwd), K=V=64 and 128, T not a multiple of the
+    chunk, with segment ids; bf16 and fp32 (3xTF32) operands."""
+    from pallas_kernels.kda import gpu_bwd
+
+    b, h = 1, 2
+    for t, d in ((128, 64), (200, 128)):
+        q = jnp.ones((b, t, h, d), dtype)
+        g = jnp.full((b, t, h, d), -0.1, jnp.float32)
+        beta = jnp.full((b, t, h), 0.5, dtype)
+        seg = jnp.ones((b, t), jnp.int32)
+        h0 = jnp.zeros((b, h, d, d), jnp.float32)
+        _lower_for_cuda(lambda q, g, beta, seg, h0: gpu_bwd.chunk_kda_bwd(
+            q, q, q, g, beta, q.shape[-1] ** -0.5, h0, seg, q, h0), q, g, beta, seg, h0)
+    assert verified_modules == list(gpu_bwd.KERNEL_NAMES) * 2, verified_modules

@@ -1,0 +1,514 @@
+"""KDA chunked backward on GPU (Pallas Triton): gradients for q, k, v, g, beta and the initial state.
+
+The math is :mod:`pallas_kernels.kda.tpu_bwd`'s (see its docstring for the per-chunk formulas); here it is
+split into lean Triton kernels, none of which holds more than a few ``[C, 64]`` / ``[C, C]`` tiles at once
+(one program holding a whole chunk's tiles spilled registers and ran 20x slower in the forward). Inputs
+are read and ``dq, dk, dv, dg, dbeta`` written in the caller's ``[B, T, H, D]`` layout (strided tiles);
+intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = Tp / C``):
+
+1. ``_a_kernel``, grid ``(C/16, B*H, N)``: rows of ``A_kk`` (strictly lower, same document; fp32, no beta),
+   masked ``A_qk``, ``q e^G scale`` and ``e^{G_C - G} k`` per 16-token row tile (the forward's factoring).
+2. ``_solve_kernel``, grid ``(B*H, N)``: ``X = (I + diag(beta) A_kk)^-1`` in fp32 (16x16 tiles, Neumann
+   product on the diagonal, blocked substitution below it).
+3. ``_wu_kernel``, grid ``(B*H, N)``: ``W = X (beta e^G k)``, ``U = X (beta v)``, chunk decay ``e^{G_C}``.
+4. ``_h_kernel`` (state sweep), grid ``(B*H, V/BV)``: forward recurrence with ``S^T [BV, K]`` in registers;
+   writes the state entering each chunk ``h [B*H, N, V, K] f32`` and ``V~ = U - W S`` ``[B*H, Tp, V]``.
+5. ``_ds_kernel`` (reverse sweep), grid ``(B*H, V/BV)``: ``dS^T [BV, K]`` from the final-state cotangent
+   backwards; per chunk writes the cotangent of the state *leaving* it, ``dh [B*H, N, V, K] f32``, and
+   ``dV~ = A_qk^T dO + kd dS'`` ``[B*H, Tp, V] f32``; at the end ``dh0``.
+6. ``_dqkw_kernel``, grid ``(B*H, N, K/BK)``: the state products ``dO S^T``, ``V~ dS'^T``,
+   ``dW = -dV~ S^T`` and ``sum(S * dS')`` (loop over V blocks), giving the e^G / kd / chunk-decay parts of
+   dq, dk, dG and ``dW``.
+7. ``_wy_kernel``, grid ``(B*H, N)``: through the UT transform: ``dB_v = X^T dV~`` (-> dv),
+   ``dB_k = X^T dW``, ``dX = dV~ B_v^T + dW B_k^T``, ``dL = -X^T dX X^T`` (strictly lower, same document),
+   ``dA_kk = diag(beta) dL``, ``dA_qk = dO V~^T`` (masked), dbeta.
+8. ``_da_kernel``, grid ``(B*H, N, K/BK)``: the decay products differentiated as matmuls per 16-row tile
+   (row part at the reference point before the tile, column part at the tile's last token), summed with
+   the partial dq, dk, dG; ``dg`` = reverse cumsum of ``dG`` inside the chunk (tiles in reverse order with a
+   running suffix sum).
+
+Precision as the forward: bf16 inputs take bf16 matmul operands with fp32 accumulation for the decay
+products, ``A``, ``W``/``U``, the sweeps and the state products; the inverse ``X`` (fp32 storage), the
+``dX -> dL`` chain and ``X^T dV~``, ``X^T dW`` are fp32 (3xTF32 on GPU, ``HIGHEST`` in ``interpret``
+mode). ``h`` and ``dh`` are fp32. Requires the lower-bounded gate ``g >= -5``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda import _layout
+from pallas_kernels.kda import reference as ref
+
+__all__ = ["chunk_kda_bwd", "KERNEL_NAMES"]
+
+SUB = 16
+EXP_CLAMP = 80.0
+NT = (((1,), (1,)), ((), ()))
+NN = (((1,), (0,)), ((), ()))
+TN = (((0,), (0,)), ((), ()))
+
+KERNEL_NAMES = (
+    "kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_wu_gpu", "kda_bwd_h_gpu", "kda_bwd_ds_gpu",
+    "kda_bwd_dqkw_gpu", "kda_bwd_wy_gpu", "kda_bwd_da_gpu",
+)
+
+
+def _make_mm(interpret: bool):
+    precise = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+    def mm(a, b, dims, dtype):
+        if dtype == jnp.float32:
+            return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims, precision=precise,
+                                       preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=jnp.float32)
+
+    return mm
+
+
+def _row(ref_, i: int):
+    """Row ``i`` of a ``[C, D]`` ref as ``[1, D]`` (static ``i``; zeros for ``i = -1``)."""
+    if i < 0:
+        return jnp.zeros((1, ref_.shape[-1]), jnp.float32)
+    return ref_[pl.ds(i, 1), :]
+
+
+# ------------------------------------------------------------------------------------------------------
+# 1-3: intra-chunk recomputation (A, X, W, U)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _a_kernel(q_ref, k_ref, g_ref, segc_ref, segr_ref, akk_ref, aqk_ref, qg_ref, kdec_ref,
+              *, scale: float, mm_dtype, block_k: int, interpret: bool):
+    """Rows ``[16a, 16a + 16)`` of ``A_kk`` (fp32), ``A_qk``, ``q e^G scale``, ``e^{G_C - G} k``.
+
+    ``q_ref [16, K]``: the row tile; ``k_ref, g_ref [C, K]`` (``g_ref`` holds ``G``), ``segc_ref [C, 1]``,
+    ``segr_ref [1, C]``: the chunk.
+    """
+    f32 = jnp.float32
+    C, K = k_ref.shape
+    mm = _make_mm(interpret)
+    a = pl.program_id(0)
+    r0 = pl.multiple_of(a * SUB, SUB)
+    rows = pl.ds(r0, SUB)
+    sc = segc_ref[rows, :]
+    seglast = segc_ref[pl.ds(C - 1, 1), :]
+    acc_k = jnp.zeros((SUB, C), f32)
+    acc_q = jnp.zeros((SUB, C), f32)
+    for kb in range(K // block_k):
+        cols = pl.ds(kb * block_k, block_k)
+        gall = g_ref[:, cols]
+        m = jnp.where(a == 0, 0.0, g_ref[pl.ds(jnp.maximum(r0 - 1, 0), 1), cols])  # G before the tile
+        glast = g_ref[pl.ds(C - 1, 1), cols]
+        ga = g_ref[rows, cols]
+        left = jnp.exp(ga - m)  # <= 1
+        ka = k_ref[rows, cols].astype(f32)
+        qa = q_ref[:, cols].astype(f32)
+        colf = k_ref[:, cols].astype(f32) * jnp.exp(jnp.minimum(m - gall, EXP_CLAMP))
+        acc_k = acc_k + mm(ka * left, colf, NT, mm_dtype)
+        acc_q = acc_q + mm(qa * (left * scale), colf, NT, mm_dtype)
+        qg_ref[:, cols] = (qa * jnp.where(sc == 0, jnp.exp(ga) * scale, 0.0)).astype(qg_ref.dtype)
+        kdec_ref[:, cols] = jnp.where(sc == seglast, ka * jnp.exp(glast - ga), 0.0).astype(kdec_ref.dtype)
+    ri = r0 + jax.lax.broadcasted_iota(jnp.int32, (SUB, C), 0)
+    ci = jax.lax.broadcasted_iota(jnp.int32, (SUB, C), 1)
+    same = sc == segr_ref[...]
+    akk_ref[...] = jnp.where(same & (ri > ci), acc_k, 0.0)
+    aqk_ref[...] = jnp.where(same & (ri >= ci), acc_q, 0.0).astype(aqk_ref.dtype)
+
+
+def _solve_kernel(akk_ref, beta_ref, x_ref, *, interpret: bool):
+    """``X = (I + diag(beta) A_kk)^-1`` (fp32) for one chunk from 16x16 tiles."""
+    C = akk_ref.shape[0]
+    nt = C // SUB
+    mm = _make_mm(interpret)
+    mmp = lambda p_, r_: mm(p_, r_, NN, jnp.float32)
+    ds = lambda i: pl.ds(i * SUB, SUB)
+    zeros = jnp.zeros((SUB, SUB), jnp.float32)
+    x = [[None] * nt for _ in range(nt)]
+    for a in range(nt):
+        ba = beta_ref[ds(a), :]  # [16, 1]
+        n_row = [ba * akk_ref[ds(a), ds(c)] for c in range(a + 1)]
+        dinv = _layout.neumann_inverse(n_row[a], SUB, mmp)
+        x[a][a] = dinv
+        for b in range(a):
+            acc = mmp(n_row[b], x[b][b])
+            for c in range(b + 1, a):
+                acc = acc + mmp(n_row[c], x[c][b])
+            x[a][b] = -mmp(dinv, acc)
+        for b in range(nt):
+            x_ref[ds(a), ds(b)] = x[a][b] if b <= a else zeros
+
+
+def _wu_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, w_ref, u_ref, dl_ref,
+               *, block: int, mm_dtype, interpret: bool):
+    """``W = X (beta e^G k)`` (``e^G`` only for the document entering the chunk), ``U = X (beta v)``,
+    ``e^{G_C}`` (0 if a document starts inside the chunk)."""
+    f32 = jnp.float32
+    C, K = k_ref.shape
+    V = v_ref.shape[-1]
+    mm = _make_mm(interpret)
+    xm = x_ref[...]
+    beta = beta_ref[...]
+    first = segc_ref[...] == 0
+    reset = segc_ref[pl.ds(C - 1, 1), :] != 0
+    bk = min(block, K)
+    for kb in range(K // bk):
+        cols = pl.ds(kb * bk, bk)
+        rk = jnp.where(first, beta * jnp.exp(g_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
+        w_ref[:, cols] = mm(xm, rk, NN, mm_dtype).astype(w_ref.dtype)
+        dl_ref[:, cols] = jnp.where(reset, 0.0, jnp.exp(g_ref[pl.ds(C - 1, 1), cols]))
+    bv = min(block, V)
+    for vb in range(V // bv):
+        cols = pl.ds(vb * bv, bv)
+        u_ref[:, cols] = mm(xm, beta * v_ref[:, cols].astype(f32), NN, mm_dtype).astype(u_ref.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------
+# 4-5: the two sequential sweeps over chunks (state slices in registers)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _h_kernel(w_ref, u_ref, kdec_ref, dl_ref, h0_ref, h_ref, vt_ref, *, chunk: int, n_chunks: int, mm_dtype,
+              interpret: bool):
+    """Forward order: ``h[c] = S_in^T [BV, K]``, ``V~ = U - W S_in``, ``S_out = diag(dl) S_in + kd^T V~``."""
+    mm = _make_mm(interpret)
+    C = chunk
+
+    def body(c, st):
+        rows = pl.ds(c * C, C)
+        h_ref[c] = st
+        vt = u_ref[rows, :].astype(jnp.float32) - mm(w_ref[rows, :], st, NT, mm_dtype)  # [C, BV]
+        vt_ref[rows, :] = vt.astype(vt_ref.dtype)
+        return st * dl_ref[c] + mm(vt, kdec_ref[rows, :], TN, mm_dtype)
+
+    jax.lax.fori_loop(0, n_chunks, body, h0_ref[...])
+
+
+def _ds_kernel(aqk_ref, qg_ref, kdec_ref, w_ref, dl_ref, do_ref, dht_ref, dh_ref, dvt_ref, dh0_ref,
+               *, chunk: int, n_chunks: int, mm_dtype, interpret: bool):
+    """Reverse order, ``dS'^T [BV, K]`` = cotangent of the state leaving chunk c: ``dh[c] = dS'^T``,
+    ``dV~ = A_qk^T dO + kd dS'``, ``dS = (q e^G)^T dO + diag(dl) dS' - W^T dV~``."""
+    mm = _make_mm(interpret)
+    C = chunk
+
+    def body(i, dst):
+        c = n_chunks - 1 - i
+        rows = pl.ds(c * C, C)
+        dh_ref[c] = dst
+        do = do_ref[rows, :]
+        dvt = mm(aqk_ref[rows, :], do, TN, mm_dtype) + mm(kdec_ref[rows, :], dst, NT, mm_dtype)  # [C, BV]
+        dvt_ref[rows, :] = dvt
+        return (dst * dl_ref[c] + mm(do, qg_ref[rows, :], TN, mm_dtype)
+                - mm(dvt, w_ref[rows, :], TN, mm_dtype))
+
+    dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, body, dht_ref[...])
+
+
+# ------------------------------------------------------------------------------------------------------
+# 6-8: per-chunk gradients (fully parallel)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _dqkw_kernel(q_ref, k_ref, g_ref, segc_ref, do_ref, vt_ref, dvt_ref, h_ref, dh_ref,
+                 dw_ref, dqp_ref, dkp_ref, dgp_ref, *, scale: float, block_v: int, mm_dtype, interpret: bool):
+    """K-block ``[C, BK]`` of ``dW = -dV~ S^T`` and of the partial dq (wrt ``q scale``), dk, dG from the
+    ``q e^G`` / ``kd`` / chunk-decay terms. ``h_ref, dh_ref [V, BK]``: ``S_in^T``, ``dS_out^T``."""
+    f32 = jnp.float32
+    C, BK = k_ref.shape
+    V = do_ref.shape[-1]
+    mm = _make_mm(interpret)
+    dqe = jnp.zeros((C, BK), f32)
+    dkd = jnp.zeros((C, BK), f32)
+    dw = jnp.zeros((C, BK), f32)
+    ddl = jnp.zeros((1, BK), f32)
+    for vb in range(V // block_v):
+        vs = pl.ds(vb * block_v, block_v)
+        st = h_ref[vs, :]
+        dst = dh_ref[vs, :]
+        dqe = dqe + mm(do_ref[:, vs], st, NN, mm_dtype)
+        dkd = dkd + mm(vt_ref[:, vs], dst, NN, mm_dtype)
+        dw = dw - mm(dvt_ref[:, vs], st, NN, mm_dtype)
+        ddl = ddl + jnp.sum(st * dst, axis=0, keepdims=True)
+    gam = g_ref[...]
+    segc = segc_ref[...]
+    seglast = segc_ref[pl.ds(C - 1, 1), :]
+    glast = g_ref[pl.ds(C - 1, 1), :]
+    eg = jnp.where(segc == 0, jnp.exp(gam), 0.0)
+    ekl = jnp.where(segc == seglast, jnp.exp(glast - gam), 0.0)
+    kdec = k_ref[...].astype(f32) * ekl
+    dl = jnp.where(seglast == 0, jnp.exp(glast), 0.0)
+    dw_ref[...] = dw
+    dqp_ref[...] = dqe * eg
+    dkp_ref[...] = dkd * ekl
+    dglast = jnp.sum(dkd * kdec, axis=0, keepdims=True) + ddl * dl
+    rowk = jax.lax.broadcasted_iota(jnp.int32, (C, BK), 0)
+    qe = q_ref[...].astype(f32) * (eg * scale)
+    dgp_ref[...] = dqe * qe - dkd * kdec + jnp.where(rowk == C - 1, dglast, 0.0)
+
+
+def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref, do_ref, vt_ref, dvt_ref,
+               dw_ref, dkp_ref, dgp_ref,
+               dv_ref, dkp2_ref, dgp2_ref, dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool):
+    """Through ``[W | U] = X diag(beta) [e^G k | v]`` for one chunk (see the module docstring, step 7)."""
+    f32 = jnp.float32
+    C, K = k_ref.shape
+    V = v_ref.shape[-1]
+    mm = _make_mm(interpret)
+    xm = x_ref[...]
+    beta = beta_ref[...]  # [C, 1]
+    segc = segc_ref[...]
+    first = segc == 0
+    dx = jnp.zeros((C, C), f32)
+    daqk = jnp.zeros((C, C), f32)
+    dbeta = jnp.zeros((C, 1), f32)
+    bv_ = min(block, V)
+    for vb in range(V // bv_):
+        vs = pl.ds(vb * bv_, bv_)
+        dvt = dvt_ref[:, vs]
+        vv = v_ref[:, vs].astype(f32)
+        dx = dx + mm(dvt, beta * vv, NT, f32)
+        daqk = daqk + mm(do_ref[:, vs], vt_ref[:, vs], NT, mm_dtype)
+        dbv = mm(xm, dvt, TN, f32)
+        dv_ref[:, vs] = (beta * dbv).astype(dv_ref.dtype)
+        dbeta = dbeta + jnp.sum(dbv * vv, axis=1, keepdims=True)
+    bk_ = min(block, K)
+    for kb in range(K // bk_):
+        cols = pl.ds(kb * bk_, bk_)
+        dwb = dw_ref[:, cols]
+        egk = jnp.where(first, jnp.exp(g_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
+        bk = beta * egk
+        dx = dx + mm(dwb, bk, NT, f32)
+        dbk = mm(xm, dwb, TN, f32)
+        dkp2_ref[:, cols] = dkp_ref[:, cols] + dbk * beta * jnp.where(first, jnp.exp(g_ref[:, cols]), 0.0)
+        dgp2_ref[:, cols] = dgp_ref[:, cols] + dbk * bk
+        dbeta = dbeta + jnp.sum(dbk * egk, axis=1, keepdims=True)
+    row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    same = segc == segr_ref[...]
+    dlo = jnp.where(same & (row > col), -mm(mm(xm, dx, TN, f32), xm, NT, f32), 0.0)  # -X^T dX X^T
+    dakk_ref[...] = beta * dlo
+    dbeta_ref[...] = dbeta + jnp.sum(dlo * akk_ref[...], axis=1, keepdims=True)
+    daqk_ref[...] = jnp.where(same & (row >= col), daqk, 0.0)
+
+
+def _da_kernel(q_ref, k_ref, g_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref,
+               *, scale: float, mm_dtype, interpret: bool):
+    """K-block of the decay-product gradients plus the partial terms; ``dg`` = reverse cumsum of ``dG``."""
+    f32 = jnp.float32
+    C, BK = k_ref.shape
+    mm = _make_mm(interpret)
+    gam = g_ref[...]
+    kall = k_ref[...].astype(f32)
+    qall = q_ref[...].astype(f32) * scale
+    suffix = jnp.zeros((1, BK), f32)
+    for a in reversed(range(C // SUB)):
+        rows = pl.ds(a * SUB, SUB)
+        ga = g_ref[rows, :]
+        m = _row(g_ref, a * SUB - 1)  # G before the tile: exponents of `left` <= 0
+        left = jnp.exp(ga - m)
+        right = kall * jnp.exp(jnp.minimum(m - gam, EXP_CLAMP))
+        rq = left * mm(daqk_ref[rows, :], right, NN, mm_dtype)  # d(q scale)_i from A_qk rows
+        rk = left * mm(dakk_ref[rows, :], right, NN, mm_dtype)  # d(k_i) from A_kk rows
+        mb = _row(g_ref, a * SUB + SUB - 1)  # G at the tile's last token
+        back = jnp.exp(mb - ga)  # <= 1
+        up = jnp.exp(jnp.minimum(gam - mb, EXP_CLAMP))
+        cq = back * mm(daqk_ref[:, rows], qall * up, TN, mm_dtype)  # d(k_j) from A_qk columns
+        ck = back * mm(dakk_ref[:, rows], kall * up, TN, mm_dtype)  # d(k_j) from A_kk columns
+        qa = q_ref[rows, :].astype(f32) * scale
+        ka = k_ref[rows, :].astype(f32)
+        dq_ref[rows, :] = ((dqp_ref[rows, :] + rq) * scale).astype(dq_ref.dtype)
+        dk_ref[rows, :] = (dkp_ref[rows, :] + rk + cq + ck).astype(dk_ref.dtype)
+        dgt = dgp_ref[rows, :] + qa * rq + ka * (rk - cq - ck)
+        tot = jnp.sum(dgt, axis=0, keepdims=True)
+        dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
+        suffix = suffix + tot
+
+
+# ------------------------------------------------------------------------------------------------------
+# Wrapper
+# ------------------------------------------------------------------------------------------------------
+
+
+class _Inputs(NamedTuple):
+    q: jax.Array  # [B, Tp, H, K]
+    k: jax.Array  # [B, Tp, H, K]
+    v: jax.Array  # [B, Tp, H, V]
+    gam: jax.Array  # [B, Tp, H, K] f32: chunk-local cumsum of g
+    beta: jax.Array  # [B, Tp, H, 1] f32
+    seg_col: jax.Array  # [B, Tp, 1] i32
+    seg_row: jax.Array  # [B, N, 1, C] i32
+    h0t: jax.Array  # [B*H, V, K] f32
+    do: jax.Array  # [B, Tp, H, V]
+    dhtt: jax.Array  # [B*H, V, K] f32
+
+
+def _prepare(q, k, v, g, beta, initial_state, segment_ids, do, dht, C: int) -> _Inputs:
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = -(-T // C)
+    Tp = N * C
+    pad = Tp - T
+    padt = lambda x: x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    gam = jnp.cumsum(padt(g.astype(jnp.float32)).reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
+    reset = padt(ref.segment_resets(segment_ids, B, T).astype(jnp.int32))
+    seg = jnp.cumsum(reset.reshape(B, N, C), axis=-1)
+    to_t = lambda s: jnp.swapaxes(s.astype(jnp.float32), -1, -2).reshape(B * H, V, K)
+    h0t = jnp.zeros((B * H, V, K), jnp.float32) if initial_state is None else to_t(initial_state)
+    dhtt = jnp.zeros((B * H, V, K), jnp.float32) if dht is None else to_t(dht)
+    return _Inputs(padt(q), padt(k), padt(v), gam, padt(beta.astype(jnp.float32))[..., None],
+                   seg.reshape(B, Tp, 1), seg.reshape(B, N, 1, C), h0t, padt(do), dhtt)
+
+
+def _pow2(name: str, d: int) -> None:
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"gpu_bwd.chunk_kda_bwd: {name} must be a power of two >= 16, got {d}")
+
+
+def chunk_kda_bwd(
+    q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
+    chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int = 64,
+    num_warps: dict | None = None, num_stages: int = 2,
+):
+    """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), eight Triton kernels.
+
+    Args: forward inputs as :func:`pallas_kernels.kda.reference.chunk_kda` (``q, k, g [B, T, H, K]``,
+    ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` or None, ``segment_ids [B, T]``
+    or None), ``do [B, T, H, V]`` (output cotangent), ``dht [B, H, K, V]`` (final-state cotangent; None =
+    zeros). ``block_v``: V slice of the two sweeps (default ``min(V, 64)``) and the V loop block of the
+    per-chunk kernels; ``block_k``: K block of the per-chunk gradient kernels (grid axis) and of the
+    A kernel's K loop; ``num_warps``: per-kernel override ``{kernel name: warps}`` (names in
+    :data:`KERNEL_NAMES`; default 4); ``num_stages``: the sweeps. ``interpret``: generic Pallas interpreter.
+    Returns ``(dq, dk, dv, dg, dbeta)`` in the dtypes of ``q, k, v, g, beta`` and ``dh0 [B, H, K, V] f32``.
+    """
+    name = "gpu_bwd.chunk_kda_bwd"
+    _layout.check_chunk_args(q, k, v, g, beta, initial_state, segment_ids, chunk_size, name)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    if do is None or do.shape != v.shape:
+        raise ValueError(f"{name}: do must be [B, T, H, V]={v.shape}, got {None if do is None else do.shape}")
+    if dht is not None and dht.shape != (B, H, K, V):
+        raise ValueError(f"{name}: dht must be [B, H, K, V]={(B, H, K, V)}, got {dht.shape}")
+    BV = block_v or min(V, 64)
+    BK = min(block_k, K)
+    for nm, d in (("K", K), ("V", V), ("block_v", BV), ("block_k", BK), ("chunk_size", C)):
+        _pow2(nm, d)
+    if V % BV or K % BK:
+        raise ValueError(f"{name}: block_v={BV} must divide V={V} and block_k={BK} must divide K={K}")
+    mm_dtype = jnp.float32 if jnp.promote_types(q.dtype, v.dtype) == jnp.float32 else jnp.bfloat16
+    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, do.astype(v.dtype), dht, C)
+    BH, Tp = B * H, x.q.shape[1]
+    N = Tp // C
+    nt = C // SUB
+    f32 = jnp.float32
+    interp = bool(interpret)
+    warps = dict(num_warps or {})
+    unknown = set(warps) - set(KERNEL_NAMES)
+    if unknown:
+        raise ValueError(f"{name}: num_warps keys must be in {KERNEL_NAMES}, got {sorted(unknown)}")
+
+    def call(kernel, kname, grid, in_specs, out_specs, out_shape, stages=1, **kw):
+        if interp:
+            params = None
+        else:
+            from jax.experimental.pallas import triton as pltriton
+
+            params = pltriton.CompilerParams(num_warps=warps.get(kname, 4), num_stages=stages)
+        return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                              compiler_params=params, interpret=interp, name=kname, **kw)
+
+    bi = lambda bh: jax.lax.div(bh, H)
+    hi = lambda bh: jax.lax.rem(bh, H)
+    sds = jax.ShapeDtypeStruct
+
+    # 1. A rows per 16-token tile.
+    row_in = lambda d: pl.BlockSpec((None, SUB, None, d), lambda a, bh, c: (bi(bh), c * nt + a, hi(bh), 0))
+    chunk_in3 = lambda d: pl.BlockSpec((None, C, None, d), lambda a, bh, c: (bi(bh), c, hi(bh), 0))
+    row_out = lambda d: pl.BlockSpec((None, SUB, d), lambda a, bh, c: (bh, c * nt + a, 0))
+    akk, aqk, qg, kdec = call(
+        functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BK, interpret=interp),
+        "kda_bwd_a_gpu", (nt, BH, N),
+        [row_in(K), chunk_in3(K), chunk_in3(K), pl.BlockSpec((None, C, 1), lambda a, bh, c: (bi(bh), c, 0)),
+         pl.BlockSpec((None, None, 1, C), lambda a, bh, c: (bi(bh), c, 0, 0))],
+        [row_out(C), row_out(C), row_out(K), row_out(K)],
+        [sds((BH, Tp, C), f32), sds((BH, Tp, C), mm_dtype), sds((BH, Tp, K), mm_dtype),
+         sds((BH, Tp, K), mm_dtype)],
+    )(x.q, x.k, x.gam, x.seg_col, x.seg_row)
+
+    # 2-3. X, W, U, chunk decay.
+    tok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c: (bh, c, 0))
+    tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
+    segc_spec = pl.BlockSpec((None, C, 1), lambda bh, c: (bi(bh), c, 0))
+    segr_spec = pl.BlockSpec((None, None, 1, C), lambda bh, c: (bi(bh), c, 0, 0))
+    xm = call(functools.partial(_solve_kernel, interpret=interp), "kda_bwd_solve_gpu", (BH, N),
+              [tok(C), tok_in(1)], tok(C), sds((BH, Tp, C), f32))(akk, x.beta)
+    w, u, dl = call(
+        functools.partial(_wu_kernel, block=BK, mm_dtype=mm_dtype, interpret=interp), "kda_bwd_wu_gpu", (BH, N),
+        [tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec],
+        [tok(K), tok(V), pl.BlockSpec((None, None, 1, K), lambda bh, c: (bh, c, 0, 0))],
+        [sds((BH, Tp, K), mm_dtype), sds((BH, Tp, V), mm_dtype), sds((BH, N, 1, K), f32)],
+    )(xm, x.k, x.v, x.gam, x.beta, x.seg_col)
+
+    # 4-5. Sweeps over chunks, grid (B*H, V / BV).
+    seq = lambda d: pl.BlockSpec((None, Tp, d), lambda bh, j: (bh, 0, 0))
+    seq_v = pl.BlockSpec((None, Tp, BV), lambda bh, j: (bh, 0, j))
+    dl_spec = pl.BlockSpec((None, N, 1, K), lambda bh, j: (bh, 0, 0, 0))
+    state = pl.BlockSpec((None, BV, K), lambda bh, j: (bh, j, 0))
+    states = pl.BlockSpec((None, N, BV, K), lambda bh, j: (bh, 0, j, 0))
+    sweep = dict(chunk=C, n_chunks=N, mm_dtype=mm_dtype, interpret=interp)
+    h, vt = call(
+        functools.partial(_h_kernel, **sweep), "kda_bwd_h_gpu", (BH, V // BV),
+        [seq(K), seq_v, seq(K), dl_spec, state], [states, seq_v],
+        [sds((BH, N, V, K), f32), sds((BH, Tp, V), mm_dtype)], stages=num_stages,
+    )(w, u, kdec, dl, x.h0t)
+    do_spec = pl.BlockSpec((None, Tp, None, BV), lambda bh, j: (bi(bh), 0, hi(bh), j))
+    dh, dvt, dh0t = call(
+        functools.partial(_ds_kernel, **sweep), "kda_bwd_ds_gpu", (BH, V // BV),
+        [seq(C), seq(K), seq(K), seq(K), dl_spec, do_spec, state], [states, seq_v, state],
+        [sds((BH, N, V, K), f32), sds((BH, Tp, V), f32), sds((BH, V, K), f32)], stages=num_stages,
+    )(aqk, qg, kdec, w, dl, x.do, x.dhtt)
+
+    # 6. State products per K block.
+    kin = lambda: pl.BlockSpec((None, C, None, BK), lambda bh, c, kb: (bi(bh), c, hi(bh), kb))
+    kout = lambda: pl.BlockSpec((None, C, BK), lambda bh, c, kb: (bh, c, kb))
+    st_spec = pl.BlockSpec((None, None, V, BK), lambda bh, c, kb: (bh, c, 0, kb))
+    tok3 = lambda d: pl.BlockSpec((None, C, d), lambda bh, c, kb: (bh, c, 0))
+    dw, dqp, dkp, dgp = call(
+        functools.partial(_dqkw_kernel, scale=float(scale), block_v=BV, mm_dtype=mm_dtype, interpret=interp),
+        "kda_bwd_dqkw_gpu", (BH, N, K // BK),
+        [kin(), kin(), kin(), pl.BlockSpec((None, C, 1), lambda bh, c, kb: (bi(bh), c, 0)),
+         pl.BlockSpec((None, C, None, V), lambda bh, c, kb: (bi(bh), c, hi(bh), 0)), tok3(V), tok3(V),
+         st_spec, st_spec],
+        [kout(), kout(), kout(), kout()],
+        [sds((BH, Tp, K), f32)] * 4,
+    )(x.q, x.k, x.gam, x.seg_col, x.do, vt, dvt, h, dh)
+
+    # 7. Through the UT transform.
+    dv, dkp, dgp, dakk, daqk, dbeta = call(
+        functools.partial(_wy_kernel, block=BV, mm_dtype=mm_dtype, interpret=interp), "kda_bwd_wy_gpu", (BH, N),
+        [tok(C), tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, segr_spec, tok_in(V), tok(V),
+         tok(V), tok(K), tok(K), tok(K)],
+        [tok_in(V), tok(K), tok(K), tok(C), tok(C), tok_in(1)],
+        [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32),
+         sds((BH, Tp, C), f32), sds((B, Tp, H, 1), f32)],
+        input_output_aliases={12: 1, 13: 2},
+    )(xm, akk, x.k, x.v, x.gam, x.beta, x.seg_col, x.seg_row, x.do, vt, dvt, dw, dkp, dgp)
+
+    # 8. Decay products and the reverse cumsum.
+    ktok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c, kb: (bh, c, 0))
+    dq, dk, dg = call(
+        functools.partial(_da_kernel, scale=float(scale), mm_dtype=mm_dtype, interpret=interp),
+        "kda_bwd_da_gpu", (BH, N, K // BK),
+        [kin(), kin(), kin(), ktok(C), ktok(C), kout(), kout(), kout()],
+        [kin(), kin(), kin()],
+        [sds((B, Tp, H, K), q.dtype), sds((B, Tp, H, K), k.dtype), sds((B, Tp, H, K), g.dtype)],
+    )(x.q, x.k, x.gam, dakk, daqk, dqp, dkp, dgp)
+
+    cut = (lambda y: y) if Tp == T else (lambda y: y[:, :T])
+    dh0 = jnp.swapaxes(dh0t.reshape(B, H, V, K), -1, -2)
+    return (cut(dq), cut(dk), cut(dv), cut(dg), cut(dbeta)[..., 0].astype(beta.dtype), dh0)
