@@ -14,14 +14,15 @@ is not a multiple of the chunk); ``G`` (chunk-local cumsum of g) is scanned insi
    plus the rows of ``q e^G scale`` and ``e^{G_C - G} k``. The tile index is the fastest grid axis, so a
    chunk's programs run together and share its k / g tiles in L2.
 2. ``_solve_kernel``, grid ``(B*H, N)``: ``X = (I + N)^-1`` from the 16x16 tiles of ``N``: diagonal tiles by
-   the Neumann product, the rest by blocked substitution, all matmuls (3xTF32); writes ``X [C, C]``.
+   the Neumann product, the rest by blocked substitution, all matmuls (exact fp32 FMA products); writes
+   ``X [C, C]``.
 3. ``_wu_kernel``, grid ``(B*H, N)``: ``W = X (beta e^G k)``, ``U = X (beta v)`` as ``[C, C] x [C, 64]``
    matmuls, and the chunk decay ``e^{G_C}``.
 4. ``_state_kernel``, grid ``(B*H, V / BV)``: carries the fp32 state slice ``S^T [BV, K]`` in registers
    through the chunks (``fori_loop``; never to HBM in between): ``V~ = U - W S``,
    ``O = (q e^G) S + A_qk V~``, ``S' = diag(e^{G_C}) S + (e^{G_C - G} K)^T V~``.
 
-Precision: decay factors, ``N`` and the inverse are fp32 (inverse products in 3xTF32,
+Precision: decay factors, ``N`` and the inverse are fp32 (inverse products exact fp32, the rest 3xTF32,
 ``DotAlgorithmPreset.TF32_TF32_F32_X3``, ~fp32). With bf16 inputs the ``A``, ``W``/``U`` and state matmuls
 take bf16 operands with fp32 accumulation and ``X`` is stored in bf16 (as fla does); with fp32 inputs
 everything is fp32 / 3xTF32. In ``interpret`` mode (CPU) fp32 ``HIGHEST`` replaces 3xTF32.
@@ -134,8 +135,10 @@ def _solve_kernel(n_ref, x_ref, *, interpret: bool):
     ``X_aa = D_a^-1`` (Neumann product), ``X_ab = -D_a^-1 sum_{b <= c < a} N_ac X_cb``."""
     C = n_ref.shape[0]
     nt = C // SUB
-    mm = _make_mm(interpret)
-    mmp = lambda p_, r_: mm(p_, r_, NN, jnp.float32)
+    # Exact fp32 products ("ieee": FMAs, no tensor cores): for 16x16 tiles a quarter of the instructions of
+    # 3xTF32 (Triton 3.9 for sm_90: ~2.5k vs ~9k PTX instructions per thread at 4 warps, no spills).
+    prec = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.F32_F32_F32
+    mmp = lambda p_, r_: jax.lax.dot_general(p_, r_, NN, precision=prec, preferred_element_type=jnp.float32)
     ds = lambda i: pl.ds(i * SUB, SUB)
     zeros = jnp.zeros((SUB, SUB), x_ref.dtype)
     x = [[None] * nt for _ in range(nt)]
@@ -238,7 +241,7 @@ def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int, cumsum: bool)
 def chunk_kda_fwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, chunk_size: int = 64,
     interpret: bool = False, block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
-    a_num_warps: int = 4, solve_num_warps: int = 2, wu_num_warps: int = 4, block_k: int = 64,
+    a_num_warps: int = 4, solve_num_warps: int = 4, wu_num_warps: int = 4, block_k: int = 64,
     x_dtype=None, cumsum_in_kernel: bool = True,
 ):
     """Chunked KDA forward on GPU, four Triton kernels. Args as the reference ``chunk_kda`` (``g >= -5``).
