@@ -12,9 +12,10 @@
 
 Gradients: the Pallas forward sits inside ``jax.custom_vjp`` (nothing but the inputs is saved), so ``jax.grad``
 gives gradients for q, k, v, g, beta and the initial state on every implementation. ``backward`` picks the
-backward: ``"auto"`` = the TPU backward kernels (:mod:`pallas_kernels.kda.tpu_bwd`: state sweep + reverse
-chunk sweep) for ``"pallas_tpu"`` and the recomputed chunked reference's VJP for ``"pallas_gpu"``;
-``"pallas"`` / ``"reference"`` force one (``"pallas"`` needs ``"pallas_tpu"``).
+backward: ``"auto"`` / ``"pallas"`` = the backward kernels of the implementation
+(:mod:`pallas_kernels.kda.tpu_bwd`: state sweep + reverse chunk sweep for ``"pallas_tpu"``;
+:mod:`pallas_kernels.kda.gpu_bwd`: eight Triton kernels for ``"pallas_gpu"``); ``"reference"`` = the
+recomputed chunked reference's VJP.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpr
 
 @functools.cache
 def _pallas_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backward: str = "reference"):
-    """``f(q, k, v, g, beta, h0, seg) -> (o, ht)``; VJP by the TPU backward kernels (``backward="pallas"``)
-    or by recomputing the chunked reference (``"reference"``)."""
+    """``f(q, k, v, g, beta, h0, seg) -> (o, ht)``; VJP by the backward kernels of ``impl``
+    (``backward="pallas"``) or by recomputing the chunked reference (``"reference"``)."""
 
     @jax.custom_vjp
     def f(q, k, v, g, beta, h0, seg):
@@ -69,9 +70,12 @@ def _pallas_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backwa
         q, k, v, g, beta, h0, seg = res
         do, dht = cts
         if backward == "pallas":
-            from pallas_kernels.kda import tpu_bwd
+            if impl == "pallas_gpu":
+                from pallas_kernels.kda import gpu_bwd as bwd_mod
+            else:
+                from pallas_kernels.kda import tpu_bwd as bwd_mod
 
-            grads = tpu_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
+            grads = bwd_mod.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
                                           dht.astype(jnp.float32), chunk_size, interpret=interpret)
             return (*grads, None)
 
@@ -150,9 +154,7 @@ def chunk_kda(
         from jax.experimental.pallas import tpu as pltpu
 
         interp = pltpu.InterpretParams()
-    bwd = ("pallas" if impl == "pallas_tpu" else "reference") if backward == "auto" else backward
-    if bwd == "pallas" and impl != "pallas_tpu":
-        raise ValueError(f"chunk_kda: backward='pallas' needs implementation 'pallas_tpu' (got {impl!r})")
+    bwd = "pallas" if backward == "auto" else backward
     fn = _pallas_chunk_fn(impl, float(scale), int(chunk_size), interp, bwd)
     o, ht = fn(q, k, v, g, beta, h0, segment_ids)
     return o, (ht if output_final_state else None)
