@@ -126,7 +126,7 @@ def random_mxfp4(key, e: int, n: int, k: int) -> dict[str, jax.Array]:
 #: the baseline tiles, then the single-multiply PTX decode with more bytes in flight (bigger K steps / N tiles).
 MX_VARIANTS = ";".join([
     "f32:16,128,64,4,4", "bf16mul:16,128,64,4,4", "int:16,128,64,4,4", "asm:16,128,64,4,4", "asm1:16,128,64,4,4",
-    "asm1:16,256,64,4,4", "asm1:16,128,128,4,4", "asm1:16,256,128,8,3", "asm:16,256,128,8,3", "asm1:16,128,256,8,3",
+    "asm1:16,128,128,4,4", "asm1:16,64,128,4,6", "asm1:16,256,64,4,3", "asm1:16,128,256,8,3", "asm1:16,256,128,8,3",
 ])
 
 
