@@ -62,15 +62,18 @@ def time_jax(fn, *args, iters=10, repeats=3):
 
 
 GPU_CFG_KEYS = ("block_v", "num_warps", "num_stages", "a_num_warps", "solve_num_warps", "wu_num_warps", "block_k",
-                "cumsum_in_kernel")
+                "decay_cumsum")
 
 
 def gpu_kwargs(cfg):
     """``--configs`` entry (ints, in ``GPU_CFG_KEYS`` order; trailing ones may be left out) -> keyword args of
-    ``gpu.chunk_kda_fwd``."""
+    ``gpu.chunk_kda_fwd``; ``decay_cumsum`` is an index into ``gpu.DECAY_CUMSUM`` (0 kernel, 1 xla, 2 fused)."""
     if not 1 <= len(cfg) <= len(GPU_CFG_KEYS):
         raise ValueError(f"--configs entry {cfg}: expected 1..{len(GPU_CFG_KEYS)} ints ({':'.join(GPU_CFG_KEYS)})")
-    return dict(zip(GPU_CFG_KEYS[: len(cfg)], cfg, strict=True))
+    kw = dict(zip(GPU_CFG_KEYS[: len(cfg)], cfg, strict=True))
+    if "decay_cumsum" in kw:
+        kw["decay_cumsum"] = kgpu.DECAY_CUMSUM[kw["decay_cumsum"]]
+    return kw
 
 
 def jax_fns(impl, K, gpu_cfg=None):

@@ -13,10 +13,10 @@ from tests.test_kda_kernels import make_inputs, ref_recurrent, rel
 # (B, T, H, K, V, cuts per batch row, kwargs): T not a multiple of 64, documents starting mid-chunk and at a
 # chunk boundary, K=V=128 (two K slices in the A kernel) and K=V=64 with B=2, H=2 and different documents per
 # row (the kernels index [B, T, H, D] inputs per (sequence, head) program; one K slice, 32-wide W/U column
-# blocks, BV=32, decay cumsum by XLA instead of in the kernels).
+# blocks, BV=32, decay cumsum by XLA instead of the scan kernel).
 CASES = [
     (1, 300, 1, 128, 128, [(40, 128, 201)], {}),
-    (2, 200, 2, 64, 64, [(64, 77), (5, 150)], {"block_k": 32, "block_v": 32, "cumsum_in_kernel": False}),
+    (2, 200, 2, 64, 64, [(64, 77), (5, 150)], {"block_k": 32, "block_v": 32, "decay_cumsum": "xla"}),
 ]
 
 
@@ -53,10 +53,11 @@ def test_gpu_chunk_fwd_interpret_bf16():
 def test_gpu_chunk_fwd_interpret_extreme_gate():
     """Strongest allowed decay on half the channels (g -> -5), ~0 on the rest, chunk 32: in-tile exponents
     reach ~80 (the limit of the factored products) and nothing from the masked later columns (exponents up
-    to ~160, clamped) may leak into kept entries; no segments, T a multiple of the chunk."""
+    to ~160, clamped) may leak into kept entries; no segments, T a multiple of the chunk; decay cumsum fused
+    into the A and W/U kernels."""
     B, T, H, K, V = 1, 64, 1, 64, 64
     q, k, v, _, beta, h0 = make_inputs(B, T, H, K, V, seed=5)
     g = jnp.where(jnp.arange(K) % 2 == 0, -4.999, -1e-4) * jnp.ones((B, T, H, K))
-    o, ht = gpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, h0, None, 32, interpret=True)
+    o, ht = gpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, h0, None, 32, interpret=True, decay_cumsum="fused")
     ro, rh = ref_recurrent(q, k, v, g, beta, h0, None)
     assert bool(jnp.all(jnp.isfinite(o))) and rel(o, ro) < 1e-4 and rel(ht, rh) < 1e-4

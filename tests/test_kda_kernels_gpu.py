@@ -27,9 +27,10 @@ def test_gpu_chunk_fwd_fp32(case):
 
 
 @pytest.mark.parametrize("knobs", [
-    {"a_num_warps": 8, "solve_num_warps": 1, "wu_num_warps": 8, "block_k": 32, "num_warps": 8},
-    {"a_num_warps": 2, "solve_num_warps": 4, "wu_num_warps": 2, "block_v": 32, "cumsum_in_kernel": False},
-], ids=["wide", "narrow-xla-cumsum"])
+    {"a_num_warps": 8, "solve_num_warps": 1, "wu_num_warps": 8, "block_k": 32, "num_warps": 8,
+     "decay_cumsum": "fused"},
+    {"a_num_warps": 2, "solve_num_warps": 2, "wu_num_warps": 2, "block_v": 32, "decay_cumsum": "xla"},
+], ids=["wide-fused-cumsum", "narrow-xla-cumsum"])
 def test_gpu_chunk_fwd_knobs(knobs):
     """The per-kernel launch knobs the benchmark sweeps compile on the GPU and leave the result unchanged."""
     B, T, H, K, V, cuts = CASES[0]

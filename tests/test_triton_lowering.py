@@ -82,22 +82,24 @@ def test_moe_kernels_lower(verified_modules):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_kda_kernels_lower(verified_modules, dtype):
-    """All four chunk-forward kernels (A, solve, W/U, state) and the decode step, for bf16 operands and for
-    fp32 (3xTF32) operands, K=V=64 and 128, decay cumsum in the kernels (tl.cumsum) and in XLA."""
+    """All chunk-forward kernels (decay scan, A, solve, W/U, state) and the decode step, for bf16 operands and
+    for fp32 (3xTF32) operands, K=V=64 and 128, each place of the decay cumsum (scan kernel, XLA, fused)."""
     b, t, h = 1, 128, 2
-    for d, cumsum in ((64, True), (128, True), (128, False)):
+    chunk = ["kda_chunk_a_gpu", "kda_chunk_solve_gpu", "kda_chunk_wu_gpu", "kda_chunk_state_gpu"]
+    want = []
+    for d, cumsum in ((64, "kernel"), (128, "kernel"), (128, "xla"), (128, "fused")):
         q = jnp.ones((b, t, h, d), dtype)
         g = jnp.full((b, t, h, d), -0.1, jnp.float32)
         beta = jnp.full((b, t, h), 0.5, dtype)
         seg = jnp.ones((b, t), jnp.int32)
         _lower_for_cuda(lambda q, g, beta, seg, cumsum=cumsum: kda_gpu.chunk_kda_fwd(
-            q, q, q, g, beta, q.shape[-1] ** -0.5, segment_ids=seg, cumsum_in_kernel=cumsum), q, g, beta, seg)
+            q, q, q, g, beta, q.shape[-1] ** -0.5, segment_ids=seg, decay_cumsum=cumsum), q, g, beta, seg)
+        want += (["kda_chunk_cumsum_gpu"] if cumsum == "kernel" else []) + chunk
     pool = jnp.zeros((3, h, d, d), jnp.float32)
     slots = jnp.array([2], jnp.int32)
     _lower_for_cuda(lambda q1, g1, b1, pool: kda_gpu.decode_step(q1, q1, q1, g1, b1, d ** -0.5, pool, slots),
                     q[:, 0], g[:, 0], beta[:, 0], pool)
-    chunk = ["kda_chunk_a_gpu", "kda_chunk_solve_gpu", "kda_chunk_wu_gpu", "kda_chunk_state_gpu"]
-    assert verified_modules == chunk * 3 + ["kda_decode_gpu"], verified_modules
+    assert verified_modules == want + ["kda_decode_gpu"], verified_modules
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
