@@ -11,26 +11,28 @@ intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = 
 2. ``_solve_kernel``, grid ``(B*H, N)``: ``X = (I + diag(beta) A_kk)^-1`` in fp32 (16x16 tiles, Neumann
    product on the diagonal, blocked substitution below it).
 3. ``_wu_kernel``, grid ``(B*H, N)``: ``W = X (beta e^G k)``, ``U = X (beta v)``, chunk decay ``e^{G_C}``.
-4. ``_h_kernel`` (state sweep), grid ``(B*H, V/BV)``: forward recurrence with ``S^T [BV, K]`` in registers;
-   writes the state entering each chunk ``h [B*H, N, V, K] f32`` and ``V~ = U - W S`` ``[B*H, Tp, V]``.
+4. ``_h_kernel`` (state sweep), grid ``(B*H, V/BV)``: forward recurrence with ``S^T [BV, K]`` (fp32) in
+   registers; writes the state entering each chunk ``h [B*H, N, V, K]`` and ``V~ = U - W S``
+   ``[B*H, Tp, V]``.
 5. ``_ds_kernel`` (reverse sweep), grid ``(B*H, V/BV)``: ``dS^T [BV, K]`` from the final-state cotangent
-   backwards; per chunk writes the cotangent of the state *leaving* it, ``dh [B*H, N, V, K] f32``, and
+   backwards; per chunk writes the cotangent of the state *leaving* it, ``dh [B*H, N, V, K]``, and
    ``dV~ = A_qk^T dO + kd dS'`` ``[B*H, Tp, V] f32``; at the end ``dh0``.
 6. ``_dqkw_kernel``, grid ``(B*H, N, K/BK)``: the state products ``dO S^T``, ``V~ dS'^T``,
    ``dW = -dV~ S^T`` and ``sum(S * dS')`` (loop over V blocks), giving the e^G / kd / chunk-decay parts of
    dq, dk, dG and ``dW``.
 7. ``_wy_kernel``, grid ``(B*H, N)``: through the UT transform: ``dB_v = X^T dV~`` (-> dv),
-   ``dB_k = X^T dW``, ``dX = dV~ B_v^T + dW B_k^T``, ``dL = -X^T dX X^T`` (strictly lower, same document),
-   ``dA_kk = diag(beta) dL``, ``dA_qk = dO V~^T`` (masked), dbeta.
+   ``dB_k = X^T dW`` (written out), ``dX = dV~ B_v^T + dW B_k^T``, ``dL = -X^T dX X^T`` (strictly lower,
+   same document), ``dA_kk = diag(beta) dL``, ``dA_qk = dO V~^T`` (masked), dbeta.
 8. ``_da_kernel``, grid ``(B*H, N, K/BK)``: the decay products differentiated as matmuls per 16-row tile
    (row part at the reference point before the tile, column part at the tile's last token), summed with
-   the partial dq, dk, dG; ``dg`` = reverse cumsum of ``dG`` inside the chunk (tiles in reverse order with a
-   running suffix sum).
+   the partial dq, dk, dG of steps 6 and 7; ``dg`` = reverse cumsum of ``dG`` inside the chunk (tiles in
+   reverse order with a running suffix sum).
 
 Precision as the forward: bf16 inputs take bf16 matmul operands with fp32 accumulation for the decay
 products, ``A``, ``W``/``U``, the sweeps and the state products; the inverse ``X`` (fp32 storage), the
 ``dX -> dL`` chain and ``X^T dV~``, ``X^T dW`` are fp32 (3xTF32 on GPU, ``HIGHEST`` in ``interpret``
-mode). ``h`` and ``dh`` are fp32. Requires the lower-bounded gate ``g >= -5``.
+mode). ``h`` and ``dh`` are stored in the matmul dtype (they only feed matmuls and the elementwise
+``sum(S * dS')``). Requires the lower-bounded gate ``g >= -5``.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import _layout
 from pallas_kernels.kda import reference as ref
 
-__all__ = ["chunk_kda_bwd", "KERNEL_NAMES"]
+__all__ = ["chunk_kda_bwd", "KERNEL_NAMES", "DEFAULT_WARPS"]
 
 SUB = 16
 EXP_CLAMP = 80.0
@@ -57,6 +59,8 @@ KERNEL_NAMES = (
     "kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_wu_gpu", "kda_bwd_h_gpu", "kda_bwd_ds_gpu",
     "kda_bwd_dqkw_gpu", "kda_bwd_wy_gpu", "kda_bwd_da_gpu",
 )
+# Launch widths (untuned on the H200: the forward's choices - 2 warps for the solve, 4 elsewhere).
+DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES, 4) | {"kda_bwd_solve_gpu": 2}
 
 
 def _make_mm(interpret: bool):
@@ -181,7 +185,7 @@ def _h_kernel(w_ref, u_ref, kdec_ref, dl_ref, h0_ref, h_ref, vt_ref, *, chunk: i
 
     def body(c, st):
         rows = pl.ds(c * C, C)
-        h_ref[c] = st
+        h_ref[c] = st.astype(h_ref.dtype)
         vt = u_ref[rows, :].astype(jnp.float32) - mm(w_ref[rows, :], st, NT, mm_dtype)  # [C, BV]
         vt_ref[rows, :] = vt.astype(vt_ref.dtype)
         return st * dl_ref[c] + mm(vt, kdec_ref[rows, :], TN, mm_dtype)
@@ -199,7 +203,7 @@ def _ds_kernel(aqk_ref, qg_ref, kdec_ref, w_ref, dl_ref, do_ref, dht_ref, dh_ref
     def body(i, dst):
         c = n_chunks - 1 - i
         rows = pl.ds(c * C, C)
-        dh_ref[c] = dst
+        dh_ref[c] = dst.astype(dh_ref.dtype)
         do = do_ref[rows, :]
         dvt = mm(aqk_ref[rows, :], do, TN, mm_dtype) + mm(kdec_ref[rows, :], dst, NT, mm_dtype)  # [C, BV]
         dvt_ref[rows, :] = dvt
@@ -228,8 +232,8 @@ def _dqkw_kernel(q_ref, k_ref, g_ref, segc_ref, do_ref, vt_ref, dvt_ref, h_ref, 
     ddl = jnp.zeros((1, BK), f32)
     for vb in range(V // block_v):
         vs = pl.ds(vb * block_v, block_v)
-        st = h_ref[vs, :]
-        dst = dh_ref[vs, :]
+        st = h_ref[vs, :].astype(f32)
+        dst = dh_ref[vs, :].astype(f32)
         dqe = dqe + mm(do_ref[:, vs], st, NN, mm_dtype)
         dkd = dkd + mm(vt_ref[:, vs], dst, NN, mm_dtype)
         dw = dw - mm(dvt_ref[:, vs], st, NN, mm_dtype)
@@ -252,8 +256,7 @@ def _dqkw_kernel(q_ref, k_ref, g_ref, segc_ref, do_ref, vt_ref, dvt_ref, h_ref, 
 
 
 def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref, do_ref, vt_ref, dvt_ref,
-               dw_ref, dkp_ref, dgp_ref,
-               dv_ref, dkp2_ref, dgp2_ref, dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool):
+               dw_ref, dv_ref, dbk_ref, dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool):
     """Through ``[W | U] = X diag(beta) [e^G k | v]`` for one chunk (see the module docstring, step 7)."""
     f32 = jnp.float32
     C, K = k_ref.shape
@@ -284,8 +287,7 @@ def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref
         bk = beta * egk
         dx = dx + mm(dwb, bk, NT, f32)
         dbk = mm(xm, dwb, TN, f32)
-        dkp2_ref[:, cols] = dkp_ref[:, cols] + dbk * beta * jnp.where(first, jnp.exp(g_ref[:, cols]), 0.0)
-        dgp2_ref[:, cols] = dgp_ref[:, cols] + dbk * bk
+        dbk_ref[:, cols] = dbk
         dbeta = dbeta + jnp.sum(dbk * egk, axis=1, keepdims=True)
     row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
@@ -296,34 +298,35 @@ def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref
     daqk_ref[...] = jnp.where(same & (row >= col), daqk, 0.0)
 
 
-def _da_kernel(q_ref, k_ref, g_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref,
-               *, scale: float, mm_dtype, interpret: bool):
-    """K-block of the decay-product gradients plus the partial terms; ``dg`` = reverse cumsum of ``dG``."""
+def _da_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref, dbk_ref,
+               dq_ref, dk_ref, dg_ref, *, scale: float, mm_dtype, interpret: bool):
+    """K-block of the decay-product gradients plus the partial terms (``dqp, dkp, dgp`` from step 6, the
+    ``B_k = beta e^G k`` terms from ``dB_k``); ``dg`` = reverse cumsum of ``dG`` inside the chunk. Chunk-wide
+    operands are re-read from the refs per 16-row tile (short live ranges)."""
     f32 = jnp.float32
     C, BK = k_ref.shape
     mm = _make_mm(interpret)
-    gam = g_ref[...]
-    kall = k_ref[...].astype(f32)
-    qall = q_ref[...].astype(f32) * scale
     suffix = jnp.zeros((1, BK), f32)
     for a in reversed(range(C // SUB)):
         rows = pl.ds(a * SUB, SUB)
         ga = g_ref[rows, :]
         m = _row(g_ref, a * SUB - 1)  # G before the tile: exponents of `left` <= 0
         left = jnp.exp(ga - m)
-        right = kall * jnp.exp(jnp.minimum(m - gam, EXP_CLAMP))
+        right = k_ref[...].astype(f32) * jnp.exp(jnp.minimum(m - g_ref[...], EXP_CLAMP))
         rq = left * mm(daqk_ref[rows, :], right, NN, mm_dtype)  # d(q scale)_i from A_qk rows
         rk = left * mm(dakk_ref[rows, :], right, NN, mm_dtype)  # d(k_i) from A_kk rows
         mb = _row(g_ref, a * SUB + SUB - 1)  # G at the tile's last token
         back = jnp.exp(mb - ga)  # <= 1
-        up = jnp.exp(jnp.minimum(gam - mb, EXP_CLAMP))
-        cq = back * mm(daqk_ref[:, rows], qall * up, TN, mm_dtype)  # d(k_j) from A_qk columns
-        ck = back * mm(dakk_ref[:, rows], kall * up, TN, mm_dtype)  # d(k_j) from A_kk columns
+        up = jnp.exp(jnp.minimum(g_ref[...] - mb, EXP_CLAMP))
+        cq = back * mm(daqk_ref[:, rows], (q_ref[...].astype(f32) * scale) * up, TN, mm_dtype)  # d(k_j), A_qk
+        ck = back * mm(dakk_ref[:, rows], k_ref[...].astype(f32) * up, TN, mm_dtype)  # d(k_j), A_kk cols
         qa = q_ref[rows, :].astype(f32) * scale
         ka = k_ref[rows, :].astype(f32)
+        beg = beta_ref[rows, :] * jnp.where(segc_ref[rows, :] == 0, jnp.exp(ga), 0.0)  # d B_k / d k
+        dbk = dbk_ref[rows, :]
         dq_ref[rows, :] = ((dqp_ref[rows, :] + rq) * scale).astype(dq_ref.dtype)
-        dk_ref[rows, :] = (dkp_ref[rows, :] + rk + cq + ck).astype(dk_ref.dtype)
-        dgt = dgp_ref[rows, :] + qa * rq + ka * (rk - cq - ck)
+        dk_ref[rows, :] = (dkp_ref[rows, :] + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
+        dgt = dgp_ref[rows, :] + dbk * beg * ka + qa * rq + ka * (rk - cq - ck)
         tot = jnp.sum(dgt, axis=0, keepdims=True)
         dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
         suffix = suffix + tot
@@ -372,17 +375,19 @@ def _pow2(name: str, d: int) -> None:
 def chunk_kda_bwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
     chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int = 64,
-    num_warps: dict | None = None, num_stages: int = 2,
+    num_warps: dict | None = None, num_stages: int = 2, state_dtype=None,
 ):
     """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), eight Triton kernels.
 
     Args: forward inputs as :func:`pallas_kernels.kda.reference.chunk_kda` (``q, k, g [B, T, H, K]``,
     ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` or None, ``segment_ids [B, T]``
     or None), ``do [B, T, H, V]`` (output cotangent), ``dht [B, H, K, V]`` (final-state cotangent; None =
-    zeros). ``block_v``: V slice of the two sweeps (default ``min(V, 64)``) and the V loop block of the
-    per-chunk kernels; ``block_k``: K block of the per-chunk gradient kernels (grid axis) and of the
-    A kernel's K loop; ``num_warps``: per-kernel override ``{kernel name: warps}`` (names in
-    :data:`KERNEL_NAMES`; default 4); ``num_stages``: the sweeps. ``interpret``: generic Pallas interpreter.
+    zeros). ``block_v``: V slice of the two sweeps (grid axis; default ``min(V, 64)``); ``block_k``: K block
+    of the per-chunk gradient kernels (grid axis), their V loop block and the A kernel's K loop;
+    ``num_warps``: per-kernel override ``{kernel name: warps}`` (names in :data:`KERNEL_NAMES`; default
+    :data:`DEFAULT_WARPS`); ``num_stages``: the sweeps; ``state_dtype``: storage of the per-chunk states
+    ``h`` and state cotangents ``dh`` (default: the matmul dtype, bf16 for bf16 inputs - they only enter
+    bf16 matmuls there - else fp32). ``interpret``: generic Pallas interpreter.
     Returns ``(dq, dk, dv, dg, dbeta)`` in the dtypes of ``q, k, v, g, beta`` and ``dh0 [B, H, K, V] f32``.
     """
     name = "gpu_bwd.chunk_kda_bwd"
@@ -396,11 +401,13 @@ def chunk_kda_bwd(
         raise ValueError(f"{name}: dht must be [B, H, K, V]={(B, H, K, V)}, got {dht.shape}")
     BV = block_v or min(V, 64)
     BK = min(block_k, K)
+    BL = min(block_k, V)  # V loop block of the per-chunk kernels
     for nm, d in (("K", K), ("V", V), ("block_v", BV), ("block_k", BK), ("chunk_size", C)):
         _pow2(nm, d)
-    if V % BV or K % BK:
-        raise ValueError(f"{name}: block_v={BV} must divide V={V} and block_k={BK} must divide K={K}")
+    if V % BV or K % BK or V % BL:
+        raise ValueError(f"{name}: block_v={BV} must divide V={V} and block_k={block_k} must divide K={K} and V")
     mm_dtype = jnp.float32 if jnp.promote_types(q.dtype, v.dtype) == jnp.float32 else jnp.bfloat16
+    st_dtype = jnp.dtype(state_dtype or mm_dtype)
     x = _prepare(q, k, v, g, beta, initial_state, segment_ids, do.astype(v.dtype), dht, C)
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
@@ -418,7 +425,7 @@ def chunk_kda_bwd(
         else:
             from jax.experimental.pallas import triton as pltriton
 
-            params = pltriton.CompilerParams(num_warps=warps.get(kname, 4), num_stages=stages)
+            params = pltriton.CompilerParams(num_warps=warps.get(kname, DEFAULT_WARPS[kname]), num_stages=stages)
         return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                               compiler_params=params, interpret=interp, name=kname, **kw)
 
@@ -464,13 +471,13 @@ def chunk_kda_bwd(
     h, vt = call(
         functools.partial(_h_kernel, **sweep), "kda_bwd_h_gpu", (BH, V // BV),
         [seq(K), seq_v, seq(K), dl_spec, state], [states, seq_v],
-        [sds((BH, N, V, K), f32), sds((BH, Tp, V), mm_dtype)], stages=num_stages,
+        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype)], stages=num_stages,
     )(w, u, kdec, dl, x.h0t)
     do_spec = pl.BlockSpec((None, Tp, None, BV), lambda bh, j: (bi(bh), 0, hi(bh), j))
     dh, dvt, dh0t = call(
         functools.partial(_ds_kernel, **sweep), "kda_bwd_ds_gpu", (BH, V // BV),
         [seq(C), seq(K), seq(K), seq(K), dl_spec, do_spec, state], [states, seq_v, state],
-        [sds((BH, N, V, K), f32), sds((BH, Tp, V), f32), sds((BH, V, K), f32)], stages=num_stages,
+        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), f32), sds((BH, V, K), f32)], stages=num_stages,
     )(aqk, qg, kdec, w, dl, x.do, x.dhtt)
 
     # 6. State products per K block.
@@ -479,7 +486,7 @@ def chunk_kda_bwd(
     st_spec = pl.BlockSpec((None, None, V, BK), lambda bh, c, kb: (bh, c, 0, kb))
     tok3 = lambda d: pl.BlockSpec((None, C, d), lambda bh, c, kb: (bh, c, 0))
     dw, dqp, dkp, dgp = call(
-        functools.partial(_dqkw_kernel, scale=float(scale), block_v=BV, mm_dtype=mm_dtype, interpret=interp),
+        functools.partial(_dqkw_kernel, scale=float(scale), block_v=BL, mm_dtype=mm_dtype, interpret=interp),
         "kda_bwd_dqkw_gpu", (BH, N, K // BK),
         [kin(), kin(), kin(), pl.BlockSpec((None, C, 1), lambda bh, c, kb: (bi(bh), c, 0)),
          pl.BlockSpec((None, C, None, V), lambda bh, c, kb: (bi(bh), c, hi(bh), 0)), tok3(V), tok3(V),
@@ -489,25 +496,26 @@ def chunk_kda_bwd(
     )(x.q, x.k, x.gam, x.seg_col, x.do, vt, dvt, h, dh)
 
     # 7. Through the UT transform.
-    dv, dkp, dgp, dakk, daqk, dbeta = call(
-        functools.partial(_wy_kernel, block=BV, mm_dtype=mm_dtype, interpret=interp), "kda_bwd_wy_gpu", (BH, N),
+    dv, dbk, dakk, daqk, dbeta = call(
+        functools.partial(_wy_kernel, block=BL, mm_dtype=mm_dtype, interpret=interp), "kda_bwd_wy_gpu", (BH, N),
         [tok(C), tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, segr_spec, tok_in(V), tok(V),
-         tok(V), tok(K), tok(K), tok(K)],
-        [tok_in(V), tok(K), tok(K), tok(C), tok(C), tok_in(1)],
-        [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32),
-         sds((BH, Tp, C), f32), sds((B, Tp, H, 1), f32)],
-        input_output_aliases={12: 1, 13: 2},
-    )(xm, akk, x.k, x.v, x.gam, x.beta, x.seg_col, x.seg_row, x.do, vt, dvt, dw, dkp, dgp)
+         tok(V), tok(K)],
+        [tok_in(V), tok(K), tok(C), tok(C), tok_in(1)],
+        [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32), sds((BH, Tp, C), f32),
+         sds((B, Tp, H, 1), f32)],
+    )(xm, akk, x.k, x.v, x.gam, x.beta, x.seg_col, x.seg_row, x.do, vt, dvt, dw)
 
     # 8. Decay products and the reverse cumsum.
     ktok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c, kb: (bh, c, 0))
     dq, dk, dg = call(
         functools.partial(_da_kernel, scale=float(scale), mm_dtype=mm_dtype, interpret=interp),
         "kda_bwd_da_gpu", (BH, N, K // BK),
-        [kin(), kin(), kin(), ktok(C), ktok(C), kout(), kout(), kout()],
+        [kin(), kin(), kin(), pl.BlockSpec((None, C, None, 1), lambda bh, c, kb: (bi(bh), c, hi(bh), 0)),
+         pl.BlockSpec((None, C, 1), lambda bh, c, kb: (bi(bh), c, 0)), ktok(C), ktok(C), kout(), kout(), kout(),
+         kout()],
         [kin(), kin(), kin()],
         [sds((B, Tp, H, K), q.dtype), sds((B, Tp, H, K), k.dtype), sds((B, Tp, H, K), g.dtype)],
-    )(x.q, x.k, x.gam, dakk, daqk, dqp, dkp, dgp)
+    )(x.q, x.k, x.gam, x.beta, x.seg_col, dakk, daqk, dqp, dkp, dgp, dbk)
 
     cut = (lambda y: y) if Tp == T else (lambda y: y[:, :T])
     dh0 = jnp.swapaxes(dh0t.reshape(B, H, V, K), -1, -2)
