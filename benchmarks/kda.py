@@ -230,6 +230,8 @@ def main():
     p.add_argument("--no-bwd", action="store_true")
     p.add_argument("--no-decode", action="store_true")
     p.add_argument("--reference-shapes", type=int, default=1, help="time the reference on the first N shapes")
+    p.add_argument("--fla-shapes", type=int, default=99, help="time fla's chunk_kda on the first N shapes only")
+    p.add_argument("--decode-first", action="store_true", help="run the decode comparison before the chunk shapes")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
     p.add_argument("--profile-dir", default=None, help="add per-kernel device times (JAX profiler) of our calls")
     args = p.parse_args()
@@ -253,18 +255,24 @@ def main():
         cfgs = [tuple(int(x) for x in best.split(":"))]
     out["gpu_config"] = ":".join(map(str, cfgs[0]))
     start = time.perf_counter()
+    if args.decode_first and not args.no_decode:
+        try:
+            out["decode"] = bench_decode(64, 96, args)
+        except Exception as e:  # noqa: BLE001
+            out["decode"] = {"error": repr(e)[:500]}
     for i, (B, T, H) in enumerate(shapes):
         if time.perf_counter() - start > args.budget_s:
             out["results"].append({"shape": f"{B}x{T}x{H}", "skipped": "time budget"})
             continue
         no_ref = args.no_reference or i >= args.reference_shapes
-        a = argparse.Namespace(**{**vars(args), "no_reference": no_ref})
+        no_fla = args.no_fla or i >= args.fla_shapes
+        a = argparse.Namespace(**{**vars(args), "no_reference": no_ref, "no_fla": no_fla})
         try:
             out["results"].append(bench_shape(B, T, H, a, cfgs[0]))
         except Exception as e:  # noqa: BLE001
             out["results"].append({"shape": f"{B}x{T}x{H}", "error": repr(e)[:500]})
             log("error", repr(e))
-    if not args.no_decode and time.perf_counter() - start <= args.budget_s:
+    if not args.no_decode and not args.decode_first and time.perf_counter() - start <= args.budget_s:
         try:
             out["decode"] = bench_decode(64, 96, args)
         except Exception as e:  # noqa: BLE001
