@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels import kda
 from pallas_kernels.kda import gpu_bwd
+from pallas_kernels.kda import reference as ref
 from tests.test_kda_kernels import make_inputs, rel, segments
 from tests.test_kda_tpu_bwd import NAMES, cotangents, ref_vjp
 
@@ -48,12 +49,22 @@ def test_gpu_bwd_interpret_fp32(case):
     check(got, ref_vjp(q, k, v, g, beta, h0, seg, do, dht), (q, k, v, g, beta, h0), 1e-3)
 
 
-def test_gpu_bwd_interpret_bf16():
-    """bf16 inputs (bf16 operands for the decay products and state products, fp32 inverse / dL chain):
-    documented tolerance 2e-2 vs the fp32 VJP on the same inputs (measured 1.7e-3 .. 3.9e-3)."""
-    B, T, H, K, V, cuts, _ = CASES[0]
-    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, jnp.bfloat16)
-    seg = segments(B, T, cuts)
+@pytest.mark.parametrize("case", ["K128-segments", "K64-strong-decay"])
+def test_gpu_bwd_interpret_bf16(case):
+    """bf16 inputs (bf16 operands for A, W/U, the sweeps and the state products; fp32 inverse / dL chain; TF32
+    decay-product gradients, emulated): documented tolerance 2e-2 vs the fp32 VJP on the same inputs. Measured
+    K128-segments 1.5e-3 .. 3.8e-3; K64-strong-decay (gate of N(0, 1) pre-activations, mean g ~ -2.5, no
+    initial state - the benchmark's inputs) 2.8e-3 .. 8.2e-3 for dg, where bf16 decay-product operands gave
+    5.6e-2 (dG = x dx - y dy cancels)."""
+    if case == "K128-segments":
+        B, T, H, K, V, cuts, _ = CASES[0]
+        q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, jnp.bfloat16)
+        seg = segments(B, T, cuts)
+    else:
+        B, T, H, K, V = 1, 128, 1, 64, 64
+        q, k, v, _, beta, h0 = make_inputs(B, T, H, K, V, jnp.bfloat16)
+        g = ref.kda_gate(jax.random.normal(jax.random.PRNGKey(3), (B, T, H, K)), jnp.zeros((H,)))
+        h0, seg = jnp.zeros_like(h0), None
     do, dht = cotangents(v, h0, jnp.bfloat16)
     got = kernel_vjp(q, k, v, g, beta, h0, seg, do, dht)
     check(got, ref_vjp(q, k, v, g, beta, h0, seg, do, dht), (q, k, v, g, beta, h0), 2e-2)
