@@ -31,14 +31,15 @@ def check(got, want, inputs, tol):
 
 # (B, T, H, K, V, cuts, kwargs): T not a multiple of 64, several packed documents (mid-chunk and at a chunk
 # boundary); K=V=128 with the default blocks (two K blocks of 64 in the per-chunk kernels, two V slices in
-# the sweeps) and K=V=64 with B=2 and 32-wide K / V blocks. Grid steps: ~35 and ~70.
+# the sweeps) and K=V=64 with B=2, H=2 (per-(sequence, head) indexing of the [B, T, H, D] tiles) and 32-wide
+# K / V blocks. Grid steps: ~35 and ~140.
 CASES = [
     (1, 150, 1, 128, 128, (40, 64, 110), {}),
-    (2, 100, 1, 64, 64, (17, 70), {"block_k": 32, "block_v": 32}),
+    (2, 100, 2, 64, 64, (17, 70), {"block_k": 32, "block_v": 32}),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=["K128", "K64-blocks32"])
+@pytest.mark.parametrize("case", CASES, ids=["K128", "K64-B2-H2-blocks32"])
 def test_gpu_bwd_interpret_fp32(case):
     """fp32: measured rel. errors ~1e-7..1e-6 (bound 1e-3)."""
     B, T, H, K, V, cuts, kw = case
