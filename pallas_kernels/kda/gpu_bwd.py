@@ -4,7 +4,8 @@ The math is :mod:`pallas_kernels.kda.tpu_bwd`'s (see its docstring for the per-c
 split into lean Triton kernels, none of which holds more than a few ``[C, 64]`` / ``[C, C]`` tiles at once
 (one program holding a whole chunk's tiles spilled registers and ran 20x slower in the forward). Inputs
 are read and ``dq, dk, dv, dg, dbeta`` written in the caller's ``[B, T, H, D]`` layout (strided tiles);
-intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = Tp / C``):
+intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = Tp / C``). The first grid
+axis is the fastest, so a chunk's row-tile / K-block programs run together and share its tiles in L2:
 
 1. ``_a_kernel``, grid ``(C/16, B*H, N)``: rows of ``A_kk`` (strictly lower, same document; fp32, no beta),
    masked ``A_qk``, ``q e^G scale`` and ``e^{G_C - G} k`` per 16-token row tile (the forward's factoring).
@@ -17,13 +18,13 @@ intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = 
 5. ``_ds_kernel`` (reverse sweep), grid ``(B*H, V/BV)``: ``dS^T [BV, K]`` from the final-state cotangent
    backwards; per chunk writes the cotangent of the state *leaving* it, ``dh [B*H, N, V, K]``, and
    ``dV~ = A_qk^T dO + kd dS'`` ``[B*H, Tp, V] f32``; at the end ``dh0``.
-6. ``_dqkw_kernel``, grid ``(B*H, N, K/BK)``: the state products ``dO S^T``, ``V~ dS'^T``,
+6. ``_dqkw_kernel``, grid ``(K/BK, B*H, N)``: the state products ``dO S^T``, ``V~ dS'^T``,
    ``dW = -dV~ S^T`` and ``sum(S * dS')`` (loop over V blocks), giving the e^G / kd / chunk-decay parts of
    dq, dk, dG and ``dW``.
 7. ``_wy_kernel``, grid ``(B*H, N)``: through the UT transform: ``dB_v = X^T dV~`` (-> dv),
    ``dB_k = X^T dW`` (written out), ``dX = dV~ B_v^T + dW B_k^T``, ``dL = -X^T dX X^T`` (strictly lower,
    same document), ``dA_kk = diag(beta) dL``, ``dA_qk = dO V~^T`` (masked), dbeta.
-8. ``_da_kernel``, grid ``(B*H, N, K/BK)``: the decay products differentiated as matmuls per 16-row tile
+8. ``_da_kernel``, grid ``(K/BK, B*H, N)``: the decay products differentiated as matmuls per 16-row tile
    (row part at the reference point before the tile, column part at the tile's last token), summed with
    the partial dq, dk, dG of steps 6 and 7; ``dg`` = reverse cumsum of ``dG`` inside the chunk (tiles in
    reverse order with a running suffix sum).
@@ -501,15 +502,15 @@ def chunk_kda_bwd(
     )(aqk, qg, kdec, w, dl, x.do, x.dhtt)
 
     # 6. State products per K block.
-    kin = lambda: pl.BlockSpec((None, C, None, BK), lambda bh, c, kb: (bi(bh), c, hi(bh), kb))
-    kout = lambda: pl.BlockSpec((None, C, BK), lambda bh, c, kb: (bh, c, kb))
-    st_spec = pl.BlockSpec((None, None, V, BK), lambda bh, c, kb: (bh, c, 0, kb))
-    tok3 = lambda d: pl.BlockSpec((None, C, d), lambda bh, c, kb: (bh, c, 0))
+    kin = lambda: pl.BlockSpec((None, C, None, BK), lambda kb, bh, c: (bi(bh), c, hi(bh), kb))
+    kout = lambda: pl.BlockSpec((None, C, BK), lambda kb, bh, c: (bh, c, kb))
+    st_spec = pl.BlockSpec((None, None, V, BK), lambda kb, bh, c: (bh, c, 0, kb))
+    tok3 = lambda d: pl.BlockSpec((None, C, d), lambda kb, bh, c: (bh, c, 0))
     dw, dqp, dkp, dgp = call(
         functools.partial(_dqkw_kernel, scale=float(scale), block_v=BL, mm_dtype=mm_dtype, interpret=interp),
-        "kda_bwd_dqkw_gpu", (BH, N, K // BK),
-        [kin(), kin(), kin(), pl.BlockSpec((None, C, 1), lambda bh, c, kb: (bi(bh), c, 0)),
-         pl.BlockSpec((None, C, None, V), lambda bh, c, kb: (bi(bh), c, hi(bh), 0)), tok3(V), tok3(V),
+        "kda_bwd_dqkw_gpu", (K // BK, BH, N),
+        [kin(), kin(), kin(), pl.BlockSpec((None, C, 1), lambda kb, bh, c: (bi(bh), c, 0)),
+         pl.BlockSpec((None, C, None, V), lambda kb, bh, c: (bi(bh), c, hi(bh), 0)), tok3(V), tok3(V),
          st_spec, st_spec],
         [kout(), kout(), kout(), kout()],
         [sds((BH, Tp, K), f32)] * 4,
@@ -526,12 +527,12 @@ def chunk_kda_bwd(
     )(xm, akk, x.k, x.v, x.gam, x.beta, x.seg_col, x.seg_row, x.do, vt, dvt, dw)
 
     # 8. Decay products and the reverse cumsum.
-    ktok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c, kb: (bh, c, 0))
+    ktok = lambda d: pl.BlockSpec((None, C, d), lambda kb, bh, c: (bh, c, 0))
     dq, dk, dg = call(
         functools.partial(_da_kernel, scale=float(scale), mm_dtype=da_dtype, interpret=interp),
-        "kda_bwd_da_gpu", (BH, N, K // BK),
-        [kin(), kin(), kin(), pl.BlockSpec((None, C, None, 1), lambda bh, c, kb: (bi(bh), c, hi(bh), 0)),
-         pl.BlockSpec((None, C, 1), lambda bh, c, kb: (bi(bh), c, 0)), ktok(C), ktok(C), kout(), kout(), kout(),
+        "kda_bwd_da_gpu", (K // BK, BH, N),
+        [kin(), kin(), kin(), pl.BlockSpec((None, C, None, 1), lambda kb, bh, c: (bi(bh), c, hi(bh), 0)),
+         pl.BlockSpec((None, C, 1), lambda kb, bh, c: (bi(bh), c, 0)), ktok(C), ktok(C), kout(), kout(), kout(),
          kout()],
         [kin(), kin(), kin()],
         [sds((B, Tp, H, K), q.dtype), sds((B, Tp, H, K), k.dtype), sds((B, Tp, H, K), g.dtype)],
