@@ -17,7 +17,7 @@ axis is the fastest, so a chunk's row-tile / K-block programs run together and s
    ``[B*H, Tp, V]``.
 5. ``_ds_kernel`` (reverse sweep), grid ``(B*H, V/BV)``: ``dS^T [BV, K]`` from the final-state cotangent
    backwards; per chunk writes the cotangent of the state *leaving* it, ``dh [B*H, N, V, K]``, and
-   ``dV~ = A_qk^T dO + kd dS'`` ``[B*H, Tp, V] f32``; at the end ``dh0``.
+   ``dV~ = A_qk^T dO + kd dS'`` ``[B*H, Tp, V]``; at the end ``dh0``.
 6. ``_dqkw_kernel``, grid ``(K/BK, B*H, N)``: the state products ``dO S^T``, ``V~ dS'^T``,
    ``dW = -dV~ S^T`` and ``sum(S * dS')`` (loop over V blocks), giving the e^G / kd / chunk-decay parts of
    dq, dk, dG and ``dW``.
@@ -34,9 +34,10 @@ Precision as the forward: bf16 inputs take bf16 matmul operands with fp32 accumu
 ``X^T dV~``, ``X^T dW`` are fp32 (3xTF32 on GPU, ``HIGHEST`` in ``interpret`` mode). The decay-product
 gradients of step 8 take TF32 operands (one tensor-core pass; emulated by rounding in ``interpret`` mode):
 ``dG = x dx - y dy`` cancels, and with bf16 operands ``dg`` was 5.6% off the fp32 VJP (T=128, K=64; TF32
-0.8%; the TPU backward's bf16 path has the same 5.6%). fp32 inputs: 3xTF32 everywhere. ``h`` and ``dh``
-are stored in the matmul dtype (they only feed matmuls and the elementwise ``sum(S * dS')``). Requires the
-lower-bounded gate ``g >= -5``.
+0.8%; the TPU backward's bf16 path has the same 5.6%). fp32 inputs: 3xTF32 everywhere. Stored in the
+matmul dtype (bf16 for bf16 inputs, as fla stores its states and ``dv``; -2.4 GB of HBM traffic at T=8192,
+H=96 vs fp32, dq/dk/dv errors +0.5e-3): ``h``, ``dh``, ``dV~`` and the step-6 partials of dq and dk; ``dW``,
+``dB_k``, the ``dG`` partial and ``dA`` stay fp32. Requires the lower-bounded gate ``g >= -5``.
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ def _ds_kernel(aqk_ref, qg_ref, kdec_ref, w_ref, dl_ref, do_ref, dht_ref, dh_ref
         dh_ref[c] = dst.astype(dh_ref.dtype)
         do = do_ref[rows, :]
         dvt = mm(aqk_ref[rows, :], do, TN, mm_dtype) + mm(kdec_ref[rows, :], dst, NT, mm_dtype)  # [C, BV]
-        dvt_ref[rows, :] = dvt
+        dvt_ref[rows, :] = dvt.astype(dvt_ref.dtype)
         return (dst * dl_ref[c] + mm(do, qg_ref[rows, :], TN, mm_dtype)
                 - mm(dvt, w_ref[rows, :], TN, mm_dtype))
 
@@ -267,8 +268,8 @@ def _dqkw_kernel(q_ref, k_ref, g_ref, segc_ref, do_ref, vt_ref, dvt_ref, h_ref, 
     kdec = k_ref[...].astype(f32) * ekl
     dl = jnp.where(seglast == 0, jnp.exp(glast), 0.0)
     dw_ref[...] = dw
-    dqp_ref[...] = dqe * eg
-    dkp_ref[...] = dkd * ekl
+    dqp_ref[...] = (dqe * eg).astype(dqp_ref.dtype)
+    dkp_ref[...] = (dkd * ekl).astype(dkp_ref.dtype)
     dglast = jnp.sum(dkd * kdec, axis=0, keepdims=True) + ddl * dl
     rowk = jax.lax.broadcasted_iota(jnp.int32, (C, BK), 0)
     qe = q_ref[...].astype(f32) * (eg * scale)
@@ -292,7 +293,7 @@ def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref
     bv_ = min(block, V)
     for vb in range(V // bv_):
         vs = pl.ds(vb * bv_, bv_)
-        dvt = dvt_ref[:, vs]
+        dvt = dvt_ref[:, vs].astype(f32)
         vv = v_ref[:, vs].astype(f32)
         dx = dx + mm(dvt, beta * vv, NT, f32)
         daqk = daqk + mm(do_ref[:, vs], vt_ref[:, vs], NT, mm_dtype)
@@ -344,8 +345,8 @@ def _da_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_
         ka = k_ref[rows, :].astype(f32)
         beg = beta_ref[rows, :] * jnp.where(segc_ref[rows, :] == 0, jnp.exp(ga), 0.0)  # d B_k / d k
         dbk = dbk_ref[rows, :]
-        dq_ref[rows, :] = ((dqp_ref[rows, :] + rq) * scale).astype(dq_ref.dtype)
-        dk_ref[rows, :] = (dkp_ref[rows, :] + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
+        dq_ref[rows, :] = ((dqp_ref[rows, :].astype(f32) + rq) * scale).astype(dq_ref.dtype)
+        dk_ref[rows, :] = (dkp_ref[rows, :].astype(f32) + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
         dgt = dgp_ref[rows, :] + dbk * beg * ka + qa * rq + ka * (rk - cq - ck)
         tot = jnp.sum(dgt, axis=0, keepdims=True)
         dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
@@ -498,7 +499,7 @@ def chunk_kda_bwd(
     dh, dvt, dh0t = call(
         functools.partial(_ds_kernel, **sweep), "kda_bwd_ds_gpu", (BH, V // BV),
         [seq(C), seq(K), seq(K), seq(K), dl_spec, do_spec, state], [states, seq_v, state],
-        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), f32), sds((BH, V, K), f32)], stages=num_stages,
+        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype), sds((BH, V, K), f32)], stages=num_stages,
     )(aqk, qg, kdec, w, dl, x.do, x.dhtt)
 
     # 6. State products per K block.
@@ -513,7 +514,7 @@ def chunk_kda_bwd(
          pl.BlockSpec((None, C, None, V), lambda kb, bh, c: (bi(bh), c, hi(bh), 0)), tok3(V), tok3(V),
          st_spec, st_spec],
         [kout(), kout(), kout(), kout()],
-        [sds((BH, Tp, K), f32)] * 4,
+        [sds((BH, Tp, K), f32), sds((BH, Tp, K), mm_dtype), sds((BH, Tp, K), mm_dtype), sds((BH, Tp, K), f32)],
     )(x.q, x.k, x.gam, x.seg_col, x.do, vt, dvt, h, dh)
 
     # 7. Through the UT transform.
