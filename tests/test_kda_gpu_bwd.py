@@ -85,7 +85,8 @@ def test_gpu_bwd_interpret_extreme_gate_chunk32():
 
 def test_chunk_kda_pallas_gpu_grad_uses_kernels():
     """``chunk_kda(implementation="pallas_gpu")``: ``backward="auto"`` runs the GPU backward kernels (seen in
-    the jaxpr) and its gradients match the reference implementation's."""
+    the jaxpr) and its gradients match the reference implementation's; ``backward="reference"`` keeps the
+    forward kernels but not the backward ones."""
     B, T, H, K, V = 1, 80, 1, 64, 64
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, seed=3)
     seg = segments(B, T, (30,))
@@ -100,6 +101,8 @@ def test_chunk_kda_pallas_gpu_grad_uses_kernels():
 
     jaxpr = str(jax.make_jaxpr(loss("pallas_gpu", "auto"))(q, k, v, g, beta, h0))
     assert all(n in jaxpr for n in gpu_bwd.KERNEL_NAMES)
+    jaxpr_ref_vjp = str(jax.make_jaxpr(loss("pallas_gpu", "reference"))(q, k, v, g, beta, h0))
+    assert "kda_chunk_state_gpu" in jaxpr_ref_vjp and not any(n in jaxpr_ref_vjp for n in gpu_bwd.KERNEL_NAMES)
     got = jax.jit(loss("pallas_gpu", "auto"))(q, k, v, g, beta, h0)
     want = jax.jit(loss("reference", "auto"))(q, k, v, g, beta, h0)
     for name, a, b in zip(NAMES, got, want, strict=True):

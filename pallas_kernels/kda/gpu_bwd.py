@@ -35,7 +35,7 @@ Precision as the forward: bf16 inputs take bf16 matmul operands with fp32 accumu
 gradients of step 8 take TF32 operands (one tensor-core pass; emulated by rounding in ``interpret`` mode):
 ``dG = x dx - y dy`` cancels, and with bf16 operands ``dg`` was 5.6% off the fp32 VJP (T=128, K=64; TF32
 0.8%; the TPU backward's bf16 path has the same 5.6%). fp32 inputs: 3xTF32 everywhere. Stored in the
-matmul dtype (bf16 for bf16 inputs, as fla stores its states and ``dv``; -2.4 GB of HBM traffic at T=8192,
+matmul dtype (bf16 for bf16 inputs, as fla stores its states and ``dv``; -3.2 GB of HBM traffic at T=8192,
 H=96 vs fp32, dq/dk/dv errors +0.5e-3): ``h``, ``dh``, ``dV~`` and the step-6 partials of dq and dk; ``dW``,
 ``dB_k``, the ``dG`` partial and ``dA`` stay fp32. Requires the lower-bounded gate ``g >= -5``.
 """
