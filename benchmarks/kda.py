@@ -179,6 +179,7 @@ def bench_decode(B, H, args):
         donate_argnums=(5,),
     )
     a = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    pool_host = np.asarray(pool)  # the jitted step donates ``pool``: fla's copy is taken from this one
     ro, rh = ref.recurrent_kda(q, k, v, g, beta, None, pool[slots], True)
     o, pool2 = step(*a, pool, slots)
     res = {"shape": f"decode B={B},H={H},K={K},V={V}"}
@@ -205,7 +206,7 @@ def bench_decode(B, H, args):
             bf = torch.bfloat16
             tq, tk, tv, tb = (to_torch(x, bf) for x in (q, k, v, beta))
             tg = to_torch(g)
-            th = to_torch(pool)
+            th = to_torch(pool_host)
             with torch.no_grad():
                 t_fla = do_bench(
                     lambda: fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=th, output_final_state=True),

@@ -44,14 +44,14 @@ def _small_cfg(**changes):
 
 
 def _auto_as(monkeypatch, platform: str, interpret: bool) -> None:
-    """Make ``"auto"`` resolve as on ``platform`` ("pallas_gpu": decode kernel + chunked reference for KDA;
-    "pallas_tpu": kernels everywhere), optionally forcing the kernels into the Pallas interpreter."""
+    """Make ``"auto"`` resolve as on ``platform`` (the kernels everywhere: decode and chunked KDA, MoE),
+    optionally forcing the kernels into the Pallas interpreter."""
     kda_resolve, moe_resolve = kda_ops._resolve, moe_ops.resolve
 
     def kda(implementation, interp, name, chunked=False):
         if implementation != "auto":
             return kda_resolve(implementation, interp, name, chunked)
-        return "reference" if chunked and platform == "pallas_gpu" else platform
+        return platform
 
     def moe(implementation, interp=False, name="moe"):
         return platform if implementation == "auto" else moe_resolve(implementation, interp, name)
@@ -60,7 +60,8 @@ def _auto_as(monkeypatch, platform: str, interpret: bool) -> None:
     monkeypatch.setattr(moe_ops, "resolve", moe)
     if interpret:
         kda_mod, moe_mod = KERNEL_MODULES[platform]
-        for mod, fname in ((kda_mod, "decode_step"), (moe_mod, "gmm"), (moe_mod, "gmm_mxfp4")):
+        for mod, fname in ((kda_mod, "decode_step"), (kda_mod, "chunk_kda_fwd"), (moe_mod, "gmm"),
+                           (moe_mod, "gmm_mxfp4")):
             fn = getattr(mod, fname)
             monkeypatch.setattr(mod, fname, lambda *a, _fn=fn, **k: _fn(*a, **{**k, "interpret": True}))
 
@@ -145,8 +146,8 @@ def _greedy(cfg, params, prompts, steps):
 
 
 def test_engine_gpu_kernels_interpret_equal_reference_greedy(monkeypatch):
-    """Engine prefill (4 tokens, MoE grouped-matmul kernel) + 3 decode steps (KDA decode kernel on the state
-    pool, MoE kernel) with the GPU choices of "auto" in interpret mode == the reference implementation."""
+    """Engine prefill (4 tokens: KDA chunk kernels, MoE grouped-matmul kernel) + 3 decode steps (KDA decode
+    kernel on the state pool, MoE kernel) with the GPU choices of "auto" in interpret mode == the reference."""
     cfg = _small_cfg()
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), random_params(cfg, seed=1))
     prompts = [[5, 17, 200, 3], [9, 1000, 64, 12]]

@@ -297,7 +297,7 @@ def _decode(codes: jax.Array, factor: jax.Array, dtype) -> jax.Array:
 # f32 activations always use the f32 decode (the other variants produce bf16). Scales are broadcast from
 # [tn, tkh/16] to [tn, tkh] with broadcast_to + reshape, which Triton lowers to a register layout (no smem).
 MXFP4_VARIANTS = ("f32", "int", "bf16mul", "asm", "asm1")
-MXFP4_VARIANT = "f32"
+MXFP4_VARIANT = "asm"  # fastest exact-for-every-scale variant on the H200 (benchmarks/RESULTS.md)
 
 _BF16_NAN = 0x7FC0
 
