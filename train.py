@@ -87,6 +87,9 @@ def build_train_config(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from k3_jax import xla_flags
+
+    xla_flags.apply_defaults()  # before any backend exists (cuBLAS GEMMs on GPU; see k3_jax/xla_flags.py)
     try:
         from sharding.mesh import initialize_distributed
     except ImportError:  # sharding package absent: single process only

@@ -59,11 +59,15 @@ print("k3_jax from", Path(k3_jax.__file__).parent)
 # %%
 import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from k3_jax import xla_flags
 
-from k3_jax.config import config_path, count_params
+xla_flags.apply_defaults()  # XLA:GPU matmuls on cuBLAS (3x faster train steps on an H200); before any computation
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from k3_jax.config import config_path, count_params  # noqa: E402
 
 BACKEND = jax.default_backend()  # "cpu", "gpu" or "tpu"
 CHOICE = os.environ.get("K3_NOTEBOOK_CONFIG") or ("tiny" if BACKEND == "cpu" else "small")
