@@ -90,6 +90,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float | None = 1.0
     weight_clip: float | None = 8.0
+    # Newton-Schulz dtype of Muon: "float32" (fp32 HIGHEST: on an H200 these GEMMs run on CUDA cores, 36% of
+    # the k3-small train step, benchmarks/RESULTS.md) or "bfloat16" (tensor-core GEMMs, fp32 accumulation)
+    muon_dtype: str = "float32"
     # step
     loss_chunk: int = 1024
     qb: bool = True
@@ -126,7 +129,7 @@ class Trainer:
         self.optim_cfg = OptimConfig(name=tc.optimizer, lr=tc.lr, min_lr_ratio=tc.min_lr_ratio,
                                      warmup_frac=tc.warmup_frac, total_steps=tc.steps,
                                      weight_decay=tc.weight_decay, clip_norm=tc.clip_norm,
-                                     weight_clip=tc.weight_clip)
+                                     weight_clip=tc.weight_clip, muon_dtype=tc.muon_dtype)
         self.schedule = lr_schedule(self.optim_cfg)
         self.tx = build_optimizer(self.optim_cfg, self.labels)
         self.step_cfg = StepConfig(accum=tc.accum, loss_chunk=tc.loss_chunk, qb=tc.qb,

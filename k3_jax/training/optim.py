@@ -112,7 +112,8 @@ def newton_schulz(g: jax.Array, steps: int = 5, coeffs: tuple[float, float, floa
     x = jnp.swapaxes(g, -1, -2) if transpose else g
     x = x / (jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=(-2, -1), keepdims=True)) + eps
              ).astype(x.dtype)
-    hi = jax.lax.Precision.HIGHEST
+    # fp32 blocks: exact fp32 products; bf16 blocks: bf16 tensor-core products with fp32 accumulation
+    hi = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
     def body(x, _):
         s = jnp.einsum("...ij,...kj->...ik", x, x, precision=hi)
