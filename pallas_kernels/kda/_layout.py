@@ -95,3 +95,25 @@ def neumann_inverse(n: jax.Array, size: int, dot) -> jax.Array:
         x = x + dot(x, p)
         step *= 2
     return x
+
+
+def blocked_unit_lower_inverse(n_tile, tiles: int, size: int, dot) -> list[list]:
+    """``X = (I + N)^-1`` for strictly lower-triangular ``N`` given as ``tiles x tiles`` blocks of ``size``.
+
+    ``n_tile(a, c)`` returns block ``N_ac [size, size]`` (called for ``c <= a`` only, once each); the result
+    is the nested list of blocks ``X[a][b]`` for ``b <= a`` (``None`` above the diagonal): ``X_aa = D_a^-1``
+    by :func:`neumann_inverse` and ``X_ab = -X_aa sum_{b <= c < a} N_ac X_cb`` (blocked substitution, all
+    matmuls ``dot(p, q)``). For Triton kernels, which cannot slice values: the blocks are loaded from refs.
+    """
+    x = [[None] * tiles for _ in range(tiles)]
+    for a in range(tiles):
+        n_row = [n_tile(a, c) for c in range(a + 1)]
+        dinv = neumann_inverse(n_row[a], size, dot)
+        x[a][a] = dinv
+        for b in range(a):
+            acc = dot(n_row[b], x[b][b])
+            for c in range(b + 1, a):
+                acc = acc + dot(n_row[c], x[c][b])
+            x[a][b] = -dot(dinv, acc)
+    return x
+

@@ -161,16 +161,8 @@ def _solve_kernel(n_ref, x_ref, *, interpret: bool):
     mmp = lambda p_, r_: jax.lax.dot_general(p_, r_, NN, precision=prec, preferred_element_type=jnp.float32)
     ds = lambda i: pl.ds(i * SUB, SUB)
     zeros = jnp.zeros((SUB, SUB), x_ref.dtype)
-    x = [[None] * nt for _ in range(nt)]
+    x = _layout.blocked_unit_lower_inverse(lambda a, c: n_ref[ds(a), ds(c)], nt, SUB, mmp)
     for a in range(nt):
-        n_row = [n_ref[ds(a), ds(c)] for c in range(a + 1)]
-        dinv = _layout.neumann_inverse(n_row[a], SUB, mmp)
-        x[a][a] = dinv
-        for b in range(a):
-            acc = mmp(n_row[b], x[b][b])
-            for c in range(b + 1, a):
-                acc = acc + mmp(n_row[c], x[c][b])
-            x[a][b] = -mmp(dinv, acc)
         for b in range(nt):
             x_ref[ds(a), ds(b)] = x[a][b].astype(x_ref.dtype) if b <= a else zeros
 

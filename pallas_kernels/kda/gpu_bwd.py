@@ -154,17 +154,8 @@ def _solve_kernel(akk_ref, beta_ref, x_ref, *, interpret: bool):
     mmp = lambda p_, r_: mm(p_, r_, NN, jnp.float32)
     ds = lambda i: pl.ds(i * SUB, SUB)
     zeros = jnp.zeros((SUB, SUB), jnp.float32)
-    x = [[None] * nt for _ in range(nt)]
+    x = _layout.blocked_unit_lower_inverse(lambda a, c: beta_ref[ds(a), :] * akk_ref[ds(a), ds(c)], nt, SUB, mmp)
     for a in range(nt):
-        ba = beta_ref[ds(a), :]  # [16, 1]
-        n_row = [ba * akk_ref[ds(a), ds(c)] for c in range(a + 1)]
-        dinv = _layout.neumann_inverse(n_row[a], SUB, mmp)
-        x[a][a] = dinv
-        for b in range(a):
-            acc = mmp(n_row[b], x[b][b])
-            for c in range(b + 1, a):
-                acc = acc + mmp(n_row[c], x[c][b])
-            x[a][b] = -mmp(dinv, acc)
         for b in range(nt):
             x_ref[ds(a), ds(b)] = x[a][b] if b <= a else zeros
 
