@@ -1,4 +1,4 @@
-"""KDA chunked backward alone on a GPU: this repo's Triton backward (``pallas_kernels.kda.gpu_bwd``) vs
+r"""KDA chunked backward alone on a GPU: this repo's Triton backward (``pallas_kernels.kda.gpu_bwd``) vs
 flash-linear-attention's backward (``fla-core`` ``chunk_kda``; timed as ``torch.autograd.grad`` on a saved
 forward graph, so its forward is excluded), in one run.
 
@@ -8,9 +8,19 @@ Prints one JSON line on stdout (progress on stderr). Times are ms per call (medi
     python benchmarks/kda_bwd.py                                  # T=8192, H=96, default launch config
     python benchmarks/kda_bwd.py --configs 64:64,32:64,64:32,64:64:8 --profile-dir /tmp/prof
 
-``--configs``: comma list of ``block_v:block_k[:warps]`` (``warps`` = num_warps of the per-chunk gradient
-kernels dqkw / wy / da; the others keep ``gpu_bwd.DEFAULT_WARPS``); the fastest on the first shape is used for
-the rest. bf16 q/k/v/beta, fp32 log-decay in (-5, 0), K = V = 128, random output and final-state cotangents.
+Suggested sweep of the step-7/8 variants (one run; ~1 s of GPU time per config plus its compile):
+
+    python benchmarks/kda_bwd.py --no-fla --configs 64:64,64:64:wda=8,64:64:da=tri:wda=8,64:64:da=tri:dabk=32,\
+64:64:da=loop:wda=8,64:64:da=loop:dabk=32,64:64:wyp=tf32,64:64:wyp=tf32:wwy=8,64:64:wysplit=1:wdx=8,\
+64:64:wysplit=1:wyp=tf32:wdx=8,64:64:da=tri:dabk=32:wysplit=1:wyp=tf32:wdx=8,\
+64:64:da=loop:wda=8:wysplit=1:wyp=tf32:wdx=8 --profile-dir /tmp/prof
+
+``--configs``: comma list of ``block_v:block_k[:warps][:key=value...]`` (``warps`` = num_warps of the per-chunk
+gradient kernels dqkw / wy / da; the others keep ``gpu_bwd.DEFAULT_WARPS``); keys: ``da`` (``da_mode``: full |
+tri | loop), ``dabk`` (``da_block_k``), ``wysplit`` (0 | 1), ``wyp`` (``wy_precision``: x3 | tf32), and per-kernel
+warps ``wda``, ``wwy``, ``wdx``, ``wdl`` (da, wy, wy_dx, wy_dl). A config that fails prints its error in the
+sweep and the sweep goes on; the fastest on the first shape is used for the rest. bf16 q/k/v/beta, fp32
+log-decay in (-5, 0), K = V = 128, random output and final-state cotangents.
 ``rel_err_vs_ref`` compares our gradients with the fp32 VJP of the pure-JAX reference (first shape only).
 """
 
@@ -34,19 +44,35 @@ from benchmarks.kda import log, make_inputs, time_jax, to_torch  # noqa: E402
 from pallas_kernels.kda import gpu_bwd  # noqa: E402
 from pallas_kernels.kda import reference as ref  # noqa: E402
 
-PER_CHUNK = ("kda_bwd_dqkw_gpu", "kda_bwd_wy_gpu", "kda_bwd_da_gpu")
+PER_CHUNK = ("kda_bwd_dqkw_gpu", "kda_bwd_wy_gpu", "kda_bwd_da_gpu") + gpu_bwd.SPLIT_WY_NAMES
+WARP_KEYS = {"wda": "kda_bwd_da_gpu", "wwy": "kda_bwd_wy_gpu", "wdx": "kda_bwd_wy_dx_gpu", "wdl": "kda_bwd_wy_dl_gpu"}
+VARIANT_KEYS = {"da": ("da_mode", str), "dabk": ("da_block_k", int), "wysplit": ("wy_split", lambda x: bool(int(x))),
+                "wyp": ("wy_precision", str)}
 
 
-def bwd_kwargs(cfg: tuple[int, ...]) -> dict:
-    if not 2 <= len(cfg) <= 3:
-        raise ValueError(f"--configs entry {cfg}: expected block_v:block_k[:warps]")
-    kw = {"block_v": cfg[0], "block_k": cfg[1]}
-    if len(cfg) == 3:
-        kw["num_warps"] = dict.fromkeys(PER_CHUNK, cfg[2])
+def bwd_kwargs(cfg: str) -> dict:
+    """``block_v:block_k[:warps][:key=value...]`` -> keyword arguments of ``gpu_bwd.chunk_kda_bwd``."""
+    fields = cfg.split(":")
+    pos = [f for f in fields if "=" not in f]
+    if not 2 <= len(pos) <= 3 or any("=" not in f for f in fields[len(pos):]):
+        raise ValueError(f"--configs entry {cfg!r}: expected block_v:block_k[:warps][:key=value...]")
+    kw = {"block_v": int(pos[0]), "block_k": int(pos[1])}
+    warps = dict.fromkeys(PER_CHUNK, int(pos[2])) if len(pos) == 3 else {}
+    for f in fields[len(pos):]:
+        key, val = f.split("=", 1)
+        if key in WARP_KEYS:
+            warps[WARP_KEYS[key]] = int(val)
+        elif key in VARIANT_KEYS:
+            arg, conv = VARIANT_KEYS[key]
+            kw[arg] = conv(val)
+        else:
+            raise ValueError(f"--configs entry {cfg!r}: unknown key {key!r} (known: {[*WARP_KEYS, *VARIANT_KEYS]})")
+    if warps:
+        kw["num_warps"] = warps
     return kw
 
 
-def ours_fn(K: int, cfg):
+def ours_fn(K: int, cfg: str):
     kw = bwd_kwargs(cfg)
     return jax.jit(lambda q, k, v, g, beta, do, dht: gpu_bwd.chunk_kda_bwd(
         q, k, v, g, beta, K**-0.5, None, None, do, dht, **kw))
@@ -93,7 +119,7 @@ def main():
     args = p.parse_args()
     K = V = 128
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
-    cfgs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    cfgs = [c.strip() for c in args.configs.split(",") if c.strip()]
     out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "results": []}
     for i, (B, T, H) in enumerate(shapes):
         q, k, v, g, beta = make_inputs(B, T, H, K, V)
@@ -105,14 +131,17 @@ def main():
             sweep = {}
             for cfg in cfgs:
                 try:
-                    sweep[":".join(map(str, cfg))] = time_jax(ours_fn(K, cfg), *a)
+                    sweep[cfg] = time_jax(ours_fn(K, cfg), *a)
                 except Exception as e:  # noqa: BLE001
-                    sweep[":".join(map(str, cfg))] = repr(e)[:300]
-                log("sweep", sweep)
+                    sweep[cfg] = repr(e)[:300]
+                log("sweep", cfg, sweep[cfg])
             out["config_sweep_bwd_ms"] = sweep
             ok = {c: t for c, t in sweep.items() if isinstance(t, float)}
-            cfgs = [tuple(int(x) for x in min(ok, key=ok.get).split(":"))]
-        out["bwd_config"] = ":".join(map(str, cfgs[0]))
+            if not ok:
+                print(json.dumps(out))
+                raise SystemExit("every --configs entry failed")
+            cfgs = [min(ok, key=ok.get)]
+        out["bwd_config"] = cfgs[0]
         fn = ours_fn(K, cfgs[0])
         t0 = time.perf_counter()
         got = jax.block_until_ready(fn(*a))

@@ -83,6 +83,48 @@ def test_gpu_bwd_interpret_extreme_gate_chunk32():
     check(got, ref_vjp(q, k, v, g, beta, h0, None, do, jnp.zeros_like(h0)), (q, k, v, g, beta, h0), 1e-3)
 
 
+# Static variants of steps 7 and 8 (defaults unchanged until measured on the H200; benchmarks/kda_bwd.py sweeps
+# them). K=V=32 keeps the interpreter cheap while the chunk still has 4 row tiles; one call per case (each
+# interpreted backward costs ~6 s to compile): the fp32 case covers the split step-7 kernels with 3xTF32 and the
+# triangular step 8, the bf16 case the looped step 8 with the one-pass TF32 split step 7.
+VARIANT_CASES = [
+    ("fp32", {"da_mode": "tri", "wy_split": True}),
+    ("bf16", {"da_mode": "loop", "da_block_k": 16, "wy_split": True, "wy_precision": "tf32"}),
+]
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=["fp32-tri-split", "bf16-loop-bk16-split-tf32"])
+def test_gpu_bwd_interpret_variants(case):
+    """fp32: within 1e-3 of the reference VJP (fp32 inputs keep 3xTF32 in step 7 whatever ``wy_precision``
+    says), two documents, 16-wide blocks. bf16 with the benchmark's strong-decay gate (where bf16 decay-product
+    operands gave dg 5.6e-2): within the documented 2e-2, measured 1.4e-3 .. 5.6e-3 (dg), as the default code
+    path on the same inputs."""
+    dtype, variant = case
+    B, H, K, V = 1, 1, 32, 32
+    if dtype == "fp32":
+        T = 100
+        q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V)
+        seg, tol, kw = segments(B, T, (17, 70)), 1e-3, {"block_k": 16, "block_v": 16}
+        do, dht = cotangents(v, h0, jnp.float32)
+    else:
+        T = 128
+        q, k, v, _, beta, h0 = make_inputs(B, T, H, K, V, jnp.bfloat16)
+        g = ref.kda_gate(jax.random.normal(jax.random.PRNGKey(3), (B, T, H, K)), jnp.zeros((H,)))
+        h0, seg, tol, kw = jnp.zeros_like(h0), None, 2e-2, {}
+        do, dht = cotangents(v, h0, jnp.bfloat16)
+    got = kernel_vjp(q, k, v, g, beta, h0, seg, do, dht, **kw, **variant)
+    check(got, ref_vjp(q, k, v, g, beta, h0, seg, do, dht), (q, k, v, g, beta, h0), tol)
+
+
+def test_gpu_bwd_variant_args_checked():
+    q, k, v, g, beta, h0 = make_inputs(1, 32, 1, 32, 32)
+    for bad in ({"da_mode": "rows"}, {"wy_precision": "bf16"}, {"da_block_k": 24}):
+        with pytest.raises(ValueError, match="da_mode|wy_precision|da_block_k"):
+            gpu_bwd.chunk_kda_bwd(q, k, v, g, beta, 0.2, h0, None, v, None, interpret=True, **bad)
+    with pytest.raises(ValueError, match="num_warps keys"):
+        gpu_bwd.chunk_kda_bwd(q, k, v, g, beta, 0.2, h0, None, v, None, interpret=True, num_warps={"wy": 8})
+
+
 def test_chunk_kda_pallas_gpu_grad_uses_kernels():
     """``chunk_kda(implementation="pallas_gpu")``: ``backward="auto"`` runs the GPU backward kernels (seen in
     the jaxpr) and its gradients match the reference implementation's; ``backward="reference"`` keeps the

@@ -105,7 +105,8 @@ def test_kda_kernels_lower(verified_modules, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_kda_bwd_kernels_lower(verified_modules, dtype):
     """The eight chunk-backward kernels (pallas_kernels.kda.gpu_bwd), K=V=64 and 128, T not a multiple of the
-    chunk, with segment ids; bf16 and fp32 (3xTF32) operands."""
+    chunk, with segment ids; bf16 and fp32 (3xTF32) operands; then the step-7/8 variants (da_mode, da_block_k,
+    wy_split, wy_precision)."""
     from pallas_kernels.kda import gpu_bwd
 
     b, h = 1, 2
@@ -118,3 +119,13 @@ def test_kda_bwd_kernels_lower(verified_modules, dtype):
         _lower_for_cuda(lambda q, g, beta, seg, h0: gpu_bwd.chunk_kda_bwd(
             q, q, q, g, beta, q.shape[-1] ** -0.5, h0, seg, q, h0), q, g, beta, seg, h0)
     assert verified_modules == list(gpu_bwd.KERNEL_NAMES) * 2, verified_modules
+    # The static variants of steps 7 and 8 (K=V=128): triangular step 8 with one-pass TF32 step 7, looped step 8,
+    # and the split step 7 with 32-wide step-8 K blocks.
+    split = [n for n in gpu_bwd.KERNEL_NAMES if n != "kda_bwd_wy_gpu"]
+    split[-1:-1] = list(gpu_bwd.SPLIT_WY_NAMES)
+    for kw in ({"da_mode": "tri", "wy_precision": "tf32"}, {"da_mode": "loop"},
+               {"wy_split": True, "da_block_k": 32, "da_mode": "tri"}):
+        del verified_modules[:]
+        _lower_for_cuda(lambda q, g, beta, seg, h0, kw=kw: gpu_bwd.chunk_kda_bwd(
+            q, q, q, g, beta, q.shape[-1] ** -0.5, h0, seg, q, h0, **kw), q, g, beta, seg, h0)
+        assert verified_modules == (split if kw.get("wy_split") else list(gpu_bwd.KERNEL_NAMES)), verified_modules

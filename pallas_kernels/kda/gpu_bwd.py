@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import _layout
 from pallas_kernels.kda import reference as ref
 
-__all__ = ["chunk_kda_bwd", "KERNEL_NAMES", "DEFAULT_WARPS"]
+__all__ = ["chunk_kda_bwd", "KERNEL_NAMES", "SPLIT_WY_NAMES", "DEFAULT_WARPS", "DA_MODES", "WY_PRECISIONS"]
 
 SUB = 16
 EXP_CLAMP = 80.0
@@ -64,8 +64,13 @@ KERNEL_NAMES = (
     "kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_wu_gpu", "kda_bwd_h_gpu", "kda_bwd_ds_gpu",
     "kda_bwd_dqkw_gpu", "kda_bwd_wy_gpu", "kda_bwd_da_gpu",
 )
+# ``wy_split=True``: step 7 as two kernels (these names replace "kda_bwd_wy_gpu").
+SPLIT_WY_NAMES = ("kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu")
 # Launch widths (untuned on the H200: the forward's choices - 2 warps for the solve, 4 elsewhere).
-DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES, 4) | {"kda_bwd_solve_gpu": 2}
+DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES + SPLIT_WY_NAMES, 4) | {"kda_bwd_solve_gpu": 2}
+# step 8: whole-chunk [C, BK] operands per row tile (unrolled) | 16x16 lower sub-tiles only | "full" in a fori_loop
+DA_MODES = ("full", "tri", "loop")
+WY_PRECISIONS = ("x3", "tf32")  # step 7's X / dX products for bf16 inputs: 3xTF32 | one TF32 pass
 
 
 TF32 = "tf32"  # matmul "dtype": fp32 operands rounded to TF32 (10-bit mantissa), one tensor-core pass
@@ -268,9 +273,12 @@ def _dqkw_kernel(q_ref, k_ref, g_ref, segc_ref, do_ref, vt_ref, dvt_ref, h_ref, 
 
 
 def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref, do_ref, vt_ref, dvt_ref,
-               dw_ref, dv_ref, dbk_ref, dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool):
-    """Through ``[W | U] = X diag(beta) [e^G k | v]`` for one chunk (see the module docstring, step 7)."""
+               dw_ref, dv_ref, dbk_ref, dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool,
+               x_dtype=jnp.float32):
+    """Through ``[W | U] = X diag(beta) [e^G k | v]`` for one chunk (see the module docstring, step 7).
+    ``x_dtype``: operands of the products with ``X`` and ``dX`` (fp32 = 3xTF32, or :data:`TF32`)."""
     f32 = jnp.float32
+    xp = x_dtype
     C, K = k_ref.shape
     V = v_ref.shape[-1]
     mm = _make_mm(interpret)
@@ -286,9 +294,9 @@ def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref
         vs = pl.ds(vb * bv_, bv_)
         dvt = dvt_ref[:, vs].astype(f32)
         vv = v_ref[:, vs].astype(f32)
-        dx = dx + mm(dvt, beta * vv, NT, f32)
+        dx = dx + mm(dvt, beta * vv, NT, xp)
         daqk = daqk + mm(do_ref[:, vs], vt_ref[:, vs], NT, mm_dtype)
-        dbv = mm(xm, dvt, TN, f32)
+        dbv = mm(xm, dvt, TN, xp)
         dv_ref[:, vs] = (beta * dbv).astype(dv_ref.dtype)
         dbeta = dbeta + jnp.sum(dbv * vv, axis=1, keepdims=True)
     bk_ = min(block, K)
@@ -297,17 +305,161 @@ def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref
         dwb = dw_ref[:, cols]
         egk = jnp.where(first, jnp.exp(g_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
         bk = beta * egk
-        dx = dx + mm(dwb, bk, NT, f32)
-        dbk = mm(xm, dwb, TN, f32)
+        dx = dx + mm(dwb, bk, NT, xp)
+        dbk = mm(xm, dwb, TN, xp)
         dbk_ref[:, cols] = dbk
         dbeta = dbeta + jnp.sum(dbk * egk, axis=1, keepdims=True)
     row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
     same = segc == segr_ref[...]
-    dlo = jnp.where(same & (row > col), -mm(mm(xm, dx, TN, f32), xm, NT, f32), 0.0)  # -X^T dX X^T
+    dlo = jnp.where(same & (row > col), -mm(mm(xm, dx, TN, xp), xm, NT, xp), 0.0)  # -X^T dX X^T
     dakk_ref[...] = beta * dlo
     dbeta_ref[...] = dbeta + jnp.sum(dlo * akk_ref[...], axis=1, keepdims=True)
     daqk_ref[...] = jnp.where(same & (row >= col), daqk, 0.0)
+
+
+def _wy_dx_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, dvt_ref, dw_ref,
+                  dv_ref, dbk_ref, dx_ref, dbp_ref, *, block: int, interpret: bool, x_dtype=jnp.float32):
+    """Split step 7, part 1 (``wy_split``): ``dB_v = X^T dV~`` (-> dv), ``dB_k = X^T dW``, the V / K-block
+    sums ``dX [C, C]`` (fp32, written out) and the ``dB`` part of dbeta. ``X`` is re-read from its ref at each
+    product (short live ranges; only the ``dX`` accumulator spans the loops)."""
+    f32 = jnp.float32
+    C, K = k_ref.shape
+    V = v_ref.shape[-1]
+    mm = _make_mm(interpret)
+    beta = beta_ref[...]
+    first = segc_ref[...] == 0
+    dx = jnp.zeros((C, C), f32)
+    dbeta = jnp.zeros((C, 1), f32)
+    bv_ = min(block, V)
+    for vb in range(V // bv_):
+        vs = pl.ds(vb * bv_, bv_)
+        dvt = dvt_ref[:, vs].astype(f32)
+        vv = v_ref[:, vs].astype(f32)
+        dx = dx + mm(dvt, beta * vv, NT, x_dtype)
+        dbv = mm(x_ref[...], dvt, TN, x_dtype)
+        dv_ref[:, vs] = (beta * dbv).astype(dv_ref.dtype)
+        dbeta = dbeta + jnp.sum(dbv * vv, axis=1, keepdims=True)
+    bk_ = min(block, K)
+    for kb in range(K // bk_):
+        cols = pl.ds(kb * bk_, bk_)
+        dwb = dw_ref[:, cols]
+        egk = jnp.where(first, jnp.exp(g_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
+        dx = dx + mm(dwb, beta * egk, NT, x_dtype)
+        dbk = mm(x_ref[...], dwb, TN, x_dtype)
+        dbk_ref[:, cols] = dbk
+        dbeta = dbeta + jnp.sum(dbk * egk, axis=1, keepdims=True)
+    dx_ref[...] = dx
+    dbp_ref[...] = dbeta
+
+
+def _wy_dl_kernel(x_ref, akk_ref, beta_ref, segc_ref, segr_ref, dx_ref, dbp_ref, do_ref, vt_ref,
+                  dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool, x_dtype=jnp.float32):
+    """Split step 7, part 2 (``wy_split``): ``dL = -X^T dX X^T`` (strictly lower, same document),
+    ``dA_kk = diag(beta) dL``, dbeta, then ``dA_qk = dO V~^T`` (masked) over V blocks."""
+    f32 = jnp.float32
+    C = x_ref.shape[0]
+    V = do_ref.shape[-1]
+    mm = _make_mm(interpret)
+    xm = x_ref[...]
+    row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    same = segc_ref[...] == segr_ref[...]
+    dlo = jnp.where(same & (row > col), -mm(mm(xm, dx_ref[...], TN, x_dtype), xm, NT, x_dtype), 0.0)
+    dakk_ref[...] = beta_ref[...] * dlo
+    dbeta_ref[...] = dbp_ref[...] + jnp.sum(dlo * akk_ref[...], axis=1, keepdims=True)
+    daqk = jnp.zeros((C, C), f32)
+    bv_ = min(block, V)
+    for vb in range(V // bv_):
+        vs = pl.ds(vb * bv_, bv_)
+        daqk = daqk + mm(do_ref[:, vs], vt_ref[:, vs], NT, mm_dtype)
+    daqk_ref[...] = jnp.where(same & (row >= col), daqk, 0.0)
+
+
+def _da_loop_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref,
+                    dbk_ref, dq_ref, dk_ref, dg_ref, *, scale: float, mm_dtype, interpret: bool):
+    """:func:`_da_kernel` (``da_mode="loop"``) with the 16-row tiles as a ``fori_loop`` (static trip count)
+    instead of unrolled Python code: one copy of the tile body, and the compiler cannot hoist the next tiles'
+    loads and exps above this tile's products (the unrolled kernel uses 255 registers and spills)."""
+    f32 = jnp.float32
+    C, BK = k_ref.shape
+    nt = C // SUB
+    mm = _make_mm(interpret)
+
+    def body(i, suffix):
+        a = nt - 1 - i
+        r0 = pl.multiple_of(a * SUB, SUB)
+        rows = pl.ds(r0, SUB)
+        ga = g_ref[rows, :]
+        m = jnp.where(a == 0, 0.0, g_ref[pl.ds(jnp.maximum(r0 - 1, 0), 1), :])  # G before the tile
+        left = jnp.exp(ga - m)
+        right = k_ref[...].astype(f32) * jnp.exp(jnp.minimum(m - g_ref[...], EXP_CLAMP))
+        rq = left * mm(daqk_ref[rows, :], right, NN, mm_dtype)
+        rk = left * mm(dakk_ref[rows, :], right, NN, mm_dtype)
+        mb = g_ref[pl.ds(r0 + SUB - 1, 1), :]  # G at the tile's last token
+        back = jnp.exp(mb - ga)
+        up = jnp.exp(jnp.minimum(g_ref[...] - mb, EXP_CLAMP))
+        cq = back * mm(daqk_ref[:, rows], (q_ref[...].astype(f32) * scale) * up, TN, mm_dtype)
+        ck = back * mm(dakk_ref[:, rows], k_ref[...].astype(f32) * up, TN, mm_dtype)
+        qa = q_ref[rows, :].astype(f32) * scale
+        ka = k_ref[rows, :].astype(f32)
+        beg = beta_ref[rows, :] * jnp.where(segc_ref[rows, :] == 0, jnp.exp(ga), 0.0)
+        dbk = dbk_ref[rows, :]
+        dq_ref[rows, :] = ((dqp_ref[rows, :].astype(f32) + rq) * scale).astype(dq_ref.dtype)
+        dk_ref[rows, :] = (dkp_ref[rows, :].astype(f32) + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
+        dgt = dgp_ref[rows, :] + dbk * beg * ka + qa * rq + ka * (rk - cq - ck)
+        tot = jnp.sum(dgt, axis=0, keepdims=True)
+        dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
+        return suffix + tot
+
+    jax.lax.fori_loop(0, nt, body, jnp.zeros((1, BK), f32))
+
+
+def _da_tri_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref,
+                   dbk_ref, dq_ref, dk_ref, dg_ref, *, scale: float, mm_dtype, interpret: bool):
+    """:func:`_da_kernel` (``da_mode="tri"``) on 16x16 sub-tiles of ``dA``: only the blocks on or below the
+    diagonal (``dA_kk``, ``dA_qk`` are lower triangular), so 20 instead of 32 ``[16, BK]`` decay-factor
+    tiles (exps) and 40 instead of 64 ``[16, 16] x [16, BK]`` products per K block, each operand ``[16, BK]``
+    (short live ranges, no chunk-wide ``[C, BK]`` fp32 operand). Same reference points as :func:`_da_kernel`."""
+    f32 = jnp.float32
+    C, BK = k_ref.shape
+    nt = C // SUB
+    mm = _make_mm(interpret)
+    ds = lambda i: pl.ds(i * SUB, SUB)
+    suffix = jnp.zeros((1, BK), f32)
+    for a in reversed(range(nt)):
+        rows = ds(a)
+        ga = g_ref[rows, :]
+        m = _row(g_ref, a * SUB - 1)  # G before the tile
+        rq = jnp.zeros((SUB, BK), f32)
+        rk = jnp.zeros((SUB, BK), f32)
+        for b in range(a + 1):  # column tiles j <= the row tile
+            right = k_ref[ds(b), :].astype(f32) * jnp.exp(jnp.minimum(m - g_ref[ds(b), :], EXP_CLAMP))
+            rq = rq + mm(daqk_ref[rows, ds(b)], right, NN, mm_dtype)
+            rk = rk + mm(dakk_ref[rows, ds(b)], right, NN, mm_dtype)
+        left = jnp.exp(ga - m)
+        rq = left * rq
+        rk = left * rk
+        mb = _row(g_ref, a * SUB + SUB - 1)  # G at the tile's last token
+        cq = jnp.zeros((SUB, BK), f32)
+        ck = jnp.zeros((SUB, BK), f32)
+        for b in range(a, nt):  # row tiles i >= the column tile
+            up = jnp.exp(jnp.minimum(g_ref[ds(b), :] - mb, EXP_CLAMP))
+            cq = cq + mm(daqk_ref[ds(b), rows], (q_ref[ds(b), :].astype(f32) * scale) * up, TN, mm_dtype)
+            ck = ck + mm(dakk_ref[ds(b), rows], k_ref[ds(b), :].astype(f32) * up, TN, mm_dtype)
+        back = jnp.exp(mb - ga)
+        cq = back * cq
+        ck = back * ck
+        qa = q_ref[rows, :].astype(f32) * scale
+        ka = k_ref[rows, :].astype(f32)
+        beg = beta_ref[rows, :] * jnp.where(segc_ref[rows, :] == 0, jnp.exp(ga), 0.0)
+        dbk = dbk_ref[rows, :]
+        dq_ref[rows, :] = ((dqp_ref[rows, :].astype(f32) + rq) * scale).astype(dq_ref.dtype)
+        dk_ref[rows, :] = (dkp_ref[rows, :].astype(f32) + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
+        dgt = dgp_ref[rows, :] + dbk * beg * ka + qa * rq + ka * (rk - cq - ck)
+        tot = jnp.sum(dgt, axis=0, keepdims=True)
+        dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
+        suffix = suffix + tot
 
 
 def _da_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref, dbk_ref,
@@ -388,6 +540,7 @@ def chunk_kda_bwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
     chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int = 64,
     num_warps: dict | None = None, num_stages: int = 2, state_dtype=None,
+    da_mode: str = "full", da_block_k: int | None = None, wy_split: bool = False, wy_precision: str = "x3",
 ):
     """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), eight Triton kernels.
 
@@ -400,6 +553,15 @@ def chunk_kda_bwd(
     :data:`DEFAULT_WARPS`); ``num_stages``: the sweeps; ``state_dtype``: storage of the per-chunk states
     ``h`` and state cotangents ``dh`` (default: the matmul dtype, bf16 for bf16 inputs - they only enter
     bf16 matmuls there - else fp32). ``interpret``: generic Pallas interpreter.
+    Variants (static; defaults = the measured code path): ``da_mode`` (:data:`DA_MODES`): step 8 over whole-chunk
+    operands per 16-row tile, unrolled (``"full"``), the same in a ``fori_loop`` over the tiles (``"loop"``), or
+    over the 16x16 sub-tiles on/below the diagonal only (``"tri"``: ~40% fewer exps and products, ``[16, BK]``
+    operands); ``da_block_k``: step 8's K block (grid axis; default
+    ``block_k``); ``wy_split``: step 7 as two kernels
+    (:data:`SPLIT_WY_NAMES`: X-products and ``dX``, then the ``dL`` chain and ``dA_qk``; ``dX`` goes through
+    HBM, +0.4 GB at T=8192, H=96) instead of one that spills; ``wy_precision`` (:data:`WY_PRECISIONS`): step 7's
+    products with ``X`` / ``dX`` for bf16 inputs - ``"x3"`` (3xTF32) or ``"tf32"`` (one pass; fp32 inputs
+    always keep 3xTF32).
     Returns ``(dq, dk, dv, dg, dbeta)`` in the dtypes of ``q, k, v, g, beta`` and ``dh0 [B, H, K, V] f32``.
     """
     name = "gpu_bwd.chunk_kda_bwd"
@@ -414,13 +576,19 @@ def chunk_kda_bwd(
     BV = block_v or min(V, 64)
     BK = min(block_k, K)
     BL = min(block_k, V)  # V loop block of the per-chunk kernels
-    for nm, d in (("K", K), ("V", V), ("block_v", BV), ("block_k", BK), ("chunk_size", C)):
+    BKD = min(da_block_k or block_k, K)
+    for nm, d in (("K", K), ("V", V), ("block_v", BV), ("block_k", BK), ("da_block_k", BKD), ("chunk_size", C)):
         _pow2(nm, d)
-    if V % BV or K % BK or V % BL:
-        raise ValueError(f"{name}: block_v={BV} must divide V={V} and block_k={block_k} must divide K={K} and V")
+    if V % BV or K % BK or V % BL or K % BKD:
+        raise ValueError(f"{name}: block_v={BV} must divide V={V}, block_k={block_k} K={K} and V, and "
+                         f"da_block_k={BKD} K")
     mm_dtype = jnp.float32 if jnp.promote_types(q.dtype, v.dtype) == jnp.float32 else jnp.bfloat16
     st_dtype = jnp.dtype(state_dtype or mm_dtype)
     da_dtype = jnp.float32 if mm_dtype == jnp.float32 else TF32
+    if da_mode not in DA_MODES or wy_precision not in WY_PRECISIONS:
+        raise ValueError(f"{name}: da_mode must be in {DA_MODES} (got {da_mode!r}) and wy_precision in "
+                         f"{WY_PRECISIONS} (got {wy_precision!r})")
+    wy_dtype = TF32 if wy_precision == "tf32" and mm_dtype != jnp.float32 else jnp.float32
     x = _prepare(q, k, v, g, beta, initial_state, segment_ids, do.astype(v.dtype), dht, C)
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
@@ -428,9 +596,9 @@ def chunk_kda_bwd(
     f32 = jnp.float32
     interp = bool(interpret)
     warps = dict(num_warps or {})
-    unknown = set(warps) - set(KERNEL_NAMES)
+    unknown = set(warps) - set(DEFAULT_WARPS)
     if unknown:
-        raise ValueError(f"{name}: num_warps keys must be in {KERNEL_NAMES}, got {sorted(unknown)}")
+        raise ValueError(f"{name}: num_warps keys must be in {tuple(DEFAULT_WARPS)}, got {sorted(unknown)}")
 
     def call(kernel, kname, grid, in_specs, out_specs, out_shape, stages=1, **kw):
         if interp:
@@ -509,20 +677,39 @@ def chunk_kda_bwd(
     )(x.q, x.k, x.gam, x.seg_col, x.do, vt, dvt, h, dh)
 
     # 7. Through the UT transform.
-    dv, dbk, dakk, daqk, dbeta = call(
-        functools.partial(_wy_kernel, block=BL, mm_dtype=mm_dtype, interpret=interp), "kda_bwd_wy_gpu", (BH, N),
-        [tok(C), tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, segr_spec, tok_in(V), tok(V),
-         tok(V), tok(K)],
-        [tok_in(V), tok(K), tok(C), tok(C), tok_in(1)],
-        [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32), sds((BH, Tp, C), f32),
-         sds((B, Tp, H, 1), f32)],
-    )(xm, akk, x.k, x.v, x.gam, x.beta, x.seg_col, x.seg_row, x.do, vt, dvt, dw)
+    if not wy_split:
+        dv, dbk, dakk, daqk, dbeta = call(
+            functools.partial(_wy_kernel, block=BL, mm_dtype=mm_dtype, interpret=interp, x_dtype=wy_dtype),
+            "kda_bwd_wy_gpu", (BH, N),
+            [tok(C), tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, segr_spec, tok_in(V), tok(V),
+             tok(V), tok(K)],
+            [tok_in(V), tok(K), tok(C), tok(C), tok_in(1)],
+            [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32), sds((BH, Tp, C), f32),
+             sds((B, Tp, H, 1), f32)],
+        )(xm, akk, x.k, x.v, x.gam, x.beta, x.seg_col, x.seg_row, x.do, vt, dvt, dw)
+    else:
+        dv, dbk, dxm, dbp = call(
+            functools.partial(_wy_dx_kernel, block=BL, interpret=interp, x_dtype=wy_dtype), SPLIT_WY_NAMES[0],
+            (BH, N), [tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, tok(V), tok(K)],
+            [tok_in(V), tok(K), tok(C), tok(1)],
+            [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32), sds((BH, Tp, 1), f32)],
+        )(xm, x.k, x.v, x.gam, x.beta, x.seg_col, dvt, dw)
+        dakk, daqk, dbeta = call(
+            functools.partial(_wy_dl_kernel, block=BL, mm_dtype=mm_dtype, interpret=interp, x_dtype=wy_dtype),
+            SPLIT_WY_NAMES[1], (BH, N),
+            [tok(C), tok(C), tok_in(1), segc_spec, segr_spec, tok(C), tok(1), tok_in(V), tok(V)],
+            [tok(C), tok(C), tok_in(1)],
+            [sds((BH, Tp, C), f32), sds((BH, Tp, C), f32), sds((B, Tp, H, 1), f32)],
+        )(xm, akk, x.beta, x.seg_col, x.seg_row, dxm, dbp, x.do, vt)
 
     # 8. Decay products and the reverse cumsum.
     ktok = lambda d: pl.BlockSpec((None, C, d), lambda kb, bh, c: (bh, c, 0))
+    kin = lambda: pl.BlockSpec((None, C, None, BKD), lambda kb, bh, c: (bi(bh), c, hi(bh), kb))
+    kout = lambda: pl.BlockSpec((None, C, BKD), lambda kb, bh, c: (bh, c, kb))
     dq, dk, dg = call(
-        functools.partial(_da_kernel, scale=float(scale), mm_dtype=da_dtype, interpret=interp),
-        "kda_bwd_da_gpu", (K // BK, BH, N),
+        functools.partial({"full": _da_kernel, "tri": _da_tri_kernel, "loop": _da_loop_kernel}[da_mode],
+                          scale=float(scale), mm_dtype=da_dtype, interpret=interp),
+        "kda_bwd_da_gpu", (K // BKD, BH, N),
         [kin(), kin(), kin(), pl.BlockSpec((None, C, None, 1), lambda kb, bh, c: (bi(bh), c, hi(bh), 0)),
          pl.BlockSpec((None, C, 1), lambda kb, bh, c: (bi(bh), c, 0)), ktok(C), ktok(C), kout(), kout(), kout(),
          kout()],
