@@ -157,7 +157,7 @@ def test_chunk_kda_pallas_gpu_grad_uses_kernels():
                          ids=["K128", "K64"])
 def test_gpu_bwd_on_gpu(case, dtype):
     """Real GPU: fp32 (3xTF32 inverse chain) within 1e-3 of the fp32 reference VJP, bf16 within 2e-2; also with
-    non-default launch knobs."""
+    non-default launch knobs and (K=128) the step-7/8 variants."""
     B, T, H, K, V, cuts = case
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, dtype)
     seg = segments(B, T, cuts)
@@ -168,3 +168,9 @@ def test_gpu_bwd_on_gpu(case, dtype):
     knobs = {"block_k": 32, "block_v": 32, "num_warps": {n: 8 for n in gpu_bwd.KERNEL_NAMES}}
     check(kernel_vjp(q, k, v, g, beta, h0, seg, do, dht, interpret=False, **knobs), want,
           (q, k, v, g, beta, h0), tol)
+    if K == 128:  # the step-7/8 variants of the benchmark sweep's last two configs
+        for da_mode in ("tri", "loop"):
+            knobs = {"da_mode": da_mode, "da_block_k": 32, "wy_split": True, "wy_precision": "tf32",
+                     "num_warps": {"kda_bwd_wy_dx_gpu": 8, "kda_bwd_dqkw_gpu": 8}}
+            check(kernel_vjp(q, k, v, g, beta, h0, seg, do, dht, interpret=False, **knobs), want,
+                  (q, k, v, g, beta, h0), tol)

@@ -70,6 +70,11 @@ SPLIT_WY_NAMES = ("kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu")
 DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES + SPLIT_WY_NAMES, 4) | {"kda_bwd_solve_gpu": 2}
 # step 8: whole-chunk [C, BK] operands per row tile (unrolled) | 16x16 lower sub-tiles only | "full" in a fori_loop
 DA_MODES = ("full", "tri", "loop")
+# Offline sm_90 compile (pip Triton 3.9, bf16 inputs, K=V=128; registers / spill stack bytes / SASS instructions
+# per thread, static): default da (4 warps) 255 / 128 / 9.3k, wy (4) 255 / 1160 / 10.4k; da "tri" 8 warps
+# 182 / 0 / 4.3k, "tri" da_block_k=32 (4) 188 / 0 / 4.2k, "loop" da_block_k=32 (4) 190 / 0 / 1.6k (loop body,
+# 4 trips); wy "tf32" (8) 255 / 256 / 3.5k; split "tf32": wy_dx (8) 156 / 0 / 2.1k + wy_dl (4) 166 / 0 / 1.4k,
+# split 3xTF32: wy_dx (8) 255 / 232 / 6.6k. Not measured on a GPU yet: benchmarks/kda_bwd.py --configs.
 WY_PRECISIONS = ("x3", "tf32")  # step 7's X / dX products for bf16 inputs: 3xTF32 | one TF32 pass
 
 
