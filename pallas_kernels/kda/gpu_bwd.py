@@ -67,7 +67,8 @@ KERNEL_NAMES = (
 # ``wy_split=True``: step 7 as two kernels (these names replace "kda_bwd_wy_gpu").
 SPLIT_WY_NAMES = ("kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu")
 # Launch widths (untuned on the H200: the forward's choices - 2 warps for the solve, 4 elsewhere).
-DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES + SPLIT_WY_NAMES, 4) | {"kda_bwd_solve_gpu": 2}
+# The split step-7 X-product kernel takes 8: with 4 it spills in the offline sm_90 compile (see DA_MODES' note).
+DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES + SPLIT_WY_NAMES, 4) | {"kda_bwd_solve_gpu": 2, "kda_bwd_wy_dx_gpu": 8}
 # step 8: whole-chunk [C, BK] operands per row tile (unrolled) | 16x16 lower sub-tiles only | "full" in a fori_loop
 DA_MODES = ("full", "tri", "loop")
 # Offline sm_90 compile (pip Triton 3.9, bf16 inputs, K=V=128; registers / spill stack bytes / SASS instructions
