@@ -382,6 +382,25 @@ def _wy_dl_kernel(x_ref, akk_ref, beta_ref, segc_ref, segr_ref, dx_ref, dbp_ref,
     daqk_ref[...] = jnp.where(same & (row >= col), daqk, 0.0)
 
 
+def _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale: float, q_ref, k_ref, beta_ref, segc_ref, dbk_ref,
+                dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref):
+    """Final ``dq, dk, dg`` of one 16-row tile of the decay kernels: the row/column decay-product parts
+    ``rq, rk, cq, ck [16, BK] f32`` plus step 6's partials and the ``B_k = beta e^G k`` terms (``d B_k / d k``);
+    ``dg`` = reverse cumsum of ``dG`` inside the chunk, ``suffix [1, BK]`` = the sum over later tiles.
+    Returns the new suffix."""
+    f32 = jnp.float32
+    qa = q_ref[rows, :].astype(f32) * scale
+    ka = k_ref[rows, :].astype(f32)
+    beg = beta_ref[rows, :] * jnp.where(segc_ref[rows, :] == 0, jnp.exp(ga), 0.0)
+    dbk = dbk_ref[rows, :]
+    dq_ref[rows, :] = ((dqp_ref[rows, :].astype(f32) + rq) * scale).astype(dq_ref.dtype)
+    dk_ref[rows, :] = (dkp_ref[rows, :].astype(f32) + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
+    dgt = dgp_ref[rows, :] + dbk * beg * ka + qa * rq + ka * (rk - cq - ck)
+    tot = jnp.sum(dgt, axis=0, keepdims=True)
+    dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
+    return suffix + tot
+
+
 def _da_loop_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref,
                     dbk_ref, dq_ref, dk_ref, dg_ref, *, scale: float, mm_dtype, interpret: bool):
     """:func:`_da_kernel` (``da_mode="loop"``) with the 16-row tiles as a ``fori_loop`` (static trip count)
@@ -407,16 +426,8 @@ def _da_loop_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref,
         up = jnp.exp(jnp.minimum(g_ref[...] - mb, EXP_CLAMP))
         cq = back * mm(daqk_ref[:, rows], (q_ref[...].astype(f32) * scale) * up, TN, mm_dtype)
         ck = back * mm(dakk_ref[:, rows], k_ref[...].astype(f32) * up, TN, mm_dtype)
-        qa = q_ref[rows, :].astype(f32) * scale
-        ka = k_ref[rows, :].astype(f32)
-        beg = beta_ref[rows, :] * jnp.where(segc_ref[rows, :] == 0, jnp.exp(ga), 0.0)
-        dbk = dbk_ref[rows, :]
-        dq_ref[rows, :] = ((dqp_ref[rows, :].astype(f32) + rq) * scale).astype(dq_ref.dtype)
-        dk_ref[rows, :] = (dkp_ref[rows, :].astype(f32) + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
-        dgt = dgp_ref[rows, :] + dbk * beg * ka + qa * rq + ka * (rk - cq - ck)
-        tot = jnp.sum(dgt, axis=0, keepdims=True)
-        dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
-        return suffix + tot
+        return _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale, q_ref, k_ref, beta_ref, segc_ref, dbk_ref,
+                           dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref)
 
     jax.lax.fori_loop(0, nt, body, jnp.zeros((1, BK), f32))
 
@@ -456,16 +467,8 @@ def _da_tri_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, 
         back = jnp.exp(mb - ga)
         cq = back * cq
         ck = back * ck
-        qa = q_ref[rows, :].astype(f32) * scale
-        ka = k_ref[rows, :].astype(f32)
-        beg = beta_ref[rows, :] * jnp.where(segc_ref[rows, :] == 0, jnp.exp(ga), 0.0)
-        dbk = dbk_ref[rows, :]
-        dq_ref[rows, :] = ((dqp_ref[rows, :].astype(f32) + rq) * scale).astype(dq_ref.dtype)
-        dk_ref[rows, :] = (dkp_ref[rows, :].astype(f32) + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
-        dgt = dgp_ref[rows, :] + dbk * beg * ka + qa * rq + ka * (rk - cq - ck)
-        tot = jnp.sum(dgt, axis=0, keepdims=True)
-        dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
-        suffix = suffix + tot
+        suffix = _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale, q_ref, k_ref, beta_ref, segc_ref, dbk_ref,
+                           dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref)
 
 
 def _da_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref, dbk_ref,
@@ -490,16 +493,8 @@ def _da_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_
         up = jnp.exp(jnp.minimum(g_ref[...] - mb, EXP_CLAMP))
         cq = back * mm(daqk_ref[:, rows], (q_ref[...].astype(f32) * scale) * up, TN, mm_dtype)  # d(k_j), A_qk
         ck = back * mm(dakk_ref[:, rows], k_ref[...].astype(f32) * up, TN, mm_dtype)  # d(k_j), A_kk cols
-        qa = q_ref[rows, :].astype(f32) * scale
-        ka = k_ref[rows, :].astype(f32)
-        beg = beta_ref[rows, :] * jnp.where(segc_ref[rows, :] == 0, jnp.exp(ga), 0.0)  # d B_k / d k
-        dbk = dbk_ref[rows, :]
-        dq_ref[rows, :] = ((dqp_ref[rows, :].astype(f32) + rq) * scale).astype(dq_ref.dtype)
-        dk_ref[rows, :] = (dkp_ref[rows, :].astype(f32) + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
-        dgt = dgp_ref[rows, :] + dbk * beg * ka + qa * rq + ka * (rk - cq - ck)
-        tot = jnp.sum(dgt, axis=0, keepdims=True)
-        dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
-        suffix = suffix + tot
+        suffix = _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale, q_ref, k_ref, beta_ref, segc_ref, dbk_ref,
+                           dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref)
 
 
 # ------------------------------------------------------------------------------------------------------
