@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import _layout
-from pallas_kernels.kda import reference as ref
+from pallas_kernels.kda import gpu as _fwd
 
 __all__ = ["chunk_kda_bwd", "KERNEL_NAMES", "SPLIT_WY_NAMES", "DEFAULT_WARPS", "DA_MODES", "WY_PRECISIONS"]
 
@@ -278,31 +278,26 @@ def _dqkw_kernel(q_ref, k_ref, g_ref, segc_ref, do_ref, vt_ref, dvt_ref, h_ref, 
     dgp_ref[...] = dqe * qe - dkd * kdec + jnp.where(rowk == C - 1, dglast, 0.0)
 
 
-def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref, do_ref, vt_ref, dvt_ref,
-               dw_ref, dv_ref, dbk_ref, dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool,
-               x_dtype=jnp.float32):
-    """Through ``[W | U] = X diag(beta) [e^G k | v]`` for one chunk (see the module docstring, step 7).
-    ``x_dtype``: operands of the products with ``X`` and ``dX`` (fp32 = 3xTF32, or :data:`TF32`)."""
+def _dx_and_db(x_of, beta, first, k_ref, v_ref, g_ref, dvt_ref, dw_ref, dv_ref, dbk_ref, *, block: int, mm,
+               x_dtype, per_v_block=None):
+    """Step 7's V / K-block loops: ``dB_v = X^T dV~`` (written as ``dv = beta dB_v``), ``dB_k = X^T dW`` (written),
+    and their sums ``dX = dV~ B_v^T + dW B_k^T [C, C]`` and the ``dB`` part of dbeta ``[C, 1]`` (both fp32,
+    returned). ``x_of()`` gives ``X`` (a held value, or a fresh ref read per product for short live ranges);
+    ``first [C, 1]``: tokens of the document that entered the chunk; ``per_v_block(vs)`` runs inside the V loop."""
     f32 = jnp.float32
-    xp = x_dtype
     C, K = k_ref.shape
     V = v_ref.shape[-1]
-    mm = _make_mm(interpret)
-    xm = x_ref[...]
-    beta = beta_ref[...]  # [C, 1]
-    segc = segc_ref[...]
-    first = segc == 0
     dx = jnp.zeros((C, C), f32)
-    daqk = jnp.zeros((C, C), f32)
     dbeta = jnp.zeros((C, 1), f32)
     bv_ = min(block, V)
     for vb in range(V // bv_):
         vs = pl.ds(vb * bv_, bv_)
         dvt = dvt_ref[:, vs].astype(f32)
         vv = v_ref[:, vs].astype(f32)
-        dx = dx + mm(dvt, beta * vv, NT, xp)
-        daqk = daqk + mm(do_ref[:, vs], vt_ref[:, vs], NT, mm_dtype)
-        dbv = mm(xm, dvt, TN, xp)
+        dx = dx + mm(dvt, beta * vv, NT, x_dtype)
+        if per_v_block is not None:
+            per_v_block(vs)
+        dbv = mm(x_of(), dvt, TN, x_dtype)
         dv_ref[:, vs] = (beta * dbv).astype(dv_ref.dtype)
         dbeta = dbeta + jnp.sum(dbv * vv, axis=1, keepdims=True)
     bk_ = min(block, K)
@@ -310,11 +305,33 @@ def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref
         cols = pl.ds(kb * bk_, bk_)
         dwb = dw_ref[:, cols]
         egk = jnp.where(first, jnp.exp(g_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
-        bk = beta * egk
-        dx = dx + mm(dwb, bk, NT, xp)
-        dbk = mm(xm, dwb, TN, xp)
+        dx = dx + mm(dwb, beta * egk, NT, x_dtype)
+        dbk = mm(x_of(), dwb, TN, x_dtype)
         dbk_ref[:, cols] = dbk
         dbeta = dbeta + jnp.sum(dbk * egk, axis=1, keepdims=True)
+    return dx, dbeta
+
+
+def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref, do_ref, vt_ref, dvt_ref,
+               dw_ref, dv_ref, dbk_ref, dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool,
+               x_dtype=jnp.float32):
+    """Through ``[W | U] = X diag(beta) [e^G k | v]`` for one chunk (see the module docstring, step 7).
+    ``x_dtype``: operands of the products with ``X`` and ``dX`` (fp32 = 3xTF32, or :data:`TF32`)."""
+    f32 = jnp.float32
+    xp = x_dtype
+    C = k_ref.shape[0]
+    mm = _make_mm(interpret)
+    xm = x_ref[...]
+    beta = beta_ref[...]  # [C, 1]
+    segc = segc_ref[...]
+    daqk = [jnp.zeros((C, C), f32)]
+
+    def add_daqk(vs):
+        daqk[0] = daqk[0] + mm(do_ref[:, vs], vt_ref[:, vs], NT, mm_dtype)
+
+    dx, dbeta = _dx_and_db(lambda: xm, beta, segc == 0, k_ref, v_ref, g_ref, dvt_ref, dw_ref, dv_ref, dbk_ref,
+                           block=block, mm=mm, x_dtype=xp, per_v_block=add_daqk)
+    daqk = daqk[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
     same = segc == segr_ref[...]
@@ -329,32 +346,9 @@ def _wy_dx_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, dvt_ref, dw_re
     """Split step 7, part 1 (``wy_split``): ``dB_v = X^T dV~`` (-> dv), ``dB_k = X^T dW``, the V / K-block
     sums ``dX [C, C]`` (fp32, written out) and the ``dB`` part of dbeta. ``X`` is re-read from its ref at each
     product (short live ranges; only the ``dX`` accumulator spans the loops)."""
-    f32 = jnp.float32
-    C, K = k_ref.shape
-    V = v_ref.shape[-1]
     mm = _make_mm(interpret)
-    beta = beta_ref[...]
-    first = segc_ref[...] == 0
-    dx = jnp.zeros((C, C), f32)
-    dbeta = jnp.zeros((C, 1), f32)
-    bv_ = min(block, V)
-    for vb in range(V // bv_):
-        vs = pl.ds(vb * bv_, bv_)
-        dvt = dvt_ref[:, vs].astype(f32)
-        vv = v_ref[:, vs].astype(f32)
-        dx = dx + mm(dvt, beta * vv, NT, x_dtype)
-        dbv = mm(x_ref[...], dvt, TN, x_dtype)
-        dv_ref[:, vs] = (beta * dbv).astype(dv_ref.dtype)
-        dbeta = dbeta + jnp.sum(dbv * vv, axis=1, keepdims=True)
-    bk_ = min(block, K)
-    for kb in range(K // bk_):
-        cols = pl.ds(kb * bk_, bk_)
-        dwb = dw_ref[:, cols]
-        egk = jnp.where(first, jnp.exp(g_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
-        dx = dx + mm(dwb, beta * egk, NT, x_dtype)
-        dbk = mm(x_ref[...], dwb, TN, x_dtype)
-        dbk_ref[:, cols] = dbk
-        dbeta = dbeta + jnp.sum(dbk * egk, axis=1, keepdims=True)
+    dx, dbeta = _dx_and_db(lambda: x_ref[...], beta_ref[...], segc_ref[...] == 0, k_ref, v_ref, g_ref, dvt_ref,
+                           dw_ref, dv_ref, dbk_ref, block=block, mm=mm, x_dtype=x_dtype)
     dx_ref[...] = dx
     dbp_ref[...] = dbeta
 
@@ -516,20 +510,16 @@ class _Inputs(NamedTuple):
 
 
 def _prepare(q, k, v, g, beta, initial_state, segment_ids, do, dht, C: int) -> _Inputs:
+    """The forward's inputs (:func:`pallas_kernels.kda.gpu._prepare` with the cumsum in XLA), plus the padded
+    output cotangent and the transposed final-state cotangent."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    N = -(-T // C)
-    Tp = N * C
-    pad = Tp - T
-    padt = lambda x: x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    gam = jnp.cumsum(padt(g.astype(jnp.float32)).reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
-    reset = padt(ref.segment_resets(segment_ids, B, T).astype(jnp.int32))
-    seg = jnp.cumsum(reset.reshape(B, N, C), axis=-1)
-    to_t = lambda s: jnp.swapaxes(s.astype(jnp.float32), -1, -2).reshape(B * H, V, K)
-    h0t = jnp.zeros((B * H, V, K), jnp.float32) if initial_state is None else to_t(initial_state)
-    dhtt = jnp.zeros((B * H, V, K), jnp.float32) if dht is None else to_t(dht)
-    return _Inputs(padt(q), padt(k), padt(v), gam, padt(beta.astype(jnp.float32))[..., None],
-                   seg.reshape(B, Tp, 1), seg.reshape(B, N, 1, C), h0t, padt(do), dhtt)
+    fwd = _fwd._prepare(q, k, v, g, beta, initial_state, segment_ids, C, xla_cumsum=True)
+    pad = fwd.q.shape[1] - T
+    do_p = do if pad == 0 else jnp.pad(do, [(0, 0), (0, pad), (0, 0), (0, 0)])
+    dhtt = (jnp.zeros((B * H, V, K), jnp.float32) if dht is None
+            else jnp.swapaxes(dht.astype(jnp.float32), -1, -2).reshape(B * H, V, K))
+    return _Inputs(*fwd, do_p, dhtt)
 
 
 def _pow2(name: str, d: int) -> None:
