@@ -168,7 +168,7 @@ def test_fused_gate_and_l2norm_options():
 def test_dispatch():
     q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 16, 16)
     if jax.default_backend() == "cpu":
-        assert ops._resolve("auto", False, "x", chunked=True) == "reference"
+        assert ops._resolve("auto", False, "x") == "reference"
         assert ops._resolve("auto", True, "x") == "pallas_tpu"
     with pytest.raises(ValueError, match="implementation"):
         kda.chunk_kda(q, k, v, g, beta, implementation="cuda")

@@ -48,9 +48,9 @@ def _auto_as(monkeypatch, platform: str, interpret: bool) -> None:
     optionally forcing the kernels into the Pallas interpreter."""
     kda_resolve, moe_resolve = kda_ops._resolve, moe_ops.resolve
 
-    def kda(implementation, interp, name, chunked=False):
+    def kda(implementation, interp, name):
         if implementation != "auto":
-            return kda_resolve(implementation, interp, name, chunked)
+            return kda_resolve(implementation, interp, name)
         return platform
 
     def moe(implementation, interp=False, name="moe"):

@@ -30,7 +30,7 @@ IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 BACKWARDS = ("auto", "pallas", "reference")
 
 
-def _resolve(implementation: str, interpret, name: str, chunked: bool = False) -> str:
+def _resolve(implementation: str, interpret, name: str) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{name}: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation != "auto":
@@ -136,7 +136,7 @@ def chunk_kda(
     if backward not in BACKWARDS:
         raise ValueError(f"chunk_kda: backward must be one of {BACKWARDS}, got {backward!r}")
     q, k, g = _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm)
-    impl = _resolve(implementation, interpret, "chunk_kda", chunked=True)
+    impl = _resolve(implementation, interpret, "chunk_kda")
     if not safe_gate and implementation == "auto":
         impl = "reference"
     if A_log is not None and lower_bound < -5.0 and implementation == "auto":
