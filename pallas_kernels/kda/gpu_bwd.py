@@ -89,7 +89,10 @@ def _round_tf32(x):
 
 
 def _make_mm(interpret: bool):
-    precise = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    """The forward's matmul (:func:`pallas_kernels.kda.gpu._make_mm`) plus one mode: ``dtype=TF32`` = one TF32
+    pass with fp32 accumulation (emulated by rounding the operands in interpret mode)."""
+    base = _fwd._make_mm(interpret)
+    precise = jax.lax.Precision.HIGHEST
 
     def mm(a, b, dims, dtype):
         if isinstance(dtype, str) and dtype == TF32:
@@ -99,10 +102,7 @@ def _make_mm(interpret: bool):
             return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
                                        precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
                                        preferred_element_type=jnp.float32)
-        if dtype == jnp.float32:
-            return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims, precision=precise,
-                                       preferred_element_type=jnp.float32)
-        return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=jnp.float32)
+        return base(a, b, dims, dtype)
 
     return mm
 
