@@ -83,17 +83,17 @@ def test_gpu_bwd_interpret_extreme_gate_chunk32():
     check(got, ref_vjp(q, k, v, g, beta, h0, None, do, jnp.zeros_like(h0)), (q, k, v, g, beta, h0), 1e-3)
 
 
-# Static variants of steps 7 and 8 (defaults unchanged until measured on the H200; benchmarks/kda_bwd.py sweeps
-# them). K=V=32 keeps the interpreter cheap while the chunk still has 4 row tiles; one call per case (each
-# interpreted backward costs ~6 s to compile): the fp32 case covers the split step-7 kernels with 3xTF32 and the
-# triangular step 8, the bf16 case the looped step 8 with the one-pass TF32 split step 7.
+# Static variants of steps 7 and 8 besides the defaults (triangular step 8, split one-pass-TF32 step 7: the H200
+# sweep's fastest, benchmarks/kda_bwd.py). K=V=32 keeps the interpreter cheap while the chunk still has 4 row
+# tiles; one call per case (each interpreted backward costs ~6 s to compile): the fp32 case covers the unsplit
+# step-7 kernel and the whole-chunk step 8, the bf16 case the looped step 8 with the split step 7.
 VARIANT_CASES = [
-    ("fp32", {"da_mode": "tri", "wy_split": True}),
+    ("fp32", {"da_mode": "full", "da_block_k": None, "wy_split": False}),
     ("bf16", {"da_mode": "loop", "da_block_k": 16, "wy_split": True, "wy_precision": "tf32"}),
 ]
 
 
-@pytest.mark.parametrize("case", VARIANT_CASES, ids=["fp32-tri-split", "bf16-loop-bk16-split-tf32"])
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=["fp32-full-unsplit", "bf16-loop-bk16-split-tf32"])
 def test_gpu_bwd_interpret_variants(case):
     """fp32: within 1e-3 of the reference VJP (fp32 inputs keep 3xTF32 in step 7 whatever ``wy_precision``
     says), two documents, 16-wide blocks. bf16 with the benchmark's strong-decay gate (where bf16 decay-product
@@ -142,9 +142,10 @@ def test_chunk_kda_pallas_gpu_grad_uses_kernels():
         return jax.grad(f, argnums=tuple(range(6)))
 
     jaxpr = str(jax.make_jaxpr(loss("pallas_gpu", "auto"))(q, k, v, g, beta, h0))
-    assert all(n in jaxpr for n in gpu_bwd.KERNEL_NAMES)
+    assert all(n in jaxpr for n in gpu_bwd.launched_kernels())
     jaxpr_ref_vjp = str(jax.make_jaxpr(loss("pallas_gpu", "reference"))(q, k, v, g, beta, h0))
-    assert "kda_chunk_state_gpu" in jaxpr_ref_vjp and not any(n in jaxpr_ref_vjp for n in gpu_bwd.KERNEL_NAMES)
+    assert "kda_chunk_state_gpu" in jaxpr_ref_vjp and not any(
+        n in jaxpr_ref_vjp for n in gpu_bwd.KERNEL_NAMES + gpu_bwd.SPLIT_WY_NAMES)
     got = jax.jit(loss("pallas_gpu", "auto"))(q, k, v, g, beta, h0)
     want = jax.jit(loss("reference", "auto"))(q, k, v, g, beta, h0)
     for name, a, b in zip(NAMES, got, want, strict=True):
@@ -168,9 +169,8 @@ def test_gpu_bwd_on_gpu(case, dtype):
     knobs = {"block_k": 32, "block_v": 32, "num_warps": {n: 8 for n in gpu_bwd.KERNEL_NAMES}}
     check(kernel_vjp(q, k, v, g, beta, h0, seg, do, dht, interpret=False, **knobs), want,
           (q, k, v, g, beta, h0), tol)
-    if K == 128:  # the step-7/8 variants of the benchmark sweep's last two configs
-        for da_mode in ("tri", "loop"):
-            knobs = {"da_mode": da_mode, "da_block_k": 32, "wy_split": True, "wy_precision": "tf32",
-                     "num_warps": {"kda_bwd_wy_dx_gpu": 8, "kda_bwd_dqkw_gpu": 8}}
+    if K == 128:  # the other step-7/8 variants: the looped step 8, and the unsplit whole-chunk 3xTF32 path
+        for knobs in ({"da_mode": "loop"}, {"da_mode": "full", "da_block_k": None, "wy_split": False,
+                                            "wy_precision": "x3", "num_warps": {"kda_bwd_dqkw_gpu": 4}}):
             check(kernel_vjp(q, k, v, g, beta, h0, seg, do, dht, interpret=False, **knobs), want,
                   (q, k, v, g, beta, h0), tol)

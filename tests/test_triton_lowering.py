@@ -118,14 +118,12 @@ def test_kda_bwd_kernels_lower(verified_modules, dtype):
         h0 = jnp.zeros((b, h, d, d), jnp.float32)
         _lower_for_cuda(lambda q, g, beta, seg, h0: gpu_bwd.chunk_kda_bwd(
             q, q, q, g, beta, q.shape[-1] ** -0.5, h0, seg, q, h0), q, g, beta, seg, h0)
-    assert verified_modules == list(gpu_bwd.KERNEL_NAMES) * 2, verified_modules
-    # The static variants of steps 7 and 8 (K=V=128): triangular step 8 with one-pass TF32 step 7, looped step 8,
-    # and the split step 7 with 32-wide step-8 K blocks.
-    split = [n for n in gpu_bwd.KERNEL_NAMES if n != "kda_bwd_wy_gpu"]
-    split[-1:-1] = list(gpu_bwd.SPLIT_WY_NAMES)
-    for kw in ({"da_mode": "tri", "wy_precision": "tf32"}, {"da_mode": "loop"},
-               {"wy_split": True, "da_block_k": 32, "da_mode": "tri"}):
+    assert verified_modules == list(gpu_bwd.launched_kernels()) * 2, verified_modules
+    # The other static variants of steps 7 and 8 (K=V=128): the unsplit whole-chunk 3xTF32 path (the default before
+    # the H200 sweep), the looped step 8, and the unsplit step 7 with the triangular step 8 in one-pass TF32.
+    for kw in ({"da_mode": "full", "da_block_k": None, "wy_split": False, "wy_precision": "x3"}, {"da_mode": "loop"},
+               {"wy_split": False, "da_mode": "tri", "wy_precision": "tf32"}):
         del verified_modules[:]
         _lower_for_cuda(lambda q, g, beta, seg, h0, kw=kw: gpu_bwd.chunk_kda_bwd(
             q, q, q, g, beta, q.shape[-1] ** -0.5, h0, seg, q, h0, **kw), q, g, beta, seg, h0)
-        assert verified_modules == (split if kw.get("wy_split") else list(gpu_bwd.KERNEL_NAMES)), verified_modules
+        assert verified_modules == list(gpu_bwd.launched_kernels(kw.get("wy_split", True))), verified_modules

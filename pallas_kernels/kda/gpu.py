@@ -252,13 +252,14 @@ def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int, xla_cumsum: b
 
 def chunk_kda_fwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, chunk_size: int = 64,
-    interpret: bool = False, block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    interpret: bool = False, block_v: int | None = None, num_warps: int = 4, num_stages: int = 3,
     a_num_warps: int = 4, solve_num_warps: int = 4, wu_num_warps: int = 4, block_k: int = 64,
     x_dtype=None, decay_cumsum: str = "kernel",
 ):
     """Chunked KDA forward on GPU, four Triton kernels. Args as the reference ``chunk_kda`` (``g >= -5``).
 
-    ``num_warps``/``num_stages``/``block_v``: the state kernel (grid ``(B*H, V / block_v)``);
+    ``num_warps``/``num_stages``/``block_v``: the state kernel (grid ``(B*H, V / block_v)``; 3 stages: 2.31 vs
+    2.52 ms with 2 at B=1, T=8192, H=96 on the H200, benchmarks/RESULTS.md);
     ``a_num_warps``, ``solve_num_warps``, ``wu_num_warps``: the A, solve and W/U kernels; ``block_k``: the
     K slice of the A kernel and the column block of the W/U kernel; ``x_dtype``: storage and matmul dtype of
     ``X = (I + diag(beta) A_kk)^-1`` (default: the matmul dtype, bf16 for bf16 inputs, else fp32);
@@ -410,9 +411,12 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref,
     pool_out_ref[slot, h, :, vs] = s
 
 
-def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, block_v: int = 32,
-                interpret: bool = False, num_warps: int = 4):
+def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, block_v: int = 64,
+                interpret: bool = False, num_warps: int = 8):
     """One recurrent KDA step in place on a state pool (see :func:`pallas_kernels.kda.tpu.decode_step`).
+
+    ``block_v`` / ``num_warps``: V slice per program and its warps; the default (64, 8 warps) was the
+    fastest of the H200 sweep at B=64, H=96, K=V=128 (``benchmarks/kda.py --decode-configs``, RESULTS.md).
 
     ``q, k, g [B, H, K]``, ``v [B, H, V]``, ``beta [B, H]``, ``state_pool [P, H, K, V] f32``,
     ``state_slots [B] i32``. Returns ``(o [B, H, V], new_pool)``.

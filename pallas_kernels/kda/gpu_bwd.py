@@ -52,7 +52,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import _layout
 from pallas_kernels.kda import gpu as _fwd
 
-__all__ = ["chunk_kda_bwd", "KERNEL_NAMES", "SPLIT_WY_NAMES", "DEFAULT_WARPS", "DA_MODES", "WY_PRECISIONS"]
+__all__ = ["chunk_kda_bwd", "launched_kernels", "KERNEL_NAMES", "SPLIT_WY_NAMES", "DEFAULT_WARPS", "DA_MODES",
+           "WY_PRECISIONS"]
 
 SUB = 16
 EXP_CLAMP = 80.0
@@ -66,16 +67,27 @@ KERNEL_NAMES = (
 )
 # ``wy_split=True``: step 7 as two kernels (these names replace "kda_bwd_wy_gpu").
 SPLIT_WY_NAMES = ("kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu")
-# Launch widths (untuned on the H200: the forward's choices - 2 warps for the solve, 4 elsewhere).
-# The split step-7 X-product kernel takes 8: with 4 it spills in the offline sm_90 compile (see DA_MODES' note).
-DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES + SPLIT_WY_NAMES, 4) | {"kda_bwd_solve_gpu": 2, "kda_bwd_wy_dx_gpu": 8}
+# Launch widths: 2 warps for the solve, 4 elsewhere, 8 for the split step-7 X-product kernel (with 4 it spills in
+# the offline sm_90 compile, see DA_MODES' note) and for dq/dk/dw (the H200 sweep's fastest, benchmarks/RESULTS.md).
+DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES + SPLIT_WY_NAMES, 4) | {
+    "kda_bwd_solve_gpu": 2, "kda_bwd_wy_dx_gpu": 8, "kda_bwd_dqkw_gpu": 8}
+
+
+def launched_kernels(wy_split: bool = True) -> tuple[str, ...]:
+    """Names of the kernels one backward launches, in launch order (``wy_split`` as :func:`chunk_kda_bwd`)."""
+    if not wy_split:
+        return KERNEL_NAMES
+    return tuple(n for n in KERNEL_NAMES[:-1] if n != "kda_bwd_wy_gpu") + SPLIT_WY_NAMES + KERNEL_NAMES[-1:]
+
+
 # step 8: whole-chunk [C, BK] operands per row tile (unrolled) | 16x16 lower sub-tiles only | "full" in a fori_loop
 DA_MODES = ("full", "tri", "loop")
 # Offline sm_90 compile (pip Triton 3.9, bf16 inputs, K=V=128; registers / spill stack bytes / SASS instructions
 # per thread, static): default da (4 warps) 255 / 128 / 9.3k, wy (4) 255 / 1160 / 10.4k; da "tri" 8 warps
 # 182 / 0 / 4.3k, "tri" da_block_k=32 (4) 188 / 0 / 4.2k, "loop" da_block_k=32 (4) 190 / 0 / 1.6k (loop body,
 # 4 trips); wy "tf32" (8) 255 / 256 / 3.5k; split "tf32": wy_dx (8) 156 / 0 / 2.1k + wy_dl (4) 166 / 0 / 1.4k,
-# split 3xTF32: wy_dx (8) 255 / 232 / 6.6k. Not measured on a GPU yet: benchmarks/kda_bwd.py --configs.
+# split 3xTF32: wy_dx (8) 255 / 232 / 6.6k. H200 sweep (benchmarks/kda_bwd.py, T=8192, H=96, bf16; RESULTS.md):
+# backward 17.46 ms with full / unsplit / x3 -> 13.29 ms with tri, da_block_k 32, split, tf32 (the defaults now).
 WY_PRECISIONS = ("x3", "tf32")  # step 7's X / dX products for bf16 inputs: 3xTF32 | one TF32 pass
 
 
@@ -531,7 +543,7 @@ def chunk_kda_bwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
     chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int = 64,
     num_warps: dict | None = None, num_stages: int = 2, state_dtype=None,
-    da_mode: str = "full", da_block_k: int | None = None, wy_split: bool = False, wy_precision: str = "x3",
+    da_mode: str = "tri", da_block_k: int | None = 32, wy_split: bool = True, wy_precision: str = "tf32",
 ):
     """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), eight Triton kernels.
 
@@ -544,11 +556,11 @@ def chunk_kda_bwd(
     :data:`DEFAULT_WARPS`); ``num_stages``: the sweeps; ``state_dtype``: storage of the per-chunk states
     ``h`` and state cotangents ``dh`` (default: the matmul dtype, bf16 for bf16 inputs - they only enter
     bf16 matmuls there - else fp32). ``interpret``: generic Pallas interpreter.
-    Variants (static; defaults = the measured code path): ``da_mode`` (:data:`DA_MODES`): step 8 over whole-chunk
-    operands per 16-row tile, unrolled (``"full"``), the same in a ``fori_loop`` over the tiles (``"loop"``), or
-    over the 16x16 sub-tiles on/below the diagonal only (``"tri"``: ~40% fewer exps and products, ``[16, BK]``
-    operands); ``da_block_k``: step 8's K block (grid axis; default
-    ``block_k``); ``wy_split``: step 7 as two kernels
+    Variants (static; defaults = the fastest of the H200 sweep): ``da_mode`` (:data:`DA_MODES`): step 8 over
+    whole-chunk operands per 16-row tile, unrolled (``"full"``), the same in a ``fori_loop`` over the tiles
+    (``"loop"``), or over the 16x16 sub-tiles on/below the diagonal only (``"tri"``: ~40% fewer exps and products,
+    ``[16, BK]`` operands); ``da_block_k``: step 8's K block (grid axis; None = ``block_k``); ``wy_split``: step 7
+    as two kernels
     (:data:`SPLIT_WY_NAMES`: X-products and ``dX``, then the ``dL`` chain and ``dA_qk``; ``dX`` goes through
     HBM, +0.4 GB at T=8192, H=96) instead of one that spills; ``wy_precision`` (:data:`WY_PRECISIONS`): step 7's
     products with ``X`` / ``dX`` for bf16 inputs - ``"x3"`` (3xTF32) or ``"tf32"`` (one pass; fp32 inputs
