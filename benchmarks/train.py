@@ -45,13 +45,14 @@ def gpu_lock():
 
 
 def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: int, remat: str,
-          mesh: str | None, peak_tflops: float | None, profile_dir: str | None = None) -> dict:
+          mesh: str | None, peak_tflops: float | None, profile_dir: str | None = None,
+          muon_dtype: str = "float32") -> dict:
     from k3_jax.training.loop import TrainConfig, Trainer
 
     overrides = {"kda_implementation": impl, "moe_implementation": impl, "remat": remat}
     tc = TrainConfig(config=config, model_overrides=overrides, workdir="/tmp/k3-bench-train", steps=1000,
                      seq_len=seq_len, batch_size=batch, accum=accum, eval_every=0, tensorboard=False,
-                     resume=False, mesh=mesh, peak_tflops=peak_tflops)
+                     resume=False, mesh=mesh, peak_tflops=peak_tflops, muon_dtype=muon_dtype)
     tr = Trainer(tc)
     state = tr.init_state()
     train_step, _ = tr.compiled_steps(state)
@@ -91,7 +92,15 @@ def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: i
             "tflops_per_device": round(achieved / n_dev / 1e12, 3),
             "mfu": round(achieved / (tr.peak * n_dev), 4) if tr.peak else None,
             "compile_s": round(compile_s, 1), "loss": round(float(m["loss"]), 4),
-            "flops_per_token": tr.flops["total"], **({"device_profile": prof} if prof else {})}
+            "flops_per_token": tr.flops["total"], "muon_dtype": muon_dtype,
+            "peak_gib": peak_memory_gib(), **({"device_profile": prof} if prof else {})}
+
+
+def peak_memory_gib() -> float | None:
+    """Peak bytes in use on device 0 so far (``Device.memory_stats``; None where the backend has none)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return round(peak / 2**30, 2) if peak is not None else None
 
 
 def main() -> None:
@@ -105,6 +114,8 @@ def main() -> None:
     ap.add_argument("--impls", default="auto,reference")
     ap.add_argument("--mesh", default=None)
     ap.add_argument("--peak-tflops", type=float, default=None)
+    ap.add_argument("--muon-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="Newton-Schulz matmul dtype of Muon (TrainConfig.muon_dtype)")
     ap.add_argument("--profile-dir", default=None,
                     help="also profile one step per impl; adds device_profile (top device ops, ms) to the JSON")
     args = ap.parse_args()
@@ -112,7 +123,7 @@ def main() -> None:
     for impl in args.impls.split(","):
         try:
             r = bench(args.config, impl, args.batch_size, args.seq_len, args.steps, args.accum, args.remat,
-                      args.mesh, args.peak_tflops, args.profile_dir)
+                      args.mesh, args.peak_tflops, args.profile_dir, args.muon_dtype)
         except Exception as e:  # noqa: BLE001 - report and continue with the peer
             r = {"impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(json.dumps(r), flush=True)
