@@ -14,6 +14,7 @@ from k3_jax.training.optim import (
     lr_schedule,
     newton_schulz,
     orthogonalize,
+    orthogonalize_many,
     param_labels,
 )
 
@@ -166,3 +167,19 @@ def test_optimizer_descends_least_squares(name):
     for _ in range(60):
         params, state = step(params, state)
     assert float(loss(params)) < 0.1 * l0
+
+
+def test_orthogonalize_many_batches_same_shapes_and_matches_each_alone():
+    """Same-shaped arrays go through one batched Newton–Schulz call (one ``scan`` per distinct shape in the
+    jaxpr, 3 here for 5 arrays) and each result equals :func:`orthogonalize` on that array alone."""
+    rng = np.random.default_rng(4)
+    shapes = [(2, 16, 24), (16, 8), (2, 16, 24), (16, 8), (24, 16)]
+    us = [jnp.asarray(rng.normal(size=s).astype(np.float32) * (10.0 ** i)) for i, s in enumerate(shapes)]
+    for heads in (0, 2):
+        got = orthogonalize_many(us, num_heads=heads)
+        for u, o in zip(us, got, strict=True):
+            want = orthogonalize(u, num_heads=heads)
+            assert o.shape == u.shape
+            np.testing.assert_allclose(np.asarray(o), np.asarray(want), rtol=1e-5, atol=1e-6)
+    jaxpr = jax.make_jaxpr(lambda *xs: orthogonalize_many(list(xs)))(*us)
+    assert sum(eqn.primitive.name == "scan" for eqn in jaxpr.jaxpr.eqns) == 3
