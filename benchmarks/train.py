@@ -49,7 +49,7 @@ def gpu_lock():
 
 def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: int, remat: str,
           mesh: str | None, peak_tflops: float | None, profile_dir: str | None = None,
-          muon_dtype: str = "float32") -> dict:
+          muon_dtype: str = "auto") -> dict:
     from k3_jax.training.loop import TrainConfig, Trainer
 
     overrides = {"kda_implementation": impl, "moe_implementation": impl, "remat": remat}
@@ -95,7 +95,7 @@ def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: i
             "tflops_per_device": round(achieved / n_dev / 1e12, 3),
             "mfu": round(achieved / (tr.peak * n_dev), 4) if tr.peak else None,
             "compile_s": round(compile_s, 1), "loss": round(float(m["loss"]), 4),
-            "flops_per_token": tr.flops["total"], "muon_dtype": muon_dtype,
+            "flops_per_token": tr.flops["total"], "muon_dtype": tr.optim_cfg.muon_dtype,
             "mem_fraction": float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]),
             "peak_gib": peak_memory_gib(), **({"device_profile": prof} if prof else {})}
 
@@ -118,8 +118,8 @@ def main() -> None:
     ap.add_argument("--impls", default="auto,reference")
     ap.add_argument("--mesh", default=None)
     ap.add_argument("--peak-tflops", type=float, default=None)
-    ap.add_argument("--muon-dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="Newton-Schulz matmul dtype of Muon (TrainConfig.muon_dtype)")
+    ap.add_argument("--muon-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="Newton-Schulz matmul dtype of Muon (TrainConfig.muon_dtype; auto = bf16 on GPU/TPU)")
     ap.add_argument("--profile-dir", default=None,
                     help="also profile one step per impl; adds device_profile (top device ops, ms) to the JSON")
     args = ap.parse_args()

@@ -95,6 +95,19 @@ def test_cli_builds_config():
         build_train_config(["--set", "novalue"])
 
 
+def test_muon_dtype_auto_and_bad_value():
+    """``muon_dtype="auto"`` is fp32 on CPU (bf16 on GPU/TPU); ``--set muon_dtype=...`` reaches TrainConfig; an
+    unknown dtype is refused with the key's name."""
+    from k3_jax.training.loop import resolve_muon_dtype
+    from train import build_train_config
+
+    assert jax.default_backend() != "cpu" or resolve_muon_dtype("auto") == "float32"
+    assert resolve_muon_dtype("bfloat16") == "bfloat16"
+    assert build_train_config(["--set", "muon_dtype=bfloat16"]).muon_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="muon_dtype"):
+        resolve_muon_dtype("fp8")
+
+
 def test_flops_per_token_counts_active_params():
     from k3_jax.config import count_params, load_config
     from k3_jax.training.metrics import flops_per_token
