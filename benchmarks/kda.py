@@ -255,7 +255,7 @@ def main():
     p.add_argument("--reference-shapes", type=int, default=1, help="time the reference on the first N shapes")
     p.add_argument("--fla-shapes", type=int, default=99, help="time fla's chunk_kda on the first N shapes only")
     p.add_argument("--decode-first", action="store_true", help="run the decode comparison before the chunk shapes")
-    p.add_argument("--decode-configs", default="32:4", help="comma list of block_v:num_warps for gpu.decode_step")
+    p.add_argument("--decode-configs", default="64:8", help="comma list of block_v:num_warps for gpu.decode_step")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
     p.add_argument("--profile-dir", default=None, help="add per-kernel device times (JAX profiler) of our calls")
     args = p.parse_args()
