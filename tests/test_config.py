@@ -67,6 +67,25 @@ def test_bad_config_names_the_key(mutate, key):
         config_from_dict(raw)
 
 
+def test_slice_config_has_k3_layer_shapes():
+    """``k3-slice.json`` (the benchmark config for training throughput on one GPU): every per-layer width equals
+    the released K3's, so its matmuls and kernels run at K3's shapes; only depth, expert count, top-k and the
+    vocabulary are smaller."""
+    k3, sl = (load_config(REPO / "configs" / f"{n}.json") for n in ("k3", "k3-slice"))
+    for field in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim", "kda_num_heads", "kda_head_dim", "moe_intermediate_size",
+                  "routed_expert_hidden_size", "num_shared_experts", "gate_lower_bound"):
+        assert getattr(sl, field) == getattr(k3, field), field
+    assert [sl.mixer_kind(i) for i in range(sl.num_hidden_layers)] == ["kda", "kda", "kda", "mla"]
+    assert 4.8e9 < count_params(sl)["total"] < 5.0e9
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.json")))
+def test_every_bundled_config_loads(name):
+    cfg = load_config(REPO / "configs" / f"{name}.json")
+    assert count_params(cfg)["active"] <= count_params(cfg)["total"]
+
+
 def test_missing_file_and_bad_json(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.json")
