@@ -183,3 +183,6 @@ def test_orthogonalize_many_batches_same_shapes_and_matches_each_alone():
             np.testing.assert_allclose(np.asarray(o), np.asarray(want), rtol=1e-5, atol=1e-6)
     jaxpr = jax.make_jaxpr(lambda *xs: orthogonalize_many(list(xs)))(*us)
     assert sum(eqn.primitive.name == "scan" for eqn in jaxpr.jaxpr.eqns) == 3
+    # arrays at or above batch_below_bytes keep their own call (2*16*24*4 = 3072 bytes)
+    jaxpr = jax.make_jaxpr(lambda *xs: orthogonalize_many(list(xs), batch_below_bytes=3072))(*us)
+    assert sum(eqn.primitive.name == "scan" for eqn in jaxpr.jaxpr.eqns) == 4

@@ -139,17 +139,21 @@ def orthogonalize(u: jax.Array, num_heads: int = 0, steps: int = 5,
 
 
 def orthogonalize_many(us: list[jax.Array], num_heads: int = 0, steps: int = 5,
-                       coeffs: tuple[float, float, float] = NS_QUINTIC) -> list[jax.Array]:
+                       coeffs: tuple[float, float, float] = NS_QUINTIC,
+                       batch_below_bytes: int = 1 << 26) -> list[jax.Array]:
     """:func:`orthogonalize` of every array in ``us``, with the arrays of one shape and dtype stacked into one
     batched Newton–Schulz call (NS acts on each matrix alone, so each result is the same as on its own).
 
     A model has many matrices of a few shapes (k3-small: 92 Muon leaves, 34 shapes); one batched call per shape
     replaces a handful of small GEMM launches per leaf and iteration with the same number per shape. Only
-    identical shapes are stacked (along a new leading axis), so arrays laid out alike on a mesh stay so.
+    identical shapes are stacked (along a new leading axis), so arrays laid out alike on a mesh stay so; arrays
+    of ``batch_below_bytes`` or more (e.g. stacked experts, whose GEMMs are large anyway) stay alone, so the
+    stacking copy never doubles a big group's memory.
     """
     groups: dict[tuple, list[int]] = {}
     for i, u in enumerate(us):
-        groups.setdefault((u.shape, jnp.dtype(u.dtype)), []).append(i)
+        big = u.size * jnp.dtype(u.dtype).itemsize >= batch_below_bytes
+        groups.setdefault((i,) if big else (u.shape, jnp.dtype(u.dtype)), []).append(i)
     out: list[jax.Array | None] = [None] * len(us)
     for idx in groups.values():
         if len(idx) == 1:
