@@ -63,6 +63,24 @@ def causal_depthwise_conv(
     return out.astype(u.dtype), new_state
 
 
+_X4 = ("batch", None, "kda_heads", None)  # q, k, v, g, o [B, T, H, D]; T whole (sequence parallel is separate)
+_STATE = ("batch", "kda_heads", None, None)  # [B, H, K, V]
+
+
+def _kernel_per_shard(op, q, k, v, g, beta, implementation: str, *, initial_state, segment_ids,
+                      output_final_state: bool, **kw):
+    """``op`` (``pallas_kernels.kda.ops.chunk_kda`` / ``recurrent_kda``) per shard of the active mesh: the
+    kernels are single-device, each sequence and head is independent (:func:`sharding.local_kernels.per_shard`)."""
+    from sharding.local_kernels import per_shard  # noqa: PLC0415
+
+    def call(q, k, v, g, beta, s0, seg):
+        return op(q, k, v, g, beta, initial_state=s0, segment_ids=seg, output_final_state=output_final_state,
+                  implementation=implementation, **kw)
+
+    return per_shard(call, (q, k, v, g, beta, initial_state, segment_ids),
+                     (_X4, _X4, _X4, _X4, ("batch", None, "kda_heads"), _STATE, ("batch", None)), (_X4, _STATE))
+
+
 class KimiDeltaAttention(nn.Module):
     """KDA mixer. ``x`` [B, T, D] -> ``y`` [B, T, D] (cfg.dtype), plus the new cache entry when given one.
 
@@ -136,12 +154,12 @@ class KimiDeltaAttention(nn.Module):
         elif cache is not None and t == 1:  # decode step: one token per sequence, the recurrent form
             kwargs.pop("chunk_size")
             if ops is not None:
-                o, final_state = ops.recurrent_kda(q, k, v, g, beta, implementation=cfg.kda_implementation,
+                o, final_state = _kernel_per_shard(ops.recurrent_kda, q, k, v, g, beta, cfg.kda_implementation,
                                                    **kwargs)
             else:
                 o, final_state = kda_reference.recurrent_kda(q, k, v, g, beta, **kwargs)
         elif ops is not None:
-            o, final_state = ops.chunk_kda(q, k, v, g, beta, implementation=cfg.kda_implementation, **kwargs)
+            o, final_state = _kernel_per_shard(ops.chunk_kda, q, k, v, g, beta, cfg.kda_implementation, **kwargs)
         else:
             o, final_state = kda_reference.chunk_kda(q, k, v, g, beta, **kwargs)
 

@@ -145,12 +145,19 @@ class LatentMoE(nn.Module):
         if impl.startswith("ep_"):  # experts split over the `expert` mesh axis
             from sharding.expert_parallel import moe_dispatch_combine_ep  # noqa: PLC0415
 
-            u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=impl[3:],
-                                        beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta)
-        else:
-            u = moe_reference.moe_dispatch_combine(
-                z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-                implementation=impl)
+            u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=impl[3:].split(":")[0],
+                                        beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
+                                        ffn=_expert_ffn_kernel(impl.split(":")[1], cfg))
+        else:  # kernels are single-device: each shard routes its own tokens through all experts
+            from sharding.local_kernels import per_shard  # noqa: PLC0415
+
+            def dispatch(z, expert_ids, weights, experts):
+                return moe_reference.moe_dispatch_combine(
+                    z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
+                    implementation=impl)
+
+            tok = ("batch", None)
+            u = per_shard(dispatch, (z, expert_ids, weights, experts), (tok, tok, tok, None), (tok,))
         if cfg.latent_moe_use_norm:
             u = RMSNorm(cfg.rms_norm_eps, ("latent",), cfg.param_dtype, name="routed_expert_norm")(u)
         y = Linear(d, ("latent", "embed"), cfg, name="routed_expert_up_proj")(u)
@@ -160,14 +167,28 @@ class LatentMoE(nn.Module):
 
 
 def _moe_implementation(cfg: K3Config) -> str:
-    """``cfg.moe_implementation``; ``"auto"`` picks expert parallelism (all-gather "ring of experts", which suits
-    top-16 routing) when the active mesh has an ``expert`` axis, else the platform's kernels."""
-    if cfg.moe_implementation == "auto" and axis_size("expert") > 1:
-        return "ep_allgather"
-    if cfg.moe_implementation in ("auto",):
-        try:
-            from pallas_kernels.moe import ops  # noqa: F401, PLC0415
-        except ImportError:
-            return "reference"
-        return "auto"
-    return cfg.moe_implementation
+    """The routed-expert path for ``cfg.moe_implementation`` on the active mesh.
+
+    With an ``expert`` mesh axis of size > 1, the kernel choices ``"auto"``, ``"pallas_tpu"``, ``"pallas_gpu"``
+    run expert parallelism (all-gather "ring of experts", which suits top-16 routing) with that expert-FFN kernel
+    on each rank: ``"ep_allgather:<kernel>"``; ``"ep_allgather"`` / ``"ep_all_to_all"`` pick the strategy with
+    the ``"auto"`` kernel. Otherwise the kernel choice itself (``"reference"``: pure JAX, partitioned by XLA).
+    """
+    impl = cfg.moe_implementation
+    if impl.startswith("ep_"):
+        return impl if ":" in impl else f"{impl}:auto"
+    if impl in ("auto", "pallas_tpu", "pallas_gpu") and axis_size("expert") > 1:
+        return f"ep_allgather:{impl}"
+    return impl
+
+
+def _expert_ffn_kernel(kernel: str, cfg: K3Config):
+    """``ffn(x_sorted, group_sizes, w1, w3, w2)`` for expert parallelism: ``pallas_kernels.moe.ops.expert_ffn``
+    with ``implementation=kernel`` (``"auto"``: the platform's kernels, the reference on CPU)."""
+    from pallas_kernels.moe import ops  # noqa: PLC0415
+
+    def ffn(x, group_sizes, w1, w3, w2):
+        return ops.expert_ffn(x, group_sizes, w1, w3, w2, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
+                              implementation=kernel)
+
+    return ffn
