@@ -28,6 +28,7 @@ loaded by :func:`load_preset_file` / discovered by :func:`get_preset`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -352,6 +353,45 @@ def activate(mesh: Mesh, preset: Rules | str) -> Iterator[Rules]:
     rules = flax_rules(preset, mesh)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         yield rules
+
+
+def input_mesh(tree: Any) -> Any:
+    """The (abstract) mesh the array leaves of ``tree`` are laid out on, or ``None``.
+
+    Inside ``jax.jit`` an argument given a :class:`NamedSharding` (``in_shardings`` or a committed input) has
+    an aval whose ``sharding.mesh`` is that mesh's :class:`~jax.sharding.AbstractMesh`, even when no mesh
+    context is active; the first non-empty one is returned (``None`` for single-device inputs).
+    """
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return mesh
+    return None
+
+
+def on_input_mesh(fn: Any, preset: Rules | str = "train") -> Any:
+    """Wrap a step function so it is always traced with a mesh and logical-axis rules active.
+
+    With a mesh already active (``activate`` / ``jax.set_mesh``) ``fn`` runs as is. Otherwise, when its
+    arguments live on a mesh (see :func:`input_mesh`), ``fn`` is traced under that mesh (as the current abstract
+    mesh) and ``preset``'s rules. Without this, a step jitted with sharded ``in_shardings`` but *called* outside
+    the mesh context traces the single-device model (no activation constraints, the non-expert-parallel MoE
+    gathering ``expert``-sharded weights), which XLA's SPMD partitioner may fail to partition.
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not jax.sharding.get_abstract_mesh().empty:
+            return fn(*args, **kwargs)
+        mesh = input_mesh((args, kwargs))
+        if mesh is None:
+            return fn(*args, **kwargs)
+        with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(flax_rules(preset, mesh)):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def with_logical_constraint(x: jax.Array, names: Sequence[str | None], rules: Rules | str | None = None,

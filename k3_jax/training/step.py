@@ -45,6 +45,7 @@ class StepConfig:
     qb_bins: int = 1000
     weight_clip: float | None = 8.0
     pad_id: int | None = 0
+    preset: str = "train"  # sharding rules a step traced outside any mesh context uses (see _on_input_mesh)
 
 
 # ------------------------------------------------------------------------------------ router scores
@@ -90,6 +91,17 @@ def _bias_path(moe_path: tuple[str, ...]) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------ steps
+def _on_input_mesh(fn: Callable, step_cfg: StepConfig) -> Callable:
+    """``fn`` traced under the mesh its (sharded) inputs live on and ``step_cfg.preset``'s rules when no mesh is
+    active at trace time (e.g. a jitted step called outside ``Trainer._context()``). The model picks expert
+    parallelism and its activation constraints from the active mesh: traced without one, the step runs the
+    single-device MoE on ``expert``-sharded weights, which XLA's SPMD partitioner aborts on
+    (``PartitionGatherOperandPassthroughDimensions``, the tiled grouped matmul's gather of expert weights)."""
+    from sharding.rules import on_input_mesh  # noqa: PLC0415 - keep the model importable without sharding/
+
+    return on_input_mesh(fn, step_cfg.preset)
+
+
 def make_loss_fn(model: Any, step_cfg: StepConfig) -> Callable:
     """``loss_fn(params, batch) -> (loss_sum, (num_tokens, num_correct, scores_by_layer))``."""
 
@@ -103,7 +115,7 @@ def make_loss_fn(model: Any, step_cfg: StepConfig) -> Callable:
                                                      chunk_size=step_cfg.loss_chunk)
         return loss_sum, (n, correct, router_scores(state))
 
-    return loss_fn
+    return _on_input_mesh(loss_fn, step_cfg)
 
 
 def _split_micro(batch: dict, accum: int) -> dict:
@@ -168,7 +180,7 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
                      "rng": jax.random.key_data(rng)}
         return new_state, metrics
 
-    return train_step
+    return _on_input_mesh(train_step, step_cfg)
 
 
 def make_eval_step(model: Any, step_cfg: StepConfig) -> Callable:
@@ -179,7 +191,7 @@ def make_eval_step(model: Any, step_cfg: StepConfig) -> Callable:
         loss_sum, (n, correct, _) = loss_fn(params, batch)
         return {"loss_sum": loss_sum, "tokens": n, "correct": correct}
 
-    return eval_step
+    return _on_input_mesh(eval_step, step_cfg)
 
 
 def init_state(model: Any, tx: optax.GradientTransformation, rng: jax.Array, seq_len: int) -> dict:
