@@ -144,7 +144,7 @@ class Trainer:
         self.tx = build_optimizer(self.optim_cfg, self.labels)
         self.step_cfg = StepConfig(accum=tc.accum, loss_chunk=tc.loss_chunk, qb=tc.qb,
                                    qb_method=tc.qb_method, weight_clip=tc.weight_clip,
-                                   pad_id=cfg.pad_token_id)
+                                   pad_id=cfg.pad_token_id, preset=tc.preset)
         self.param_groups = count_groups(self.labels, abstract_params)
         self._param_shardings = None
         if self.mesh is not None:
