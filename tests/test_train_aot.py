@@ -15,16 +15,19 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 from k3_jax.training.aot import compile_train_step  # noqa: E402
 from tests._model_fixtures import REPO  # noqa: E402
 
+# k3-tiny cut to 2 layers (KDA + dense FFN, MLA + MoE) to keep the XLA:TPU compile short
+TWO_LAYERS = {"num_hidden_layers": 2, "kda_layers": (0,), "mla_layers": (1,), "first_k_dense_replace": 1}
+
 
 def test_sharded_train_step_with_tpu_kernels_compiles_for_v5p():
     try:
         out = compile_train_step(str(REPO / "configs" / "k3-tiny.json"), "v5p:2x2x1", "fsdp=2,expert=2",
-                                 batch_size=8, seq_len=128)
+                                 batch_size=8, seq_len=128, overrides=TWO_LAYERS)
     except RuntimeError as exc:  # libtpu present but unable to describe the topology on this host
         if "topology" in str(exc).lower():
             pytest.skip(f"libtpu cannot describe v5p:2x2x1: {exc}")
         raise
     assert out["devices"] == 4 and out["mesh"]["fsdp"] == 2 and out["mesh"]["expert"] == 2
-    # KDA forward + backward kernels of 6 layers and the MoE grouped matmuls (forward + backward)
-    assert out["mosaic_kernels"] >= 30, out
+    # KDA forward + backward kernels and the MoE grouped matmuls (forward + backward)
+    assert out["mosaic_kernels"] >= 8, out
     assert 0 < out["temp_bytes"] < 2**30 and 0 < out["argument_bytes"] < 2**30, out
