@@ -179,8 +179,11 @@ class Trainer:
         init_rng, state_rng = jax.random.split(rng)
 
         if getattr(self, "_init_fns", None) is None:
+            # the init forward's dummy batch: one row per device, so every batch sharding of the mesh divides it
+            rows = 1 if self.mesh is None else self.mesh.size
+
             def init_params(r):
-                return nn.unbox(model.init(r, jnp.zeros((1, tc.seq_len), jnp.int32)))["params"]
+                return nn.unbox(model.init(r, jnp.zeros((rows, tc.seq_len), jnp.int32)))["params"]
 
             self._init_fns = (jax.jit(init_params, out_shardings=self._param_shardings), jax.jit(tx.init))
         with self._context():
