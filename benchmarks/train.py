@@ -7,6 +7,7 @@ where the backend has them) and ``reference`` — and prints one JSON line per r
 FLOPs per token and the MFU definition: :mod:`k3_jax.training.metrics`.
 
     python benchmarks/train.py --config configs/k3-small.json --batch-size 16 --seq-len 2048   # H200
+    python benchmarks/train.py --config configs/k3-slice.json --batch-size 4 --seq-len 1024 --impls auto  # K3 widths
     python benchmarks/train.py --config configs/k3-tiny.json --batch-size 4 --seq-len 128 --steps 3  # CPU
 """
 
