@@ -14,7 +14,6 @@ the boundary, as it would for the unsharded op).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ Names = Sequence[str | None] | None
 def active_mesh_size() -> int:
     """Number of devices of the mesh active in the current trace (1 when none)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else math.prod(mesh.axis_sizes)
+    return 1 if mesh.empty else mesh.size
 
 
 def per_shard(fn: Callable[..., Any], args: Sequence[Any], in_names: Sequence[Names],

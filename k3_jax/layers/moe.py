@@ -141,13 +141,13 @@ class LatentMoE(nn.Module):
         self.sow("intermediates", "expert_ids", expert_ids)
         z = Linear(cfg.routed_expert_hidden_size, ("embed", "latent"), cfg, name="routed_expert_down_proj")(flat)
         experts = RoutedExperts(cfg, name="experts")()
-        impl = _moe_implementation(cfg)
-        if impl.startswith("ep_"):  # experts split over the `expert` mesh axis
+        strategy, impl = _moe_implementation(cfg)
+        if strategy is not None:  # experts split over the `expert` mesh axis
             from sharding.expert_parallel import moe_dispatch_combine_ep  # noqa: PLC0415
 
-            u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=impl[3:].split(":")[0],
+            u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=strategy,
                                         beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-                                        ffn=_expert_ffn_kernel(impl.split(":")[1], cfg))
+                                        ffn=_expert_ffn_kernel(impl, cfg))
         else:  # kernels are single-device: each shard routes its own tokens through all experts
             from sharding.local_kernels import per_shard  # noqa: PLC0415
 
@@ -166,20 +166,20 @@ class LatentMoE(nn.Module):
         return y.reshape(b, t, d)
 
 
-def _moe_implementation(cfg: K3Config) -> str:
-    """The routed-expert path for ``cfg.moe_implementation`` on the active mesh.
+def _moe_implementation(cfg: K3Config) -> tuple[str | None, str]:
+    """``(expert-parallel strategy or None, expert-FFN kernel)`` for ``cfg.moe_implementation`` on the active mesh.
 
     With an ``expert`` mesh axis of size > 1, the kernel choices ``"auto"``, ``"pallas_tpu"``, ``"pallas_gpu"``
-    run expert parallelism (all-gather "ring of experts", which suits top-16 routing) with that expert-FFN kernel
-    on each rank: ``"ep_allgather:<kernel>"``; ``"ep_allgather"`` / ``"ep_all_to_all"`` pick the strategy with
-    the ``"auto"`` kernel. Otherwise the kernel choice itself (``"reference"``: pure JAX, partitioned by XLA).
+    run expert parallelism (all-gather "ring of experts", which suits top-16 routing) with that kernel on each
+    rank; ``"ep_allgather"`` / ``"ep_all_to_all"`` pick the strategy with the ``"auto"`` kernel. Otherwise no
+    expert parallelism and the kernel choice itself (``"reference"``: pure JAX, partitioned by XLA).
     """
     impl = cfg.moe_implementation
     if impl.startswith("ep_"):
-        return impl if ":" in impl else f"{impl}:auto"
+        return impl[3:], "auto"
     if impl in ("auto", "pallas_tpu", "pallas_gpu") and axis_size("expert") > 1:
-        return f"ep_allgather:{impl}"
-    return impl
+        return "allgather", impl
+    return None, impl
 
 
 def _expert_ffn_kernel(kernel: str, cfg: K3Config):

@@ -36,7 +36,7 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from k3_jax.training.loop import TrainConfig, Trainer
+    from k3_jax.training.loop import TrainConfig, Trainer, batch_sharding
     from k3_jax.training.step import make_train_step
     from sharding.mesh import make_mesh
     from sharding.rules import activate, param_shardings
@@ -49,7 +49,7 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
                      batch_size=batch_size, accum=accum, eval_every=0, tensorboard=False, resume=False,
                      mesh="none", preset=preset, muon_dtype=muon_dtype)
     tr = Trainer(tc)  # single-device trainer: only its model, optimizer, labels and step config are used
-    boxed = jax.eval_shape(tr.model.init, jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
+    boxed = tr.abstract_params_boxed
 
     def abstract(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), tree, shardings)
@@ -61,8 +61,7 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
         opt_state = abstract(jax.eval_shape(tr.tx.init, params), opt_shardings)
         state = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), "params": params,
                  "opt_state": opt_state, "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)}
-        rows = NamedSharding(m, PartitionSpec(tuple(a for a in ("data", "fsdp") if a in m.axis_names)))
-        batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=rows)
+        batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=batch_sharding(m))
                  for k in ("tokens", "segment_ids")}
         step = make_train_step(tr.model, tr.tx, tr.labels, tr.cfg, tr.step_cfg)
         t0 = time.perf_counter()

@@ -59,6 +59,13 @@ def select_data_state(saved: dict) -> dict:
     return states[jax.process_index()]
 
 
+def batch_sharding(mesh):
+    """Token rows of a global batch split over the mesh's :data:`BATCH_AXES`."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mesh, PartitionSpec(tuple(a for a in BATCH_AXES if a in mesh.axis_names)))
+
+
 def resolve_muon_dtype(name: str) -> str:
     """``TrainConfig.muon_dtype`` -> the Newton–Schulz dtype: "auto" is bfloat16 on GPU/TPU, float32 on CPU."""
     if name == "auto":
@@ -134,6 +141,7 @@ class Trainer:
         self.mesh = self._make_mesh()
         self.rules_ctx = None
         abstract = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((1, tc.seq_len), jnp.int32))
+        self.abstract_params_boxed = abstract["params"]  # shapes + logical axis names (for sharding elsewhere)
         abstract_params = nn.unbox(abstract)["params"]
         self.labels = param_labels(abstract_params, cfg, tc.optimizer)
         self.optim_cfg = OptimConfig(name=tc.optimizer, lr=tc.lr, min_lr_ratio=tc.min_lr_ratio,
@@ -206,12 +214,7 @@ class Trainer:
         return state
 
     def _batch_sharding(self):
-        if self.mesh is None:
-            return None
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        axes = tuple(a for a in BATCH_AXES if a in self.mesh.axis_names)
-        return NamedSharding(self.mesh, PartitionSpec(axes))
+        return None if self.mesh is None else batch_sharding(self.mesh)
 
     def _to_global(self, batch: dict) -> dict:
         sh = self._batch_sharding()
