@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3_jax.layers.common import einsum_f32
+
 
 def chunked_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, mask: jax.Array,
                           *, chunk_size: int = 1024, compute_dtype=None
@@ -44,19 +46,18 @@ def chunked_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Arr
     h = h.reshape(n_chunks, c, d)
     y = y.reshape(n_chunks, c)
     m = m.reshape(n_chunks, c)
-    w = kernel.astype(dt)
-    precision = jax.lax.Precision.HIGHEST if jnp.dtype(dt) == jnp.float32 else None
-
     @jax.checkpoint
     def chunk_loss(h_c, y_c, m_c, w):
-        logits = jnp.matmul(h_c.astype(dt), w, preferred_element_type=jnp.float32, precision=precision)
+        # w stays in its master dtype across the scan (its gradient sums over chunks in f32); the product
+        # runs in dt with an fp32 accumulator, and in dt again in the backward (einsum_f32)
+        logits = einsum_f32("cd,dv->cv", h_c.astype(dt), w.astype(dt))
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, y_c[:, None], axis=-1)[:, 0]
         correct = (jnp.argmax(logits, axis=-1) == y_c).astype(jnp.float32)
         return jnp.sum((lse - tgt) * m_c), jnp.sum(correct * m_c)
 
     def body(carry, xs):
-        loss, acc = chunk_loss(*xs, w)
+        loss, acc = chunk_loss(*xs, kernel)
         return (carry[0] + loss, carry[1] + jax.lax.stop_gradient(acc)), None
 
     (loss_sum, correct), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
