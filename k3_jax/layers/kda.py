@@ -6,6 +6,8 @@ the layer around it and matches the checkpoint's ``self_attn.*`` names for KDA l
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -56,11 +58,34 @@ def causal_depthwise_conv(
     for j in range(w):
         tap = full32[:, j : j + t, :] * kernel32[j]
         if segment_ids is not None:
-            same = seg_full[:, j : j + t] == segment_ids
-            tap = jnp.where(same[..., None], tap, 0.0)
+            # a [B, T, 1] 0/1 factor, not a select against a [B, T, C] mask: XLA may hoist a loop-invariant
+            # full-width mask (and its zeros) out of the layer scan and then stream them from HBM per tap
+            same = (seg_full[:, j : j + t] == segment_ids).astype(jnp.float32)
+            tap = tap * same[..., None]
         out = out + tap
     new_state = full[:, -(w - 1):, :] if w > 1 else full[:, :0, :]
     return out.astype(u.dtype), new_state
+
+
+def activate_conv_output(o: jax.Array, num_heads: int, normalize: bool, dtype: jnp.dtype) -> jax.Array:
+    """SiLU in fp32, then (q, k) the per-head L2 norm: ``[B, T, H·D]`` -> ``[B, T, H, D]`` in ``dtype``."""
+    b, t, hk = o.shape
+    y = jax.nn.silu(o.astype(jnp.float32)).reshape(b, t, num_heads, hk // num_heads)
+    return (kda_reference.l2norm(y) if normalize else y).astype(dtype)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(4, 5, 6))
+def conv_branch(u: jax.Array, kernel: jax.Array, conv_state: jax.Array | None, segment_ids: jax.Array | None,
+                num_heads: int, normalize: bool, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """One of q/k/v after its projection: :func:`causal_depthwise_conv` then :func:`activate_conv_output`.
+
+    ``u [B, T, H·D]`` -> ``([B, T, H, D]`` in ``dtype``, new conv state ``[B, W-1, H·D]``). Under
+    ``jax.checkpoint``: the backward recomputes this elementwise chain from ``u`` instead of saving its fp32
+    intermediates (several ``[B, T, H·D]`` f32 arrays per branch and layer at K3's width), which costs more
+    HBM traffic to write and read back than the recomputation.
+    """
+    o, new_state = causal_depthwise_conv(u, kernel, conv_state, segment_ids)
+    return activate_conv_output(o, num_heads, normalize, dtype), new_state
 
 
 _X4 = ("batch", None, "kda_heads", None)  # q, k, v, g, o [B, T, H, D]; T whole (sequence parallel is separate)
@@ -115,19 +140,17 @@ class KimiDeltaAttention(nn.Module):
             conv_states = jnp.split(cache["conv"], 3, axis=-1)
         outs, new_conv = [], []
         seq_parallel = cache is None and axis_size("sequence") > 1
-        for u, ker, st in zip((q, k, v), kernels, conv_states, strict=True):
+        for u, ker, st, normalize in zip((q, k, v), kernels, conv_states, (True, True, False), strict=True):
             if seq_parallel:  # T is split over `sequence`: 3-token halo from the previous shard
                 from sharding.sequence_parallel import short_conv_sequence_parallel  # noqa: PLC0415
 
-                o, ns = short_conv_sequence_parallel(u, ker, segment_ids=segment_ids), None
+                o = short_conv_sequence_parallel(u, ker, segment_ids=segment_ids)
+                o, ns = jax.checkpoint(activate_conv_output, static_argnums=(1, 2, 3))(o, h, normalize, dt), None
             else:
-                o, ns = causal_depthwise_conv(u, ker, st, segment_ids)
-            outs.append(jax.nn.silu(o.astype(jnp.float32)))
+                o, ns = conv_branch(u, ker, st, segment_ids, h, normalize, dt)
+            outs.append(o)
             new_conv.append(ns)
-        q, k, v = (o.reshape(b, t, h, dk) for o in outs)
-        q = kda_reference.l2norm(q).astype(dt)
-        k = kda_reference.l2norm(k).astype(dt)
-        v = v.astype(dt)
+        q, k, v = outs
 
         f = Linear(dk, ("embed", "gate_lowrank"), cfg, name="f_a_proj")(x)
         f = Linear(hk, ("gate_lowrank", "kda_heads"), cfg, name="f_b_proj")(f).reshape(b, t, h, dk)
