@@ -50,13 +50,14 @@ def gpu_lock():
 
 def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: int, remat: str,
           mesh: str | None, peak_tflops: float | None, profile_dir: str | None = None,
-          muon_dtype: str = "auto") -> dict:
+          muon_dtype: str = "auto", optimizer: str = "muon", profile_top: int = 60) -> dict:
     from k3_jax.training.loop import TrainConfig, Trainer
 
     overrides = {"kda_implementation": impl, "moe_implementation": impl, "remat": remat}
     tc = TrainConfig(config=config, model_overrides=overrides, workdir="/tmp/k3-bench-train", steps=1000,
                      seq_len=seq_len, batch_size=batch, accum=accum, eval_every=0, tensorboard=False,
-                     resume=False, mesh=mesh, peak_tflops=peak_tflops, muon_dtype=muon_dtype)
+                     resume=False, mesh=mesh, peak_tflops=peak_tflops, muon_dtype=muon_dtype,
+                     optimizer=optimizer)
     tr = Trainer(tc)
     state = tr.init_state()
     train_step, _ = tr.compiled_steps(state)
@@ -85,7 +86,7 @@ def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: i
                 state_box[0], m = train_step(state_box[0], b)
                 return m
 
-            prof = device_op_times(one_step, b, out_dir=os.path.join(profile_dir, impl), iters=1, top=30)
+            prof = device_op_times(one_step, b, out_dir=os.path.join(profile_dir, impl), iters=1, top=profile_top)
     step_s = statistics.median(times)
     tokens = batch * seq_len
     achieved = tr.flops["total"] * tokens / step_s
@@ -96,7 +97,10 @@ def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: i
             "tflops_per_device": round(achieved / n_dev / 1e12, 3),
             "mfu": round(achieved / (tr.peak * n_dev), 4) if tr.peak else None,
             "compile_s": round(compile_s, 1), "loss": round(float(m["loss"]), 4),
-            "flops_per_token": tr.flops["total"], "muon_dtype": tr.optim_cfg.muon_dtype,
+            "flops_per_token": tr.flops["total"], "optimizer": optimizer,
+            "muon_dtype": tr.optim_cfg.muon_dtype if optimizer == "muon" else None,
+            "optimizer_tflop_per_step": round(tr.optimizer_flops / 1e12, 2),
+            "model_tflop_per_step": round(tr.flops["total"] * tokens / 1e12, 2),
             "mem_fraction": float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]),
             "peak_gib": peak_memory_gib(), **({"device_profile": prof} if prof else {})}
 
@@ -121,6 +125,9 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--muon-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="Newton-Schulz matmul dtype of Muon (TrainConfig.muon_dtype; auto = bf16 on GPU/TPU)")
+    ap.add_argument("--optimizer", default="muon", choices=("muon", "adamw"),
+                    help="TrainConfig.optimizer; Muon's Newton-Schulz FLOPs per step are reported, not in MFU")
+    ap.add_argument("--profile-top", type=int, default=60, help="device ops listed in device_profile")
     ap.add_argument("--profile-dir", default=None,
                     help="also profile one step per impl; adds device_profile (top device ops, ms) to the JSON")
     args = ap.parse_args()
@@ -128,7 +135,8 @@ def main() -> None:
     for impl in args.impls.split(","):
         try:
             r = bench(args.config, impl, args.batch_size, args.seq_len, args.steps, args.accum, args.remat,
-                      args.mesh, args.peak_tflops, args.profile_dir, args.muon_dtype)
+                      args.mesh, args.peak_tflops, args.profile_dir, args.muon_dtype, args.optimizer,
+                      args.profile_top)
         except Exception as e:  # noqa: BLE001 - report and continue with the peer
             r = {"impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(json.dumps(r), flush=True)

@@ -118,6 +118,24 @@ def test_flops_per_token_counts_active_params():
     assert 0 < f["attention"] < f["matmul"] and np.isclose(f["total"], f["matmul"] + f["attention"])
 
 
+def test_muon_flops_per_step_counts_blocks_heads_and_stacks():
+    import jax
+
+    from k3_jax.training.metrics import muon_flops_per_step
+
+    leaves = {"a": jax.ShapeDtypeStruct((4, 8), np.float32),        # one 4x8 block
+              "b": jax.ShapeDtypeStruct((3, 16, 8), np.float32),    # 3 stacked 8x16 blocks (transposed)
+              "h": jax.ShapeDtypeStruct((8, 12), np.float32),       # 2 heads of 8x6 -> a=6, b=8
+              "e": jax.ShapeDtypeStruct((8,), np.float32)}          # AdamW leaf: no NS
+    labels = {"a": "muon", "b": "muon", "h": "muon_h2", "e": "adamw"}
+
+    def per_block(a, b):
+        return 4 * a * a * b + 2 * a ** 3
+
+    want = 5 * (per_block(4, 8) + 3 * per_block(8, 16) + 2 * per_block(6, 8))
+    assert muon_flops_per_step(leaves, labels, ns_steps=5) == want
+
+
 def test_sigterm_sets_preemption_flag():
     import os
     import signal

@@ -23,7 +23,7 @@ from k3_jax.config import K3Config, load_config
 from k3_jax.model import K3ForCausalLM
 from k3_jax.training.checkpoint import Checkpointer, PreemptionFlag
 from k3_jax.training.data import DataConfig, DataIterator, make_dataset
-from k3_jax.training.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
+from k3_jax.training.metrics import MetricsLogger, flops_per_token, muon_flops_per_step, peak_flops_per_device
 from k3_jax.training.optim import OptimConfig, build_optimizer, count_groups, lr_schedule, param_labels
 from k3_jax.training.step import StepConfig, make_eval_step, make_train_step
 
@@ -160,6 +160,8 @@ class Trainer:
 
             self._param_shardings = param_shardings(abstract["params"], self.mesh, tc.preset)
         self.flops = flops_per_token(cfg, tc.seq_len)
+        self.optimizer_flops = (muon_flops_per_step(abstract_params, self.labels, self.optim_cfg.ns_steps)
+                                if tc.optimizer == "muon" else 0.0)
         self.peak = peak_flops_per_device(tc.peak_tflops)
 
     # ------------------------------------------------------------------ setup
@@ -276,7 +278,8 @@ class Trainer:
                                start_step=start)
         logger.log(start, {"event": "start", "resumed": start > 0, "devices": jax.device_count(),
                            "mesh": None if self.mesh is None else dict(self.mesh.shape),
-                           "params": self.param_groups, "flops_per_token": self.flops["total"]}, kind="meta")
+                           "params": self.param_groups, "flops_per_token": self.flops["total"],
+                           "optimizer_flops_per_step": self.optimizer_flops}, kind="meta")
         train_step, eval_step = self.compiled_steps(state)
         flag = PreemptionFlag()
         losses: dict[int, float] = {}

@@ -11,6 +11,11 @@ forward counts multiply-adds as 2 FLOPs and has
 Elementwise work (norms, SiTU, gates, softmax, AttnRes mixing) is not counted, so MFU is conservative.
 MFU = achieved FLOP/s ÷ (peak bf16 dense FLOP/s per device × devices); the peak table covers common
 accelerators (``--peak-tflops`` overrides); on CPU MFU is reported as null.
+
+The optimizer's own FLOPs are not model FLOPs and are not in MFU. Muon's Newton–Schulz iterations cost a fixed
+amount per step (:func:`muon_flops_per_step`), independent of the tokens in the step; at K3's widths they are
+hundreds of TFLOP, so a step of a few thousand tokens is optimizer-bound, and a benchmark should state its
+tokens per optimizer step (``batch × seq_len``, gradient accumulation included) next to its MFU.
 """
 
 from __future__ import annotations
@@ -48,6 +53,24 @@ def flops_per_token(cfg: K3Config, seq_len: int) -> dict[str, float]:
     matmul = 3 * 2 * active
     attn = 3 * (n_mla * mla + n_kda * kda)
     return {"matmul": float(matmul), "attention": float(attn), "total": float(matmul + attn)}
+
+
+def muon_flops_per_step(abstract_params: Any, labels: Any, ns_steps: int = 5) -> float:
+    """FLOPs of Muon's Newton–Schulz orthogonalisation per optimizer step (all ``muon*``-labelled leaves).
+
+    Per ``a × b`` block (``a ≤ b``; per head for ``muon_h*`` labels, per leading index for stacked leaves), one
+    quintic iteration is ``X Xᵀ`` (``2a²b``) + ``S S`` (``2a³``) + ``P X`` (``2a²b``). ``abstract_params`` and
+    ``labels`` are matching pytrees (arrays or ShapeDtypeStructs; labels from ``optim.param_labels``).
+    """
+    total = 0
+    for p, lab in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(labels), strict=True):
+        if not lab.startswith("muon"):
+            continue
+        heads = int(lab[len("muon_h"):]) if lab.startswith("muon_h") else 1
+        *lead, m, n = p.shape
+        a, b = sorted((m, n // heads))
+        total += ns_steps * (4 * a * a * b + 2 * a ** 3) * math.prod(lead) * heads
+    return float(total)
 
 
 def peak_flops_per_device(override_tflops: float | None = None) -> float | None:
