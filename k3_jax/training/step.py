@@ -8,7 +8,8 @@ One :func:`train_step` on a batch ``{"tokens": [B, T+1] i32, "segment_ids": [B, 
   1. the batch is split into ``accum`` micro-batches (rows ``i::accum``, so each keeps the batch sharding);
      for each, ``model.apply(..., return_hidden=True, mutable=["intermediates"])`` gives the hidden states
      and the sown router scores, and :func:`~k3_jax.training.loss.chunked_cross_entropy` the summed loss;
-     gradients of the summed loss accumulate in f32 and are divided by the number of target tokens;
+     gradients of the summed loss accumulate in f32 and are divided by the number of target tokens (weights
+     the model only reads as bf16 GEMM operands are cast once before the loop, :mod:`compute_cast`);
   2. optax (global-norm clip, Muon/AdamW groups, frozen router bias) updates the params, then
      :func:`~k3_jax.training.optim.clip_weights`;
   3. Quantile Balancing: for every MoE layer, the router scores of all micro-batches and the bias that routed
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from k3_jax.training import quantile_balancing as qb
+from k3_jax.training.compute_cast import cast_for_compute, compute_cast_mask
 from k3_jax.training.data import loss_mask
 from k3_jax.training.loss import chunked_cross_entropy
 from k3_jax.training.optim import clip_weights
@@ -45,6 +47,7 @@ class StepConfig:
     qb_bins: int = 1000
     weight_clip: float | None = 8.0
     pad_id: int | None = 0
+    cast_params_once: bool = True  # GEMM-only weights cast to the compute dtype once per step (compute_cast)
     preset: str = "train"  # sharding rules a step traced outside any mesh context uses (see _on_input_mesh)
 
 
@@ -135,13 +138,19 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     k = cfg.num_experts_per_token
 
+    compute_dtype = jnp.dtype(cfg.dtype)
+    cast_once = step_cfg.cast_params_once and compute_dtype != jnp.float32
+
     def train_step(state, batch):
         params = state["params"]
         micro = _split_micro(batch, step_cfg.accum)
+        # gradients are taken w.r.t. these (bf16 copies of the GEMM-only weights, f32 elsewhere)
+        compute_params = (cast_for_compute(params, compute_cast_mask(params), compute_dtype) if cast_once
+                          else params)
 
         def body(carry, mb):
             g_acc, l_acc, n_acc, c_acc = carry
-            (loss_sum, (n, correct, scores)), g = grad_fn(params, mb)
+            (loss_sum, (n, correct, scores)), g = grad_fn(compute_params, mb)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
             return (g_acc, l_acc + loss_sum, n_acc + n, c_acc + correct), scores
 
