@@ -8,6 +8,11 @@ FLOPs per token and the MFU definition: :mod:`k3_jax.training.metrics`.
 
     python benchmarks/train.py --config configs/k3-small.json --batch-size 16 --seq-len 2048   # H200
     python benchmarks/train.py --config configs/k3-slice.json --batch-size 4 --seq-len 1024 --impls auto  # K3 widths
+    python benchmarks/train.py --config configs/k3-slice.json --batch-size 128 --accum 16 --seq-len 1024 \
+        --remat full --impls auto --steps 2   # H200 headline: Muon at 131k tokens per optimizer step
+
+Muon's Newton–Schulz costs a fixed ``optimizer_tflop_per_step`` (430 TFLOP for k3-slice), so a step of a few
+thousand tokens measures the optimizer, not the model: state tokens per step (``batch × seq_len``) with the MFU.
     python benchmarks/train.py --config configs/k3-tiny.json --batch-size 4 --seq-len 128 --steps 3  # CPU
 """
 
