@@ -122,8 +122,15 @@ class Linear(nn.Module):
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     """RMSNorm as in the official ``KimiRMSNorm``: normalise in fp32, cast back to ``x.dtype``, times weight.
 
-    ``x`` [..., D] any float dtype; ``weight`` [D] or None; result has ``x.dtype``.
+    ``x`` [..., D] any float dtype; ``weight`` [D] or None; result has ``x.dtype``. Under ``jax.checkpoint``:
+    the backward recomputes the fp32 normalisation from ``x`` instead of keeping an f32 copy of ``x`` (and the
+    normalised bf16 values) per norm — 3× the bytes of ``x`` per norm in a bf16 model.
     """
+    return _rms_norm(x, weight, float(eps))
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def _rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     y = y.astype(x.dtype)

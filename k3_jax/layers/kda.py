@@ -88,6 +88,15 @@ def conv_branch(u: jax.Array, kernel: jax.Array, conv_state: jax.Array | None, s
     return activate_conv_output(o, num_heads, normalize, dtype), new_state
 
 
+@functools.partial(jax.checkpoint, static_argnums=(3, 4))
+def gated_output_norm(o: jax.Array, weight: jax.Array, gate: jax.Array, eps: float, dtype: jnp.dtype) -> jax.Array:
+    """``rms_norm(f32(o)) · weight · sigmoid(f32(gate))`` per head, in ``dtype``: ``o, gate [B, T, H, D]``.
+
+    Recomputed in the backward from ``o`` and ``gate``: its five f32 ``[B, T, H, D]`` intermediates are not kept.
+    """
+    return (rms_norm(o.astype(jnp.float32), weight, eps) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(dtype)
+
+
 _X4 = ("batch", None, "kda_heads", None)  # q, k, v, g, o [B, T, H, D]; T whole (sequence parallel is separate)
 _STATE = ("batch", "kda_heads", None, None)  # [B, H, K, V]
 
@@ -161,7 +170,9 @@ class KimiDeltaAttention(nn.Module):
             (h,), jnp.float32,
         )
         dt_bias = self.param("dt_bias", logical(nn.initializers.zeros, ("kda_heads",)), (hk,), jnp.float32)
-        g = kda_reference.kda_gate(f, a_log, dt_bias, lower_bound=cfg.gate_lower_bound)
+        # recomputed in the backward from f (bf16): only the f32 gate itself (a kernel input) is kept
+        g = jax.checkpoint(functools.partial(kda_reference.kda_gate, lower_bound=cfg.gate_lower_bound))(
+            f, a_log, dt_bias)
         beta = jax.nn.sigmoid(
             Linear(h, ("embed", "kda_heads"), cfg, name="b_proj")(x).astype(jnp.float32))
 
@@ -188,9 +199,7 @@ class KimiDeltaAttention(nn.Module):
 
         o_norm = Weight((dk,), ("head_dim",), "ones", "float32", name="o_norm")()
         gate = Linear(hk, ("embed", "kda_heads"), cfg, name="g_proj")(x).reshape(b, t, h, dk)
-        y = rms_norm(o.astype(jnp.float32), o_norm, cfg.rms_norm_eps) * jax.nn.sigmoid(
-            gate.astype(jnp.float32))
-        y = y.reshape(b, t, hk).astype(dt)
+        y = gated_output_norm(o, o_norm, gate, cfg.rms_norm_eps, dt).reshape(b, t, hk)
         y = Linear(cfg.hidden_size, ("kda_heads", "embed"), cfg, name="o_proj")(y)
 
         new_cache = None

@@ -17,6 +17,7 @@ blocks past the last query position are never visited. It is forward-only (a ``l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
@@ -192,6 +193,12 @@ def absorbed_attention_key_blocked(
     return einsum_f32("bthc,chd->bthd", o_lat, w_uv.astype(dt)).astype(dt)
 
 
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def sigmoid_gate(o: jax.Array, gate: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``f32(o) · sigmoid(f32(gate))`` in ``dtype``; recomputed in the backward (no f32 ``[B, T, H·Dv]`` kept)."""
+    return (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(dtype)
+
+
 def causal_segment_mask(segment_ids: jax.Array | None, b: int, t: int) -> jax.Array:
     """``[B, T, T]`` bool: causal, and within one document when ``segment_ids`` [B, T] is given."""
     causal = jnp.tril(jnp.ones((t, t), bool))[None]
@@ -268,6 +275,6 @@ class KimiMLAAttention(nn.Module):
             o = map_query_blocks(attend_cached, [q_nope.astype(dt), q_rot.astype(dt), pos_q], QUERY_BLOCK)
 
         gate = Linear(h * dv, ("embed", "heads"), cfg, name="g_proj")(x)
-        y = o.reshape(b, t, h * dv).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
-        y = Linear(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(y.astype(dt))
+        y = sigmoid_gate(o.reshape(b, t, h * dv), gate, dt)
+        y = Linear(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(y)
         return y, new_cache

@@ -21,6 +21,13 @@ from pallas_kernels.moe import reference as moe_reference
 situ_glu = moe_reference.situ_glu
 
 
+@jax.checkpoint
+def _router_scores(x: jax.Array, router_kernel: jax.Array) -> jax.Array:
+    """``sigmoid(f32(x) @ f32(W))`` at HIGHEST precision; the backward re-widens ``x`` (no f32 copy is saved)."""
+    logits = jnp.matmul(x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=HIGHEST)
+    return jax.nn.sigmoid(logits)
+
+
 class SituMLP(nn.Module):
     """``down(SiTU-GLU(gate(x), up(x)))``; x [..., D] -> [..., D] (cfg.dtype). SiTU in fp32."""
 
@@ -47,8 +54,7 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, k: int, renor
       ``weights [N, k] f32`` = the selected *raw* scores, renormalised to sum 1 (+1e-20) and scaled.
       The bias enters only through the (integer) selection, so it receives no gradient.
     """
-    logits = jnp.matmul(x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=HIGHEST)
-    scores = jax.nn.sigmoid(logits)
+    scores = _router_scores(x, router_kernel)
     _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(scores + bias.astype(jnp.float32)), k)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if renormalize:
