@@ -213,9 +213,47 @@ def dispatch_combine(
             f"dispatch: z {z.shape}, expert_ids {expert_ids.shape}, weights {weights.shape} are inconsistent"
         )
     order, inverse, group_sizes = sort_by_expert(expert_ids, num_experts)
-    x_sorted = jnp.take(z, order // k, axis=0)
+    x_sorted = dispatch_rows(z, order, inverse, k)
     out_sorted = ffn(x_sorted, group_sizes)
-    return _weighted_combine(weights, jnp.take(out_sorted, inverse, axis=0).reshape(t, k, -1), z.dtype)
+    return _weighted_combine(weights, undispatch_rows(out_sorted, order, inverse).reshape(t, k, -1), z.dtype)
+
+
+# Row permutations of the dispatch with gather-only backwards. Autodiff of ``jnp.take`` is a scatter-add
+# (atomic, in the rows' dtype, order-dependent on GPU); since ``order``/``inverse`` are a permutation of the
+# T·k assignments, each transpose is a gather instead (and the k copies of a token sum in f32).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch_rows(z: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+    """``z [T, L]`` -> ``[T·k, L]`` in expert order: row ``i`` is token ``order[i] // k``."""
+    return jnp.take(z, order // k, axis=0)
+
+
+def _dispatch_rows_fwd(z, order, inverse, k):
+    return dispatch_rows(z, order, inverse, k), inverse
+
+
+def _dispatch_rows_bwd(k, inverse, g):
+    dz = jnp.take(g, inverse, axis=0).reshape(-1, k, g.shape[-1]).astype(jnp.float32).sum(axis=1)
+    return dz.astype(g.dtype), None, None
+
+
+dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
+
+
+@jax.custom_vjp
+def undispatch_rows(out_sorted: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``out_sorted [T·k, L]`` (expert order) -> ``[T·k, L]`` in assignment order (``t·k + j``)."""
+    return jnp.take(out_sorted, inverse, axis=0)
+
+
+def _undispatch_rows_fwd(out_sorted, order, inverse):
+    return undispatch_rows(out_sorted, order, inverse), order
+
+
+def _undispatch_rows_bwd(order, g):
+    return jnp.take(g, order, axis=0), None, None
+
+
+undispatch_rows.defvjp(_undispatch_rows_fwd, _undispatch_rows_bwd)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(2,))
