@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.layers.common import einsum_f32
+from tests._jaxpr_walk import iter_eqns
 
 
 def _dot_operand_dtypes(fn, *args) -> list[tuple[str, str]]:
     """(lhs, rhs) dtypes of every dot_general in ``fn``'s jaxpr, sub-jaxprs included."""
-    found = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "dot_general":
-                found.append((str(e.invars[0].aval.dtype), str(e.invars[1].aval.dtype)))
-            for p in e.params.values():
-                for sub in p if isinstance(p, list | tuple) else [p]:
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [(str(e.invars[0].aval.dtype), str(e.invars[1].aval.dtype))
+            for e in iter_eqns(fn, *args) if e.primitive.name == "dot_general"]
 
 
 def _loss(eq):

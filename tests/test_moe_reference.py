@@ -1,12 +1,12 @@
 """Pure-JAX MoE reference: grouped matmul, SiTU-GLU, expert FFN (bf16 / MXFP4), dispatch + combine."""
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.quant import pack_mxfp4, unpack_mxfp4
 from pallas_kernels.moe import reference as ref
+from tests._jaxpr_walk import iter_eqns
 
 HI = jax.lax.Precision.HIGHEST
 
@@ -168,20 +168,7 @@ def test_dispatch_permutations_have_gather_only_gradients():
     np.testing.assert_allclose(jax.grad(ours)(z), jax.grad(plain)(z), rtol=1e-6, atol=1e-6)
 
     def primitives(fn) -> set[str]:
-        names: set[str] = set()
-
-        def walk(jaxpr):
-            for e in jaxpr.eqns:
-                names.add(e.primitive.name)
-                for v in e.params.values():
-                    for sub in v if isinstance(v, list | tuple) else [v]:
-                        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                            walk(sub.jaxpr)
-                        elif isinstance(sub, jax.extend.core.Jaxpr):
-                            walk(sub)
-
-        walk(jax.make_jaxpr(fn)(z).jaxpr)
-        return names
+        return {e.primitive.name for e in iter_eqns(fn, z)}
 
     assert not any("scatter" in p for p in primitives(jax.grad(ours)))
     assert any("scatter" in p for p in primitives(jax.grad(plain)))  # what autodiff of jnp.take gives
