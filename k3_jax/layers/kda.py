@@ -74,6 +74,10 @@ def activate_conv_output(o: jax.Array, num_heads: int, normalize: bool, dtype: j
     return (kda_reference.l2norm(y) if normalize else y).astype(dtype)
 
 
+_activate_recomputed = jax.checkpoint(activate_conv_output, static_argnums=(1, 2, 3))
+""":func:`activate_conv_output` recomputed in the backward (for the sequence-parallel conv's output)."""
+
+
 @functools.partial(jax.checkpoint, static_argnums=(4, 5, 6))
 def conv_branch(u: jax.Array, kernel: jax.Array, conv_state: jax.Array | None, segment_ids: jax.Array | None,
                 num_heads: int, normalize: bool, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
@@ -154,7 +158,7 @@ class KimiDeltaAttention(nn.Module):
                 from sharding.sequence_parallel import short_conv_sequence_parallel  # noqa: PLC0415
 
                 o = short_conv_sequence_parallel(u, ker, segment_ids=segment_ids)
-                o, ns = jax.checkpoint(activate_conv_output, static_argnums=(1, 2, 3))(o, h, normalize, dt), None
+                o, ns = _activate_recomputed(o, h, normalize, dt), None
             else:
                 o, ns = conv_branch(u, ker, st, segment_ids, h, normalize, dt)
             outs.append(o)

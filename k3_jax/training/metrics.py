@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from k3_jax.config import K3Config, count_params
+from k3_jax.training.optim import block_shape, muon_heads
 
 # bf16 dense peak TFLOP/s per device
 PEAK_TFLOPS = {
@@ -66,10 +67,9 @@ def muon_flops_per_step(abstract_params: Any, labels: Any, ns_steps: int = 5) ->
     for p, lab in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(labels), strict=True):
         if not lab.startswith("muon"):
             continue
-        heads = int(lab[len("muon_h"):]) if lab.startswith("muon_h") else 1
-        *lead, m, n = p.shape
-        a, b = sorted((m, n // heads))
-        total += ns_steps * (4 * a * a * b + 2 * a ** 3) * math.prod(lead) * heads
+        heads = muon_heads(lab)
+        a, b = sorted(block_shape(p.shape, heads))
+        total += ns_steps * (4 * a * a * b + 2 * a ** 3) * math.prod(p.shape[:-2]) * max(heads, 1)
     return float(total)
 
 

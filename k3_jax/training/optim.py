@@ -165,7 +165,13 @@ def orthogonalize_many(us: list[jax.Array], num_heads: int = 0, steps: int = 5,
     return out
 
 
-def _block_shape(shape: tuple[int, ...], num_heads: int) -> tuple[int, int]:
+def muon_heads(label: str) -> int:
+    """Heads H of a ``"muon_h{H}"`` label (per-head blocks), 0 for ``"muon"`` (whole matrices)."""
+    return int(label[len("muon_h"):]) if label.startswith("muon_h") else 0
+
+
+def block_shape(shape: tuple[int, ...], num_heads: int) -> tuple[int, int]:
+    """``(rows, cols)`` of one Newton–Schulz block of a ``[..., in, out]`` leaf (``out / H`` per head)."""
     m, n = shape[-2], shape[-1]
     return (m, n // num_heads) if num_heads else (m, n)
 
@@ -198,7 +204,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, num_heads: int = 0, momentum:
         os_ = orthogonalize_many(us, num_heads, ns_steps, coeffs)
 
         def finish(o, p):
-            bm, bn = _block_shape(p.shape, num_heads)
+            bm, bn = block_shape(p.shape, num_heads)
             step = 0.2 * math.sqrt(max(bm, bn)) * o.astype(jnp.float32)
             if weight_decay:
                 step = step + weight_decay * p.astype(jnp.float32)
@@ -229,7 +235,7 @@ def build_optimizer(cfg: OptimConfig, labels: Any) -> optax.GradientTransformati
     }
     for lab in used:
         if lab.startswith("muon"):
-            heads = int(lab[len("muon_h"):]) if lab.startswith("muon_h") else 0
+            heads = muon_heads(lab)
             txs[lab] = muon(sched, num_heads=heads, momentum=cfg.momentum, nesterov=cfg.nesterov,
                             ns_steps=cfg.ns_steps, weight_decay=cfg.weight_decay, dtype=cfg.muon_dtype)
     txs = {k: v for k, v in txs.items() if k in used}
@@ -245,10 +251,10 @@ def clip_weights(params: Any, labels: Any, max_rms_sv: float | None) -> Any:
     def clip(p, lab):
         if not lab.startswith("muon"):
             return p
-        heads = int(lab[len("muon_h"):]) if lab.startswith("muon_h") else 0
+        heads = muon_heads(lab)
         *lead, m, n = p.shape
         blocks = p.reshape(*lead, m, heads, n // heads) if heads else p[..., None, :]
-        bm, bn = _block_shape(p.shape, heads)
+        bm, bn = block_shape(p.shape, heads)
         norm = jnp.sqrt(jnp.sum(jnp.square(blocks.astype(jnp.float32)), axis=(-3, -1), keepdims=True))
         scale = jnp.minimum(1.0, max_rms_sv * math.sqrt(min(bm, bn)) / jnp.maximum(norm, 1e-12))
         return (blocks * scale).reshape(p.shape).astype(p.dtype)
