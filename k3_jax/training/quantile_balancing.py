@@ -141,7 +141,9 @@ def quantile_from_histogram(
     """
     num_bins = counts.shape[-1]
     c = counts.astype(jnp.float32)
-    cum = jnp.cumsum(c, axis=-1)
+    # A log-depth scan in the counts' own dtype (exact for integer counts): jnp.cumsum lowers to a reduce_window
+    # that XLA:GPU runs as O(num_bins^2) work per row (10 ms per step for 48 x 1000 bins on an H200).
+    cum = jax.lax.associative_scan(jnp.add, counts, axis=-1).astype(jnp.float32)
     total = cum[..., -1:]
     target = p * total
     # first bin with cum >= target (tolerance guards the float product p * total)
