@@ -55,10 +55,12 @@ def gpu_lock():
 
 def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: int, remat: str,
           mesh: str | None, peak_tflops: float | None, profile_dir: str | None = None,
-          muon_dtype: str = "auto", optimizer: str = "muon", profile_top: int = 60) -> dict:
+          muon_dtype: str = "auto", optimizer: str = "muon", profile_top: int = 60,
+          mla_attention: str = "auto") -> dict:
     from k3_jax.training.loop import TrainConfig, Trainer
 
-    overrides = {"kda_implementation": impl, "moe_implementation": impl, "remat": remat}
+    overrides = {"kda_implementation": impl, "moe_implementation": impl, "remat": remat,
+                 "mla_attention_implementation": mla_attention}
     tc = TrainConfig(config=config, model_overrides=overrides, workdir="/tmp/k3-bench-train", steps=1000,
                      seq_len=seq_len, batch_size=batch, accum=accum, eval_every=0, tensorboard=False,
                      resume=False, mesh=mesh, peak_tflops=peak_tflops, muon_dtype=muon_dtype,
@@ -97,7 +99,7 @@ def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: i
     achieved = tr.flops["total"] * tokens / step_s
     n_dev = jax.device_count()
     return {"impl": impl, "config": config, "batch": batch, "seq_len": seq_len, "accum": accum,
-            "remat": remat, "devices": n_dev, "device": jax.devices()[0].device_kind,
+            "remat": remat, "mla_attention": mla_attention, "devices": n_dev, "device": jax.devices()[0].device_kind,
             "step_s": round(step_s, 5), "tokens_per_s": round(tokens / step_s, 1),
             "tflops_per_device": round(achieved / n_dev / 1e12, 3),
             "mfu": round(achieved / (tr.peak * n_dev), 4) if tr.peak else None,
@@ -132,6 +134,8 @@ def main() -> None:
                     help="Newton-Schulz matmul dtype of Muon (TrainConfig.muon_dtype; auto = bf16 on GPU/TPU)")
     ap.add_argument("--optimizer", default="muon", choices=("muon", "adamw"),
                     help="TrainConfig.optimizer; Muon's Newton-Schulz FLOPs per step are reported, not in MFU")
+    ap.add_argument("--mla-attention", default="auto", choices=("auto", "xla", "cudnn"),
+                    help="K3Config.mla_attention_implementation (auto = cuDNN flash attention on Hopper GPUs)")
     ap.add_argument("--profile-top", type=int, default=60, help="device ops listed in device_profile")
     ap.add_argument("--profile-dir", default=None,
                     help="also profile one step per impl; adds device_profile (top device ops, ms) to the JSON")
@@ -141,7 +145,7 @@ def main() -> None:
         try:
             r = bench(args.config, impl, args.batch_size, args.seq_len, args.steps, args.accum, args.remat,
                       args.mesh, args.peak_tflops, args.profile_dir, args.muon_dtype, args.optimizer,
-                      args.profile_top)
+                      args.profile_top, args.mla_attention)
         except Exception as e:  # noqa: BLE001 - report and continue with the peer
             r = {"impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(json.dumps(r), flush=True)

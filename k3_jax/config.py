@@ -79,6 +79,10 @@ class K3Config:
     kda_chunk_size: int = 64
     kda_implementation: str = "auto"
     moe_implementation: str = "auto"
+    # MLA attention without a cache (training, prefill from scratch): "auto" = cuDNN flash attention on a
+    # Hopper+ GPU (bf16, T <= 16384 with segment ids), the blocked XLA path elsewhere; "xla" / "cudnn" force
+    # one (k3_jax/layers/flash_attention.py)
+    mla_attention_implementation: str = "auto"
 
     # ----------------------------------------------------------------- derived
     @property
@@ -257,6 +261,8 @@ def _validate(c: K3Config) -> None:
         for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
             _check(getattr(c, key) % 32 == 0, key, "a multiple of 32 for MXFP4 experts", getattr(c, key))
     _check(c.remat in ("none", "full", "dots"), "remat", "'none', 'full' or 'dots'", c.remat)
+    _check(c.mla_attention_implementation in ("auto", "xla", "cudnn"), "mla_attention_implementation",
+           "'auto', 'xla' or 'cudnn'", c.mla_attention_implementation)
     for key in ("dtype", "param_dtype"):
         _check(getattr(c, key) in ("float32", "bfloat16", "float16"), key,
                "'float32', 'bfloat16' or 'float16'", getattr(c, key))

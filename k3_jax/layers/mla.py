@@ -26,6 +26,12 @@ import jax.numpy as jnp
 
 from k3_jax.config import K3Config
 from k3_jax.layers.common import Linear, LinearKernel, RMSNorm, compute_dtype, einsum_f32, matmul_precision
+from k3_jax.layers.flash_attention import (
+    MAX_MASKED_LENGTH,
+    cudnn_attention_available,
+    cudnn_causal_attention,
+    cudnn_supports,
+)
 from k3_jax.layers.parallel import axis_size
 
 NEG_INF = -1e30
@@ -95,6 +101,21 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: fl
         return expanded_attention(q_blk, k, v, mask, scale)
 
     return map_query_blocks(attend, [q, pos_q, seg], block)
+
+
+def causal_attention(cfg: K3Config, q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+                     segment_ids: jax.Array | None) -> jax.Array:
+    """Causal same-document attention by ``cfg.mla_attention_implementation``: cuDNN flash attention
+    (:mod:`k3_jax.layers.flash_attention`) or :func:`blocked_causal_attention`. Shapes as the latter."""
+    impl = cfg.mla_attention_implementation
+    fits = cudnn_supports(q, segment_ids)
+    if impl == "cudnn" and not (cudnn_attention_available() and fits):
+        raise ValueError("mla_attention_implementation='cudnn' needs an NVIDIA GPU of compute capability >= 9.0, "
+                         f"bf16/fp16 compute and, with segment ids, an even T <= {MAX_MASKED_LENGTH} (here: backend "
+                         f"{jax.default_backend()}, dtype {q.dtype}, T {q.shape[1]}); use 'auto' or 'xla'")
+    if impl == "xla" or (impl == "auto" and not (fits and cudnn_attention_available())):
+        return blocked_causal_attention(q, k, v, scale, segment_ids)
+    return cudnn_causal_attention(q, k, v, scale, segment_ids)
 
 
 def absorbed_attention(
@@ -250,7 +271,7 @@ class KimiMLAAttention(nn.Module):
             kv = kv.reshape(b, t, h, dn + dv)
             k_nope, v = kv[..., :dn], kv[..., dn:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None, :], (b, t, h, dr))], axis=-1)
-            o = blocked_causal_attention(q.astype(dt), k.astype(dt), v.astype(dt), scale, segment_ids)
+            o = causal_attention(cfg, q.astype(dt), k.astype(dt), v.astype(dt), scale, segment_ids)
         else:
             if lengths is None:
                 raise ValueError("MLA with a cache needs `lengths` [B] (tokens already cached per row)")
