@@ -8,8 +8,10 @@ FLOPs per token and the MFU definition: :mod:`k3_jax.training.metrics`.
 
     python benchmarks/train.py --config configs/k3-small.json --batch-size 16 --seq-len 2048   # H200
     python benchmarks/train.py --config configs/k3-slice.json --batch-size 4 --seq-len 1024 --impls auto  # K3 widths
-    python benchmarks/train.py --config configs/k3-slice.json --batch-size 128 --accum 16 --seq-len 1024 \
-        --remat full --impls auto --steps 2   # H200 headline: Muon at 131k tokens per optimizer step
+    python benchmarks/train.py --config configs/k3-slice.json --batch-size 16 --seq-len 1024 --impls auto \
+        --optimizer adamw --steps 3           # H200 headline (AdamW, no remat)
+    XLA_PYTHON_CLIENT_PREALLOCATE=true python benchmarks/train.py --config configs/k3-slice.json \
+        --batch-size 256 --accum 16 --seq-len 1024 --impls auto --steps 2   # Muon, 262k tokens per step
 
 Muon's Newton–Schulz costs a fixed ``optimizer_tflop_per_step`` (430 TFLOP for k3-slice), so a step of a few
 thousand tokens measures the optimizer, not the model: state tokens per step (``batch × seq_len``) with the MFU.

@@ -108,12 +108,12 @@ def causal_attention(cfg: K3Config, q: jax.Array, k: jax.Array, v: jax.Array, sc
     """Causal same-document attention by ``cfg.mla_attention_implementation``: cuDNN flash attention
     (:mod:`k3_jax.layers.flash_attention`) or :func:`blocked_causal_attention`. Shapes as the latter."""
     impl = cfg.mla_attention_implementation
-    fits = cudnn_supports(q, segment_ids)
-    if impl == "cudnn" and not (cudnn_attention_available() and fits):
+    fits = cudnn_supports(q, segment_ids) and cudnn_attention_available()
+    if impl == "cudnn" and not fits:
         raise ValueError("mla_attention_implementation='cudnn' needs an NVIDIA GPU of compute capability >= 9.0, "
                          f"bf16/fp16 compute and, with segment ids, an even T <= {MAX_MASKED_LENGTH} (here: backend "
                          f"{jax.default_backend()}, dtype {q.dtype}, T {q.shape[1]}); use 'auto' or 'xla'")
-    if impl == "xla" or (impl == "auto" and not (fits and cudnn_attention_available())):
+    if impl == "xla" or (impl == "auto" and not fits):
         return blocked_causal_attention(q, k, v, scale, segment_ids)
     return cudnn_causal_attention(q, k, v, scale, segment_ids)
 
