@@ -14,7 +14,8 @@ import pathlib
 import time
 
 from k3_jax.config import load_config
-from sharding.plan import abstract_params, plan
+from sharding.memory import plan
+from sharding.plan import abstract_params
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GIB = 1 << 30

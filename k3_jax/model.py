@@ -38,6 +38,7 @@ from k3_jax.layers.kda import KimiDeltaAttention
 from k3_jax.layers.mla import KimiMLAAttention
 from k3_jax.layers.moe import LatentMoE, SituMLP
 from k3_jax.layers.parallel import axis_size, constrain
+from k3_jax.parallel.vocab import vocab_parallel_embed
 
 LayerKind = tuple[MixerKind, FfnKind]
 
@@ -171,8 +172,6 @@ class K3Model(nn.Module):
         b, t = tokens.shape
         embedding = self.param("embed_tokens", _embedding_init(cfg), cfg.vocab_size, cfg.hidden_size)
         if axis_size("tensor") > 1:  # rows of the table live on different devices: never gather it whole
-            from sharding.vocab_parallel import vocab_parallel_embed  # noqa: PLC0415
-
             e = vocab_parallel_embed(tokens, embedding["embedding"]).astype(dt)
         else:
             e = jnp.take(embedding["embedding"], tokens, axis=0).astype(dt)

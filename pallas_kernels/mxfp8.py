@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3_jax.quant.mxfp4 import GROUP, e8m0_to_f32, mx_scale_exponent
+from pallas_kernels.mxfp4 import GROUP, e8m0_to_f32, mx_scale_exponent
 
 E4M3_MAX = 448.0
 FP8_EXP_OFFSET = 8

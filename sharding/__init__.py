@@ -1,4 +1,10 @@
-"""Device mesh, logical-axis sharding rules, expert / sequence / vocab parallelism and the memory plan.
+"""Device mesh, logical-axis sharding rules and presets, the per-shard kernel wrapper, and the memory plan.
+
+Modules: :mod:`sharding.mesh` (the five named axes), :mod:`sharding.rules` (logical names → mesh axes, presets,
+activation constraints), :mod:`sharding.local_kernels` (single-device kernels run per shard),
+:mod:`sharding.memory` (per-device bytes from abstract parameters) and the command line :mod:`sharding.plan`.
+This package imports nothing from the layers or the model (only :mod:`sharding.plan`, the command line, builds a
+model); the layers' multi-device forms are in :mod:`k3_jax.parallel`.
 
 Typical use::
 

@@ -1,9 +1,11 @@
 """Memory plan: per-device bytes of a K3 model for a sharding preset and mesh, from the model's abstract shapes.
 
-``python -m sharding.plan --config configs/k3.json --preset serve --mesh tensor=8 --seq-len 1048576
---latent-dtype float8_e4m3fn`` prints a table (and ``--json`` one JSON line) with, per device:
+:func:`plan` takes the configuration and the boxed abstract parameters (``jax.eval_shape`` of the model's
+``init``, leaves in ``nn.LogicallyPartitioned``), so this module needs no model code; the command line
+``python -m sharding.plan ...`` (:mod:`sharding.plan`) builds those shapes from a config file and prints, per
+device:
 
-* **params** — every leaf of ``jax.eval_shape(K3ForCausalLM(cfg).init, ...)`` (bf16 weights, the six fp32
+* **params** — every leaf of the abstract parameters (bf16 weights, the six fp32
   kinds, MXFP4 ``u8`` experts when ``--experts mxfp4``), sharded by the preset's rules (mesh axes a dimension is
   not divisible by are dropped, as :mod:`sharding.rules` does). ``checkpoint_bytes`` adds the release's A_log
   zero padding (stored ``[128]`` per KDA layer, held as ``[H]``); ``checkpoint_bytes_with_vision`` adds the
@@ -24,10 +26,7 @@ fragmentation and XLA temporaries are not included.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3_jax.config import K3Config, load_config
+from k3_jax.config import K3Config
 from sharding import rules
 from sharding.mesh import parse_axes, resolve_axes
 
@@ -93,15 +92,6 @@ class MemoryPlan:
             lines.append(f"  {k:<26}{v / GB:>16.3f} GB")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def abstract_params(cfg: K3Config) -> Any:
-    """Boxed abstract parameters (``ShapeDtypeStruct`` leaves in ``nn.LogicallyPartitioned``) of the model."""
-    from k3_jax.model import K3ForCausalLM
-
-    model = K3ForCausalLM(cfg)
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)["params"]
 
 
 def _local_elems(shape: tuple[int, ...], spec: jax.sharding.PartitionSpec, sizes: dict[str, int]) -> int:
@@ -168,15 +158,15 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
          batch: int = 1, seq_len: int = 1 << 20, latent_dtype: str = "float8_e4m3fn",
          conv_dtype: str = "bfloat16", optimizer: str = "none", master_fp32: bool = False,
          prefill_chunk: int = 8192, train_tokens_per_device: int | None = None,
-         boxed: Any = None) -> MemoryPlan:
-    """Memory plan of ``cfg`` (its ``param_dtype`` and ``expert_format`` decide parameter dtypes)."""
+         boxed: Any) -> MemoryPlan:
+    """Memory plan of ``cfg`` whose boxed abstract parameters are ``boxed`` (their dtypes follow the config's
+    ``param_dtype`` and ``expert_format``)."""
     if num_devices is None:
         parsed = parse_axes(mesh)
         if any(v == -1 for v in parsed.values()):
             raise ValueError("plan: a mesh axis of -1 needs num_devices")
         num_devices = math.prod(parsed.values())
     sizes = resolve_axes(mesh, num_devices)
-    boxed = abstract_params(cfg) if boxed is None else boxed
     p = param_bytes(boxed, sizes, preset)
     res = MemoryPlan(mesh=sizes, preset=preset)
     res.per_device["params"] = p["local"]
@@ -228,100 +218,3 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
     res.whole["attn_res_bank_per_chunk"] = bank * max(sizes["sequence"], 1)
     res.notes.append("not included: communication buffers, GEMM workspaces, allocator fragmentation")
     return res
-
-
-def aot_memory(cfg: K3Config, preset: str, mesh: str | dict[str, int], topology: str, tokens: int = 64,
-               batch: int = 1) -> dict[str, Any]:
-    """Compile the jitted forward (``[batch, tokens]`` → logits) ahead of time for a TPU ``topology`` (e.g.
-    ``"v5p:8x8x4"`` = v5p-512) on this host and return the compiler's per-device memory analysis.
-
-    Needs ``libtpu`` (extra ``aot``); no TPU is touched. Parameters are abstract (``ShapeDtypeStruct`` with the
-    preset's shardings). The MoE reference's ``ragged_dot`` is lowered at default precision for bf16 operands
-    during this call (``precision=HIGHEST`` with bf16 operands crashes Mosaic's ragged-dot lowering on TPU).
-    """
-    import os
-
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    import pallas_kernels.moe.reference as moe_ref
-    from k3_jax.model import K3ForCausalLM
-    from sharding.mesh import make_mesh
-
-    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-    m = make_mesh(mesh, devices=topo.devices)
-    cfg = cfg.replace(moe_implementation="reference", kda_implementation="reference")
-    model = K3ForCausalLM(cfg)
-    boxed = abstract_params(cfg)
-    shardings = rules.param_shardings({"params": boxed}, m, preset)
-    params = jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
-                          nn.unbox({"params": boxed}), shardings)
-    tok = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=NamedSharding(m, PartitionSpec()))
-
-    orig = moe_ref.grouped_matmul
-
-    def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
-        prec = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
-        return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), precision=prec,
-                                  preferred_element_type=preferred_element_type or lhs.dtype)
-
-    moe_ref.grouped_matmul = gmm
-    try:
-        with rules.activate(m, preset):
-            compiled = jax.jit(model.apply).lower(params, tok).compile()
-    finally:
-        moe_ref.grouped_matmul = orig
-    ma = compiled.memory_analysis()
-    return {"topology": topology, "devices": len(topo.devices), "argument_bytes": ma.argument_size_in_bytes,
-            "output_bytes": ma.output_size_in_bytes, "temp_bytes": ma.temp_size_in_bytes,
-            "generated_code_bytes": ma.generated_code_size_in_bytes}
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/k3.json")
-    ap.add_argument("--preset", default="serve")
-    ap.add_argument("--mesh", default="tensor=8", help="e.g. expert=64,tensor=4 (one axis may be -1)")
-    ap.add_argument("--devices", type=int, default=None, help="device count (needed when an axis is -1)")
-    ap.add_argument("--experts", choices=["bf16", "mxfp4", "config"], default="config")
-    ap.add_argument("--param-dtype", default="bfloat16")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq-len", type=int, default=1 << 20)
-    ap.add_argument("--latent-dtype", default="float8_e4m3fn")
-    ap.add_argument("--optimizer", choices=["none", "adamw", "muon"], default="none")
-    ap.add_argument("--master-fp32", action="store_true")
-    ap.add_argument("--prefill-chunk", type=int, default=8192)
-    ap.add_argument("--tokens-per-device", type=int, default=None,
-                    help="training: tokens per device per micro-step (default batch*seq-len / data axes)")
-    ap.add_argument("--capacity-gib", type=float, default=None, help="per-device memory, e.g. 141 (H200), 95 (v5p)")
-    ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
-    ap.add_argument("--aot", default=None, metavar="TOPOLOGY",
-                    help="also AOT-compile the forward for a TPU topology (e.g. v5p:8x8x4 = v5p-512; needs libtpu) "
-                         "and print the compiler's per-device memory beside ours (minutes)")
-    ap.add_argument("--aot-tokens", type=int, default=64)
-    a = ap.parse_args(argv)
-    over: dict[str, Any] = {"param_dtype": a.param_dtype, "dtype": "bfloat16"}
-    if a.experts != "config":
-        over["expert_format"] = a.experts
-    cfg = load_config(a.config, **over)
-    res = plan(cfg, a.preset, a.mesh, num_devices=a.devices, batch=a.batch, seq_len=a.seq_len,
-               latent_dtype=a.latent_dtype, optimizer=a.optimizer, master_fp32=a.master_fp32,
-               prefill_chunk=a.prefill_chunk, train_tokens_per_device=a.tokens_per_device)
-    if a.aot:
-        comp = aot_memory(cfg, a.preset, a.mesh, a.aot, tokens=a.aot_tokens)
-        res.whole["aot_compiler_argument_bytes_per_device"] = comp["argument_bytes"]
-        res.whole["aot_compiler_temp_bytes_per_device"] = comp["temp_bytes"]
-        res.notes.append(f"AOT {a.aot} ({comp['devices']} devices, forward of {a.aot_tokens} tokens): compiler "
-                         f"arguments {comp['argument_bytes'] / GB:.3f} GB vs our params "
-                         f"{res.per_device['params'] / GB:.3f} GB per device; temporaries "
-                         f"{comp['temp_bytes'] / GB:.3f} GB")
-    if a.json:
-        print(json.dumps(res.as_dict()))
-    else:
-        print(res.table(a.capacity_gib))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

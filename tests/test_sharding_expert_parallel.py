@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3_jax.parallel.expert import moe_dispatch_combine_ep, ragged_all_to_all_emulated
 from k3_jax.quant.mxfp4 import pack_mxfp4
 from pallas_kernels.moe.reference import moe_dispatch_combine
-from sharding.expert_parallel import moe_dispatch_combine_ep, ragged_all_to_all_emulated
 from sharding.mesh import make_mesh
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices; see tests/conftest.py")

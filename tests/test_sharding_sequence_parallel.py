@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from k3_jax.layers.kda import causal_depthwise_conv
-from k3_jax.layers.mla import causal_segment_mask, expanded_attention
-from pallas_kernels.kda import reference as kda_ref
-from sharding.mesh import make_mesh
-from sharding.sequence_parallel import (
+from k3_jax.layers.mla import absorbed_attention, causal_segment_mask, expanded_attention
+from k3_jax.parallel.sequence import (
     kda_sequence_parallel,
     mla_sequence_parallel,
     short_conv_sequence_parallel,
 )
+from pallas_kernels.kda import reference as kda_ref
+from sharding.mesh import make_mesh
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices; see tests/conftest.py")
 
@@ -102,5 +102,6 @@ def test_mla_sequence_parallel_matches_expanded_attention():
     ref = expanded_attention(q, k_full, v_full, causal_segment_mask(seg, B, T), scale)
     mesh = make_mesh({"sequence": 4, "tensor": 2})
     out = jax.jit(lambda q: mla_sequence_parallel(q[..., :dn], q[..., dn:], latent, k_rot, w_uk, w_uv,
-                                                  scale=scale, mesh=mesh, segment_ids=seg))(q)
+                                                  scale=scale, attend=absorbed_attention, mesh=mesh,
+                                                  segment_ids=seg))(q)
     assert _rel(out, ref) <= 1e-5

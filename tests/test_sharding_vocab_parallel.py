@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3_jax.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_embed
 from sharding.mesh import make_mesh
-from sharding.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embed
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices; see tests/conftest.py")
 

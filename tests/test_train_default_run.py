@@ -17,7 +17,7 @@ DEFAULT_RUN_EVAL_LOSS_BELOW = 6.0
 @pytest.mark.skipif(os.environ.get("K3_RUN_DEFAULT_TRAIN") != "1",
                     reason="minutes on CPU: set K3_RUN_DEFAULT_TRAIN=1 to run the default train.py")
 def test_default_train_run_loss_falls(tmp_path, capsys):
-    from train import main
+    from k3_jax.cli.train import main
 
     assert main(["--workdir", str(tmp_path / "run"), "--set", "tensorboard=false"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -84,7 +84,7 @@ def test_qb_balances_skewed_router_in_train_step(trainer):
 
 
 def test_cli_builds_config():
-    from train import build_train_config
+    from k3_jax.cli.train import build_train_config
 
     tc = build_train_config(["--steps", "7", "--set", "lr=0.01", "--set", "dtype=float32",
                              "--set", "kda_layers=[0]", "--mesh", "fsdp=-1", "--config", "configs/k3-small.json"])
@@ -98,8 +98,8 @@ def test_cli_builds_config():
 def test_muon_dtype_auto_and_bad_value():
     """``muon_dtype="auto"`` is fp32 on CPU (bf16 on GPU/TPU); ``--set muon_dtype=...`` reaches TrainConfig; an
     unknown dtype is refused with the key's name."""
+    from k3_jax.cli.train import build_train_config
     from k3_jax.training.loop import resolve_muon_dtype
-    from train import build_train_config
 
     assert jax.default_backend() != "cpu" or resolve_muon_dtype("auto") == "float32"
     assert resolve_muon_dtype("bfloat16") == "bfloat16"

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from k3_jax.config import K3Config
 from k3_jax.layers.common import Linear, Weight, compute_dtype, logical, rms_norm
 from k3_jax.layers.parallel import axis_size
+from k3_jax.parallel.sequence import kda_sequence_parallel, short_conv_sequence_parallel
 from pallas_kernels.kda import reference as kda_reference
+from sharding.local_kernels import per_shard
 
 
 def _kda_ops():
@@ -109,8 +111,6 @@ def _kernel_per_shard(op, q, k, v, g, beta, implementation: str, *, initial_stat
                       output_final_state: bool, **kw):
     """``op`` (``pallas_kernels.kda.ops.chunk_kda`` / ``recurrent_kda``) per shard of the active mesh: the
     kernels are single-device, each sequence and head is independent (:func:`sharding.local_kernels.per_shard`)."""
-    from sharding.local_kernels import per_shard  # noqa: PLC0415
-
     def call(q, k, v, g, beta, s0, seg):
         return op(q, k, v, g, beta, initial_state=s0, segment_ids=seg, output_final_state=output_final_state,
                   implementation=implementation, **kw)
@@ -155,8 +155,6 @@ class KimiDeltaAttention(nn.Module):
         seq_parallel = cache is None and axis_size("sequence") > 1
         for u, ker, st, normalize in zip((q, k, v), kernels, conv_states, (True, True, False), strict=True):
             if seq_parallel:  # T is split over `sequence`: 3-token halo from the previous shard
-                from sharding.sequence_parallel import short_conv_sequence_parallel  # noqa: PLC0415
-
                 o = short_conv_sequence_parallel(u, ker, segment_ids=segment_ids)
                 o, ns = _activate_recomputed(o, h, normalize, dt), None
             else:
@@ -185,8 +183,6 @@ class KimiDeltaAttention(nn.Module):
         kwargs = dict(initial_state=initial_state, output_final_state=cache is not None,
                       segment_ids=segment_ids, chunk_size=cfg.kda_chunk_size)
         if seq_parallel:  # per-shard affine state maps combined by a prefix over `sequence`
-            from sharding.sequence_parallel import kda_sequence_parallel  # noqa: PLC0415
-
             o, final_state = kda_sequence_parallel(q, k, v, g, beta, segment_ids=segment_ids,
                                                    initial_state=initial_state, chunk_size=cfg.kda_chunk_size)
         elif cache is not None and t == 1:  # decode step: one token per sequence, the recurrent form

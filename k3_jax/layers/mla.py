@@ -33,6 +33,7 @@ from k3_jax.layers.flash_attention import (
     cudnn_supports,
 )
 from k3_jax.layers.parallel import axis_size
+from k3_jax.parallel.sequence import mla_sequence_parallel
 
 NEG_INF = -1e30
 QUERY_BLOCK = 512
@@ -261,11 +262,10 @@ class KimiMLAAttention(nn.Module):
         new_cache = None
         if cache is None and axis_size("sequence") > 1:
             # T split over `sequence`: all-gather only the 576-value latent, attend in the absorbed form
-            from sharding.sequence_parallel import mla_sequence_parallel  # noqa: PLC0415
-
             w = kv_kernel.reshape(c, h, dn + dv)
             o = mla_sequence_parallel(q_nope.astype(dt), q_rot.astype(dt), latent.astype(dt), k_rot.astype(dt),
-                                      w[..., :dn], w[..., dn:], scale=scale, segment_ids=segment_ids)
+                                      w[..., :dn], w[..., dn:], scale=scale, attend=absorbed_attention,
+                                      segment_ids=segment_ids)
         elif cache is None:
             kv = jnp.matmul(latent.astype(dt), kv_kernel.astype(dt), precision=matmul_precision(cfg))
             kv = kv.reshape(b, t, h, dn + dv)

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 from k3_jax.config import K3Config
 from k3_jax.layers.common import HIGHEST, Linear, RMSNorm, logical, param_dtype
 from k3_jax.layers.parallel import axis_size
+from k3_jax.parallel.expert import moe_dispatch_combine_ep
 from k3_jax.quant.mxfp4 import pack_mxfp4
 from pallas_kernels.moe import reference as moe_reference
+from sharding.local_kernels import per_shard
 
 situ_glu = moe_reference.situ_glu
 
@@ -149,14 +151,10 @@ class LatentMoE(nn.Module):
         experts = RoutedExperts(cfg, name="experts")()
         strategy, impl = _moe_implementation(cfg)
         if strategy is not None:  # experts split over the `expert` mesh axis
-            from sharding.expert_parallel import moe_dispatch_combine_ep  # noqa: PLC0415
-
             u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=strategy,
                                         beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
                                         ffn=_expert_ffn_kernel(impl, cfg))
         else:  # kernels are single-device: each shard routes its own tokens through all experts
-            from sharding.local_kernels import per_shard  # noqa: PLC0415
-
             def dispatch(z, expert_ids, weights, experts):
                 return moe_reference.moe_dispatch_combine(
                     z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,

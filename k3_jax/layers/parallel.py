@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import jax
 
+from sharding.rules import with_logical_constraint
+
 
 def axis_size(name: str) -> int:
     """Size of mesh axis ``name`` in the active (abstract) mesh; 1 when there is no mesh or no such axis."""
@@ -22,6 +24,4 @@ def axis_size(name: str) -> int:
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Sharding constraint from logical ``names`` under the active rules (axes that don't divide are dropped)."""
-    from sharding.rules import with_logical_constraint  # noqa: PLC0415 - keep the model importable alone
-
     return with_logical_constraint(x, names)

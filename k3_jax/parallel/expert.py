@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from k3_jax.quant.mxfp4 import is_mxfp4
+from k3_jax.parallel.mesh_axes import axis_sizes, mesh_or_active
 from pallas_kernels.moe.reference import expert_ffn, num_experts_of
+from pallas_kernels.mxfp4 import is_mxfp4
 
 Strategy = Literal["allgather", "all_to_all"]
 FfnFn = Callable[..., jax.Array]
@@ -43,24 +44,10 @@ FfnFn = Callable[..., jax.Array]
 DEFAULT_TOKEN_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 
-def _sizes(mesh: Any) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-
-
-def _current_mesh(mesh: Mesh | None) -> Any:
-    if mesh is not None:
-        return mesh
-    m = jax.sharding.get_abstract_mesh()
-    if m.empty:
-        raise ValueError("expert_parallel: no mesh given and none active (use jax.set_mesh / sharding.rules"
-                         ".activate)")
-    return m
-
-
 def token_axes_for(mesh: Any, num_tokens: int, candidates: Sequence[str] = DEFAULT_TOKEN_AXES) -> tuple[str, ...]:
     """Mesh axes (of size > 1, in order) the token dimension is split over; trailing ones are dropped until
     their product divides ``num_tokens``."""
-    sizes = _sizes(mesh)
+    sizes = axis_sizes(mesh)
     axes = tuple(a for a in candidates if sizes.get(a, 1) > 1)
     while axes and num_tokens % math.prod(sizes[a] for a in axes):
         axes = axes[:-1]
@@ -241,8 +228,8 @@ def moe_dispatch_combine_ep(
         ``"auto"`` = native on GPU/TPU.
       ffn: ``ffn(x_sorted, group_sizes, w1, w3, w2) -> [M, L]`` (default: the reference ``expert_ffn``).
     """
-    mesh = _current_mesh(mesh)
-    sizes = _sizes(mesh)
+    mesh = mesh_or_active(mesh, "expert parallel")
+    sizes = axis_sizes(mesh)
     e = num_experts_of(experts)
     n = sizes.get(expert_axis, 1)
     if e % n:

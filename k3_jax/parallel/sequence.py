@@ -22,50 +22,25 @@ bodies in ``jax.shard_map``; the batch may also be split over ``batch_axes`` and
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from k3_jax.layers.mla import absorbed_attention
+from k3_jax.parallel.mesh_axes import axis_sizes, mesh_or_active, split_axes
 from pallas_kernels.kda import reference as kda_ref
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
+AbsorbedAttention = Callable[..., jax.Array]
+"""``attend(q_nope, q_rot, latent, k_rot, w_uk, w_uv, mask [B, Tq, S] bool, scale) -> [B, Tq, H, Dv]`` — the
+layer's absorbed-form MLA attention (``k3_jax.layers.mla.absorbed_attention``)."""
+
 
 def _ein(eq: str, *xs: jax.Array) -> jax.Array:
     return jnp.einsum(eq, *xs, precision=HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _sizes(mesh: Any) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-
-
-def _mesh(mesh: Mesh | None) -> Any:
-    if mesh is not None:
-        return mesh
-    m = jax.sharding.get_abstract_mesh()
-    if m.empty:
-        raise ValueError("sequence_parallel: no mesh given and none active (jax.set_mesh / sharding.rules.activate)")
-    return m
-
-
-def _axes_or_none(axes: Sequence[str] | str | None, sizes: dict[str, int], dim: int | None = None) -> Any:
-    """Mesh axes of size > 1 (dropping trailing ones that do not divide ``dim``) in PartitionSpec form."""
-    if axes is None:
-        return None
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
-    if dim is not None:
-        while axes and dim % math.prod(sizes[a] for a in axes):
-            axes = axes[:-1]
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else axes
 
 
 # ----------------------------------------------------------------------------- halo exchange
@@ -172,10 +147,11 @@ def kda_local(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
 
 # ----------------------------------------------------------------------------- MLA
 def mla_local(q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array, k_rot: jax.Array, w_uk: jax.Array,
-              w_uv: jax.Array, *, axis_name: str, scale: float,
+              w_uv: jax.Array, *, axis_name: str, scale: float, attend: AbsorbedAttention,
               segment_ids: jax.Array | None = None) -> jax.Array:
     """Per-shard causal MLA: all-gather the latent ``[B, T_loc, C]`` and ``k_rot [B, T_loc, Dr]`` over
-    ``axis_name``, attend the local queries ``[B, T_loc, H, *]`` (absorbed form). Returns ``[B, T_loc, H, Dv]``."""
+    ``axis_name``, attend the local queries ``[B, T_loc, H, *]`` with ``attend`` (absorbed form). Returns
+    ``[B, T_loc, H, Dv]``."""
     t = q_nope.shape[1]
     rank = jax.lax.axis_index(axis_name)
     lat_all = jax.lax.all_gather(latent, axis_name, axis=1, tiled=True)  # [B, T, C]
@@ -187,7 +163,7 @@ def mla_local(q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array, k_rot: jax
         seg_all = jax.lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
         mask = mask & (segment_ids[:, :, None] == seg_all[:, None, :])
     mask = jnp.broadcast_to(mask, (q_nope.shape[0], t, s))
-    return absorbed_attention(q_nope, q_rot, lat_all, rot_all, w_uk, w_uv, mask, scale)
+    return attend(q_nope, q_rot, lat_all, rot_all, w_uk, w_uv, mask, scale)
 
 
 # ----------------------------------------------------------------------------- global wrappers
@@ -200,14 +176,14 @@ def kda_sequence_parallel(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
 
     Returns ``(o [B, T, H, V], final_state [B, H, K, V] f32)``.
     """
-    mesh = _mesh(mesh)
-    sizes = _sizes(mesh)
+    mesh = mesh_or_active(mesh, "sequence parallel")
+    sizes = axis_sizes(mesh)
     b, t, h, _ = q.shape
     if t % sizes.get(axis, 1):
         raise ValueError(f"sequence parallel KDA: T={t} is not divisible by mesh axis {axis!r}={sizes[axis]}")
-    bx = _axes_or_none(batch_axes, sizes, b)
-    hx = _axes_or_none(head_axis, sizes, h)
-    sx = _axes_or_none(axis, sizes)
+    bx = split_axes(batch_axes, sizes, b)
+    hx = split_axes(head_axis, sizes, h)
+    sx = split_axes(axis, sizes)
     x4, x3, x2 = P(bx, sx, hx, None), P(bx, sx, hx), P(bx, sx)
     st = P(bx, hx, None, None)
     if sx is None:  # nothing to split: plain kernel
@@ -230,11 +206,11 @@ def short_conv_sequence_parallel(u: jax.Array, kernel: jax.Array, *, mesh: Mesh 
                                  channel_axis: str | None = "tensor",
                                  segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal depthwise conv ``u [B, T, C]`` × ``kernel [W, C]`` with ``T`` split over ``axis`` (3-token halo)."""
-    mesh = _mesh(mesh)
-    sizes = _sizes(mesh)
-    bx = _axes_or_none(batch_axes, sizes, u.shape[0])
-    cx = _axes_or_none(channel_axis, sizes, u.shape[2])
-    sx = _axes_or_none(axis, sizes)
+    mesh = mesh_or_active(mesh, "sequence parallel")
+    sizes = axis_sizes(mesh)
+    bx = split_axes(batch_axes, sizes, u.shape[0])
+    cx = split_axes(channel_axis, sizes, u.shape[2])
+    sx = split_axes(axis, sizes)
 
     def body(u, ker, seg):
         return short_conv_local(u, ker, axis, seg)
@@ -246,20 +222,21 @@ def short_conv_sequence_parallel(u: jax.Array, kernel: jax.Array, *, mesh: Mesh 
 
 
 def mla_sequence_parallel(q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array, k_rot: jax.Array,
-                          w_uk: jax.Array, w_uv: jax.Array, *, scale: float, mesh: Mesh | None = None,
+                          w_uk: jax.Array, w_uv: jax.Array, *, scale: float, attend: AbsorbedAttention,
+                          mesh: Mesh | None = None,
                           axis: str = "sequence", batch_axes: Sequence[str] | None = ("data", "fsdp"),
                           head_axis: str | None = "tensor", segment_ids: jax.Array | None = None) -> jax.Array:
-    """Causal MLA over a ``T``-sharded sequence from the latent (see :func:`mla_local`).
+    """Causal MLA over a ``T``-sharded sequence from the latent (see :func:`mla_local`), by the layer's ``attend``.
 
     ``q_nope [B, T, H, Dn]``, ``q_rot [B, T, H, Dr]``, ``latent [B, T, C]``, ``k_rot [B, T, Dr]``,
     ``w_uk [C, H, Dn]``, ``w_uv [C, H, Dv]`` → ``[B, T, H, Dv]``.
     """
-    mesh = _mesh(mesh)
-    sizes = _sizes(mesh)
+    mesh = mesh_or_active(mesh, "sequence parallel")
+    sizes = axis_sizes(mesh)
     b, _, h, _ = q_nope.shape
-    bx = _axes_or_none(batch_axes, sizes, b)
-    hx = _axes_or_none(head_axis, sizes, h)
-    sx = _axes_or_none(axis, sizes)
+    bx = split_axes(batch_axes, sizes, b)
+    hx = split_axes(head_axis, sizes, h)
+    sx = split_axes(axis, sizes)
     axis_name = axis if sx is not None else None
 
     def body(qn, qr, lat, kr, wk, wv, seg):
@@ -268,8 +245,9 @@ def mla_sequence_parallel(q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array
             mask = jnp.tril(jnp.ones((t, t), bool))[None]
             if seg is not None:
                 mask = mask & (seg[:, :, None] == seg[:, None, :])
-            return absorbed_attention(qn, qr, lat, kr, wk, wv, jnp.broadcast_to(mask, (qn.shape[0], t, t)), scale)
-        return mla_local(qn, qr, lat, kr, wk, wv, axis_name=axis_name, scale=scale, segment_ids=seg)
+            return attend(qn, qr, lat, kr, wk, wv, jnp.broadcast_to(mask, (qn.shape[0], t, t)), scale)
+        return mla_local(qn, qr, lat, kr, wk, wv, axis_name=axis_name, scale=scale, attend=attend,
+                         segment_ids=seg)
 
     q4 = P(bx, sx, hx, None)
     fn = jax.shard_map(body, mesh=mesh,
@@ -277,34 +255,3 @@ def mla_sequence_parallel(q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array
                                  P(bx, sx) if segment_ids is not None else None),
                        out_specs=q4, check_vma=False)
     return fn(q_nope, q_rot, latent, k_rot, w_uk, w_uv, segment_ids)
-
-
-def attention_sequence_parallel(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, *,
-                                mesh: Mesh | None = None, axis: str = "sequence",
-                                batch_axes: Sequence[str] | None = ("data", "fsdp"),
-                                head_axis: str | None = "tensor", attend: Any = None) -> jax.Array:
-    """Expanded-form attention with ``T`` split over ``axis``: per-head K/V are all-gathered, each shard attends
-    its own query rows. ``q, k [B, T, H, Dqk]``, ``v [B, T, H, Dv]``, ``mask [B, T, T]`` → ``[B, T, H, Dv]``.
-
-    (For MLA prefer :func:`mla_sequence_parallel`, which gathers the 576-value latent instead of per-head K/V;
-    this variant plugs into a layer that has already expanded K/V.)
-    """
-    if attend is None:
-        from k3_jax.layers.mla import expanded_attention as attend
-    mesh = _mesh(mesh)
-    sizes = _sizes(mesh)
-    b, _, h, _ = q.shape
-    bx = _axes_or_none(batch_axes, sizes, b)
-    hx = _axes_or_none(head_axis, sizes, h)
-    sx = _axes_or_none(axis, sizes)
-    if sx is None:
-        return attend(q, k, v, mask, scale)
-
-    def body(q, k, v, m):
-        k = jax.lax.all_gather(k, axis, axis=1, tiled=True)
-        v = jax.lax.all_gather(v, axis, axis=1, tiled=True)
-        return attend(q, k, v, m, scale)
-
-    q4 = P(bx, sx, hx, None)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(q4, q4, q4, P(bx, sx, None)), out_specs=q4, check_vma=False)
-    return fn(q, k, v, mask)

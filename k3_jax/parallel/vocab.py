@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sharding.sequence_parallel import _axes_or_none, _mesh, _sizes
+from k3_jax.parallel.mesh_axes import axis_sizes, mesh_or_active, split_axes
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -54,10 +54,10 @@ def cross_entropy_local(hidden: jax.Array, kernel: jax.Array, labels: jax.Array,
 def vocab_parallel_embed(tokens: jax.Array, table: jax.Array, *, mesh: Mesh | None = None, axis: str = "tensor",
                          batch_axes: Sequence[str] | None = ("data", "fsdp", "expert")) -> jax.Array:
     """``table[tokens]`` with ``table [V, D]`` split over ``axis`` by rows; ``tokens [B, T]`` → ``[B, T, D]``."""
-    mesh = _mesh(mesh)
-    sizes = _sizes(mesh)
-    vx = _axes_or_none(axis, sizes, table.shape[0])
-    bx = _axes_or_none(batch_axes, sizes, tokens.shape[0])
+    mesh = mesh_or_active(mesh, "vocab parallel")
+    sizes = axis_sizes(mesh)
+    vx = split_axes(axis, sizes, table.shape[0])
+    bx = split_axes(batch_axes, sizes, tokens.shape[0])
     if vx is None:
         return jnp.take(table, tokens, axis=0)
     fn = jax.shard_map(lambda t, w: embed_local(t, w, axis), mesh=mesh, in_specs=(P(bx), P(vx, None)),
@@ -81,13 +81,13 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
     Returns:
       ``(mean loss f32 scalar (weighted), per-token loss [N] f32)``.
     """
-    mesh = _mesh(mesh)
-    sizes = _sizes(mesh)
+    mesh = mesh_or_active(mesh, "vocab parallel")
+    sizes = axis_sizes(mesh)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).astype(jnp.int32)
     n = hidden.shape[0]
-    vx = _axes_or_none(axis, sizes, kernel.shape[1])
-    tx = _axes_or_none(token_axes, sizes, n)
+    vx = split_axes(axis, sizes, kernel.shape[1])
+    tx = split_axes(token_axes, sizes, n)
     if vx is None:
         logits = jnp.matmul(hidden, kernel.astype(hidden.dtype), precision=HIGHEST,
                             preferred_element_type=jnp.float32).astype(logit_dtype).astype(jnp.float32)

@@ -34,6 +34,7 @@ from k3_jax.training.compute_cast import cast_for_compute, compute_cast_mask
 from k3_jax.training.data import loss_mask
 from k3_jax.training.loss import chunked_cross_entropy
 from k3_jax.training.optim import clip_weights
+from sharding.rules import on_input_mesh
 
 _MOE = "block_sparse_moe"
 
@@ -100,8 +101,6 @@ def _on_input_mesh(fn: Callable, step_cfg: StepConfig) -> Callable:
     parallelism and its activation constraints from the active mesh: traced without one, the step runs the
     single-device MoE on ``expert``-sharded weights, which XLA's SPMD partitioner aborts on
     (``PartitionGatherOperandPassthroughDimensions``, the tiled grouped matmul's gather of expert weights)."""
-    from sharding.rules import on_input_mesh  # noqa: PLC0415 - keep the model importable without sharding/
-
     return on_input_mesh(fn, step_cfg.preset)
 
 

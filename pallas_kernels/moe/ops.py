@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from k3_jax.quant.mxfp4 import is_mxfp4
-from k3_jax.quant.mxfp8 import fake_quant_mxfp8
 from pallas_kernels.moe import reference as ref
+from pallas_kernels.mxfp4 import is_mxfp4
+from pallas_kernels.mxfp8 import fake_quant_mxfp8
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 #: pallas_gpu bf16/f32 expert FFN: fused w1/w3 + SiTU-GLU kernel (True) or two grouped matmuls + XLA SiTU-GLU.

@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from k3_jax.quant.mxfp4 import is_mxfp4, unpack_mxfp4
-from k3_jax.quant.mxfp8 import fake_quant_mxfp8
+from pallas_kernels.mxfp4 import is_mxfp4, unpack_mxfp4
+from pallas_kernels.mxfp8 import fake_quant_mxfp8
 
 ExpertWeight = jax.Array | dict[str, jax.Array]
 
