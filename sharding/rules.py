@@ -45,8 +45,24 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
 LOGICAL_AXES: tuple[str, ...] = (
-    "vocab", "embed", "layers", "kda_heads", "heads", "head_dim", "q_lora", "kv_lora", "experts",
-    "expert_mlp", "latent", "mlp", "conv", "batch", "length", "norm",
+    "vocab",           # vocabulary rows of the embedding / columns of lm_head
+    "embed",           # hidden size D
+    "layers",          # stacked layers of a scanned segment
+    "kda_heads",       # KDA heads (H·K of the q/k/v/g projections, H of the gate parameters, the state)
+    "heads",           # MLA heads
+    "head_dim",        # per-head width of the norms
+    "q_lora",          # MLA query low rank
+    "kv_lora",         # MLA latent (the cached ĉ and k_rot)
+    "gate_lowrank",    # KDA forget-gate low rank (f_a_proj output, f_b_proj input; = head_dim)
+    "experts",         # routed experts of the expert weights
+    "router_experts",  # the router's expert dimension (scores [T, E] feed a top-k over all experts)
+    "expert_mlp",      # routed-expert intermediate size
+    "latent",          # LatentMoE latent width
+    "mlp",             # dense / shared-expert intermediate size
+    "conv",            # short-conv taps
+    "batch",           # activation rows
+    "length",          # activation tokens
+    "norm",            # norm scales
 )
 
 _TRAIN: Rules = (
@@ -72,6 +88,9 @@ _TRAIN: Rules = (
     ("q_lora", "fsdp"),
     ("kv_lora", ("fsdp", "expert")),
     ("kv_lora", "fsdp"),
+    ("gate_lowrank", ("fsdp", "expert")),  # f_b_proj [gate_lowrank, kda_heads]; f_a_proj's embed took fsdp
+    ("gate_lowrank", "fsdp"),
+    ("router_experts", None),  # kept whole: the router kernel's embed dimension carries the FSDP split
     ("layers", None),
     ("head_dim", None),
     ("conv", None),
@@ -91,6 +110,8 @@ _SERVE: Rules = (
     ("embed", None),
     ("q_lora", None),
     ("kv_lora", None),
+    ("gate_lowrank", None),  # 128-wide: replicated (see REPLICATED_OK), kda_heads splits f_b_proj
+    ("router_experts", None),  # the router is replicated in decode (one all-gather fewer per token)
     ("layers", None),
     ("head_dim", None),
     ("conv", None),
@@ -116,6 +137,9 @@ _LONG_CONTEXT: Rules = (
     ("q_lora", ("fsdp", "sequence")),
     ("kv_lora", ("fsdp", "sequence", "expert")),
     ("kv_lora", ("fsdp", "sequence")),
+    ("gate_lowrank", ("fsdp", "sequence", "expert")),
+    ("gate_lowrank", ("fsdp", "sequence")),
+    ("router_experts", None),
     ("layers", None),
     ("head_dim", None),
     ("conv", None),
