@@ -1,8 +1,7 @@
 """Persistent XLA compilation cache for the command-line entry points (``train.py``, ``serve.py``).
 
-Compiling a K3 train step is expensive on GPU (measured for ``configs/k3-small.json`` on an H200: 255 s for
-the first train step, see ``benchmarks/RESULTS.md``); with the cache a second run with the same config,
-shapes and flags loads the executable instead. The directory is ``$K3_COMPILATION_CACHE`` if set, else
+A second run with the same config, shapes and flags loads the compiled executables from the cache instead of
+compiling them again. The directory is ``$K3_COMPILATION_CACHE`` if set, else
 ``$JAX_COMPILATION_CACHE_DIR`` if set (JAX's own variable), else ``~/.cache/k3_jax/xla``; set
 ``K3_COMPILATION_CACHE=off`` to disable it. Library code never turns it on by itself.
 """

@@ -63,7 +63,7 @@ class K3Config:
     # --- residuals / norms
     attn_res_block_size: int = 12
     rms_norm_eps: float = 1e-5
-    mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm use KimiRMSNorm's default (spec a.1, d.5)
+    mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm KimiRMSNorm's default (the release passes no eps)
     # --- misc architecture
     max_position_embeddings: int = 1 << 20
     num_nextn_predict_layers: int = 0
@@ -74,7 +74,7 @@ class K3Config:
     expert_format: Literal["bf16", "mxfp4"] = "bf16"  # how routed-expert weights are held as parameters
     # --- runtime (not part of the checkpoint)
     dtype: str = "bfloat16"  # activation / matmul compute dtype
-    param_dtype: str = "float32"  # dtype of non-fp32-by-spec parameters at init
+    param_dtype: str = "float32"  # dtype at init of the parameters the release does not store in fp32
     remat: Literal["none", "full", "dots"] = "none"
     kda_chunk_size: int = 64
     kda_implementation: str = "auto"

@@ -1,4 +1,5 @@
-"""K3ForCausalLM: embedding → scanned layer segments → output AttnRes mix → norm → lm_head (spec b.1).
+"""K3ForCausalLM: embedding → scanned layer segments → output AttnRes mix → norm → lm_head
+(as the release's ``KimiLinearModel.forward``).
 
 Depth is compiled per *segment*, not per layer: :func:`layer_plan` splits the layer sequence into runs of a
 repeating group of layer kinds (for K3: layer 0, 22 × [KDA, KDA, MLA, KDA], 2 × KDA, 2 × MLA) and each run is

@@ -1,9 +1,8 @@
 """Default XLA flags for the training entry point, applied before JAX initialises a backend.
 
-``--xla_gpu_enable_triton_gemm=false`` sends XLA:GPU's matmuls to cuBLAS instead of its Triton GEMM emitter.
-Measured on an H200 (``benchmarks/RESULTS.md``, k3-small, 16 x 512 tokens, ``--xla_gpu_autotune_level=0``):
-0.281 s per train step with cuBLAS against 0.878 s with the Triton GEMMs and their untuned default tiles, and
-no GEMM autotuning is needed for a fast first step. GPU-only flags are parsed but unused on CPU and TPU.
+``--xla_gpu_enable_triton_gemm=false`` sends XLA:GPU's matmuls to cuBLAS instead of its Triton GEMM emitter,
+which needs no GEMM autotuning (the measurement is in ``benchmarks/RESULTS.md``). GPU-only flags are parsed but
+unused on CPU and TPU.
 
 A flag the user already set in ``XLA_FLAGS`` (same name, any value) is left alone; ``K3_XLA_DEFAULTS=off``
 disables the defaults.

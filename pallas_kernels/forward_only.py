@@ -5,8 +5,8 @@ when no output is (``jax._src.pallas.pallas_call._pallas_call_dce_rule``; a kern
 ``nn.scan`` (``k3_jax.model`` scans the layer segments) checks that the scan's broadcast values do not depend
 on the scan body by tracing the body and DCE-ing it down to those values; a bare ``pallas_call`` fed by the
 carry survives that DCE, so the check fails with
-``ValueError: broadcasted variable has a data dependency on the scan body`` (seen on the H200 with the GPU KDA
-decode step in ``serving.Engine``). Kernels that already sit inside a ``jax.custom_vjp`` (the chunked KDA
+``ValueError: broadcasted variable has a data dependency on the scan body`` (e.g. the GPU KDA decode step in
+``serving.Engine``). Kernels that already sit inside a ``jax.custom_vjp`` (the chunked KDA
 forward, the bf16 grouped matmul) were unaffected, because ``custom_vjp_call`` is dropped when its outputs are
 unused and it has no effects.
 

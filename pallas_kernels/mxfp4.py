@@ -1,6 +1,6 @@
 """MXFP4 (OCP microscaling, E2M1 elements + E8M0 scales, group 32) pack / unpack in JAX.
 
-Layout is compressed-tensors ``mxfp4-pack-quantized`` (spec c.4): for a weight ``W [..., N]``
+Layout is compressed-tensors ``mxfp4-pack-quantized`` (the release's routed experts): for a weight ``W [..., N]``
 (N = the input dimension of an HF ``[out, in]`` Linear, N % 32 == 0)
 
 - ``packed u8 [..., N/2]``: element ``2c`` is the LOW nibble of byte ``c``, element ``2c+1`` the high nibble;
@@ -8,7 +8,7 @@ Layout is compressed-tensors ``mxfp4-pack-quantized`` (spec c.4): for a weight `
 
 ``E2M1(code) = (-1)^bit3 * [0, 0.5, 1, 1.5, 2, 3, 4, 6][code & 7]``.
 
-The scale rule of ``pack_mxfp4`` follows spec b.8 (compressed-tensors ``generate_mx_scales``): per group,
+The scale rule of ``pack_mxfp4`` is compressed-tensors' ``generate_mx_scales``: per group,
 round ``amax`` to a power of two with a +0.25-mantissa bias (values with mantissa >= 1.75 round up), take its
 exponent and subtract 2 (= floor(log2(6))); the elements are ``x / 2^exponent`` rounded to nearest-even
 E2M1 with saturation at +-6. Values already of the form ``E2M1 * 2^s`` round-trip exactly.

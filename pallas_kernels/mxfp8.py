@@ -1,4 +1,4 @@
-"""MXFP8 activation fake-quant (E4M3 elements, E8M0 scale per group of 32 along the last axis), spec b.8.
+"""MXFP8 activation fake-quant (E4M3 elements, E8M0 scale per group of 32 along the last axis).
 
 Optional emulation of SGLang's runtime MXFP8 quantization of routed-expert inputs; off by default everywhere.
 Scale rule as MXFP4 with element offset floor(log2(448)) = 8; elements are ``x / 2^exp`` cast to

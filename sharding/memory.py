@@ -8,8 +8,9 @@ device:
 * **params** — every leaf of the abstract parameters (bf16 weights, the six fp32
   kinds, MXFP4 ``u8`` experts when ``--experts mxfp4``), sharded by the preset's rules (mesh axes a dimension is
   not divisible by are dropped, as :mod:`sharding.rules` does). ``checkpoint_bytes`` adds the release's A_log
-  zero padding (stored ``[128]`` per KDA layer, held as ``[H]``); ``checkpoint_bytes_with_vision`` adds the
-  vision tower + projector (spec b.9, not part of the text model) and equals the index's ``total_size``.
+  zero padding (stored ``[128]`` per KDA layer, held as ``[H]``); ``checkpoint_bytes_with_vision`` adds
+  the vision tower + projector (``vision_tower.*``, ``mm_projector.*``; not part of the text model) and
+  equals the index's ``total_size``.
 * **optimizer** (``--optimizer adamw|muon|none``) — fp32 moments (2 for AdamW, 1 for Muon) per trainable
   element (MXFP4 experts count their dequantized elements; scales are not trained) plus an fp32 master copy
   with ``--master-fp32``, sharded like the parameters.
@@ -131,7 +132,8 @@ def param_bytes(boxed: Any, sizes: dict[str, int], preset: str) -> dict[str, flo
 
 
 def vision_tower_bytes() -> int:
-    """bf16 bytes of the release's MoonViT3d tower + projector (spec b.9), which the text model does not hold.
+    """bf16 bytes of the release's MoonViT3d tower + projector (``vision_tower.*``, ``mm_projector.*``), which
+    the text model does not hold.
 
     patch_embed 1024·3·14·14 + pos_emb 64·64·1024 + 27 blocks × (wqkv 4608·1024 + wo 1024·1536 + fc0/fc1
     2·4096·1024 + 2 norms·1024) + final norm 1024 + projector 4096·4096 + 7168·4096 + 7168.

@@ -1,4 +1,4 @@
-"""Block Attention Residuals: schedule (spec b.1) and mixing math (spec b.4)."""
+"""Block Attention Residuals: schedule (the release's ``_forward_attn_residual``) and mixing math."""
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ def official_schedule(num_layers: int, block_size: int):
 def test_tiny_schedule_matches_spec_listing():
     cfg = tiny_config()
     listing = {(kind, layer): srcs for kind, layer, srcs in official_schedule(10, cfg.attn_res_block_size)}
-    # spec a.2: blocks {0-3}, {4-7}, {8-9}; the output mixes emb + 3 block sums.
+    # 10 layers in blocks of 4: {0-3}, {4-7}, {8-9}; the output mixes emb + 3 block sums.
     assert listing[("attn", 0)] == ["e"]
     assert listing[("mlp", 0)] == ["e", "S0"]
     assert listing[("attn", 3)] == ["e", "S0"]

@@ -1,4 +1,4 @@
-"""Router, SiTU-GLU and the LatentMoE layer semantics (spec b.5)."""
+"""Router, SiTU-GLU and the LatentMoE layer semantics."""
 
 import jax
 import jax.numpy as jnp

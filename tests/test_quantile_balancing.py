@@ -1,4 +1,4 @@
-"""Quantile Balancing (spec b.6): Figure-5 example, convergence on skewed scores, histogram vs exact."""
+"""Quantile Balancing: Figure-5 example, convergence on skewed scores, histogram vs exact."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from sharding.memory import plan, vision_tower_bytes
 from sharding.plan import abstract_params, main
 
 ROOT = Path(__file__).resolve().parents[1]
-INDEX_TOTAL_SIZE = 1_560_860_324_864  # model.safetensors.index.json total_size (spec §0, c.3)
+INDEX_TOTAL_SIZE = 1_560_860_324_864  # model.safetensors.index.json total_size of the release
 
 
 @pytest.fixture(scope="module")

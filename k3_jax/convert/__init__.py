@@ -1,4 +1,4 @@
-"""Checkpoint conversion: released Kimi K3 safetensors <-> k3-jax parameters (spec c).
+"""Checkpoint conversion: released Kimi K3 safetensors <-> k3-jax parameters (sharded safetensors + index).
 
 API: :func:`load_checkpoint`, :func:`save_checkpoint`, :func:`verify`, :func:`write_fixture`,
 :func:`convert_to_orbax`; CLI: ``python -m k3_jax.convert {verify,convert,export,fixture}``.

@@ -35,8 +35,8 @@ def random_params(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict[s
     """Random params of ``K3ForCausalLM(cfg)`` in checkpoint dtypes (numpy), experts bf16 or MXFP4-packed.
 
     Built from the name table (numpy only, no model trace — fast on a loaded CPU); the tree equals the
-    model's ``init`` tree (``tests/test_convert.py`` checks it against ``jax.eval_shape``). Init follows the
-    spec's synthetic-checkpoint note: A_log = log U(1, 16); kernels N(0, 1/fan_in); norm gains 1 + noise;
+    model's ``init`` tree (``tests/test_convert.py`` checks it against ``jax.eval_shape``). Init:
+    A_log = log U(1, 16); kernels N(0, 1/fan_in); norm gains 1 + noise;
     dt_bias / routing bias small noise (nonzero so transform mistakes cannot hide).
     """
     from k3_jax.convert.hf import layer_slots

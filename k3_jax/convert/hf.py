@@ -1,7 +1,7 @@
 """HF checkpoint directory <-> k3-jax parameters: index reading, ``verify``, streaming load, export.
 
 A checkpoint directory holds ``config.json``, ``model.safetensors.index.json`` (``{"metadata":
-{"total_size"}, "weight_map": {name: file}}``) and shards ``model-XXXXX-of-XXXXXX.safetensors`` (spec c.1).
+{"total_size"}, "weight_map": {name: file}}``) and shards ``model-XXXXX-of-XXXXXX.safetensors``.
 Every decision about names/shapes/dtypes comes from the table in :mod:`k3_jax.convert.names`.
 
 Parameters are nested dicts of numpy arrays in the model's tree layout (:func:`k3_jax.model.layer_plan`):
@@ -563,7 +563,7 @@ def shard_plan(
 
 
 def shard_name(i: int, n: int) -> str:
-    """Released naming: 5-digit index, 6-digit total (spec c.1)."""
+    """Released naming: 5-digit index, 6-digit total (``model-00001-of-000096.safetensors``)."""
     return f"model-{i:05d}-of-{n:06d}.safetensors"
 
 

@@ -1,4 +1,4 @@
-"""The checkpoint name table: HF tensor name pattern -> k3-jax parameter path + transform (spec c.2-c.5).
+"""The checkpoint name table: HF tensor name pattern -> k3-jax parameter path + transform.
 
 Everything the converter knows about names, shapes and dtypes is the data in :data:`TEXT_RULES` and
 :data:`VISION_RULES`. A pattern is the tensor name with the checkpoint prefix removed and every numeric
@@ -82,7 +82,7 @@ TEXT_RULES: tuple[Rule, ...] = (
     _r(_L + "mlp_res_norm.weight", "mlp_res_norm/weight", "identity", "D", "BF16", "layer"),
     _r(_L + "self_attention_res_proj.weight", "self_attention_res_proj/weight", "row", "1,D", "BF16", "layer"),
     _r(_L + "mlp_res_proj.weight", "mlp_res_proj/weight", "row", "1,D", "BF16", "layer"),
-    # --- KDA mixer (spec b.2)
+    # --- KDA mixer
     _r(_A + "q_proj.weight", "self_attn/q_proj/kernel", "transpose", "P,D", "BF16", "kda"),
     _r(_A + "k_proj.weight", "self_attn/k_proj/kernel", "transpose", "P,D", "BF16", "kda"),
     _r(_A + "v_proj.weight", "self_attn/v_proj/kernel", "transpose", "P,D", "BF16", "kda"),
@@ -97,7 +97,7 @@ TEXT_RULES: tuple[Rule, ...] = (
     _r(_A + "A_log", "self_attn/A_log", "a_log", "AP", "F32", "kda"),
     _r(_A + "dt_bias", "self_attn/dt_bias", "identity", "P", "F32", "kda"),
     _r(_A + "o_norm.weight", "self_attn/o_norm/weight", "identity", "K", "F32", "kda"),
-    # --- gated MLA with NoPE (spec b.3)
+    # --- gated MLA with NoPE
     _r(_A + "q_a_proj.weight", "self_attn/q_a_proj/kernel", "transpose", "QL,D", "BF16", "mla"),
     _r(_A + "q_a_layernorm.weight", "self_attn/q_a_layernorm/weight", "identity", "QL", "BF16", "mla"),
     _r(_A + "q_b_proj.weight", "self_attn/q_b_proj/kernel", "transpose", "QB,QL", "BF16", "mla"),
@@ -111,7 +111,7 @@ TEXT_RULES: tuple[Rule, ...] = (
     _r(_L + "mlp.gate_proj.weight", "mlp/gate_proj/kernel", "transpose", "I,D", "BF16", "dense"),
     _r(_L + "mlp.up_proj.weight", "mlp/up_proj/kernel", "transpose", "I,D", "BF16", "dense"),
     _r(_L + "mlp.down_proj.weight", "mlp/down_proj/kernel", "transpose", "D,I", "BF16", "dense"),
-    # --- Stable LatentMoE (spec b.5)
+    # --- Stable LatentMoE
     _r(_M + "gate.weight", "block_sparse_moe/gate/kernel", "transpose", "E,D", "BF16", "moe"),
     _r(_M + "gate.e_score_correction_bias", "block_sparse_moe/gate/e_score_correction_bias", "identity", "E",
        "F32", "moe"),
@@ -131,7 +131,7 @@ TEXT_RULES: tuple[Rule, ...] = (
     _r(_X + "w1.weight", "block_sparse_moe/experts/w1", "expert_t", "EI,LAT", "BF16", "expert", "bf16"),
     _r(_X + "w3.weight", "block_sparse_moe/experts/w3", "expert_t", "EI,LAT", "BF16", "expert", "bf16"),
     _r(_X + "w2.weight", "block_sparse_moe/experts/w2", "expert_t", "LAT,EI", "BF16", "expert", "bf16"),
-    # --- routed experts, MXFP4 checkpoint (compressed-tensors mxfp4-pack-quantized, spec c.4)
+    # --- routed experts, MXFP4 checkpoint (compressed-tensors mxfp4-pack-quantized)
     _r(_X + "w1.weight_packed", "block_sparse_moe/experts/w1/weight_packed", "expert", "EI,LAT2", "U8", "expert",
        "mxfp4"),
     _r(_X + "w1.weight_scale", "block_sparse_moe/experts/w1/weight_scale", "expert", "EI,LAT32", "U8", "expert",
@@ -146,7 +146,8 @@ TEXT_RULES: tuple[Rule, ...] = (
        "mxfp4"),
 )
 
-# MoonViT3d + PatchMergerMLPV2 (spec b.9): recognised and sized, never loaded (no vision tower yet).
+# MoonViT3d + PatchMergerMLPV2 (vision_tower.*, mm_projector.*)
+# recognised and sized, never loaded (no vision tower yet).
 VISION_RULES: tuple[Rule, ...] = (
     _r("vision_tower.patch_embed.proj.weight", "-", "skip", "VH,3,PS,PS", "BF16", "vision"),
     _r("vision_tower.patch_embed.pos_emb.weight", "-", "skip", "PH,PW,VH", "BF16", "vision"),
@@ -174,7 +175,7 @@ def dims(cfg: K3Config) -> dict[str, int]:
         "H": h,
         "K": cfg.kda_head_dim,
         "W": cfg.short_conv_kernel_size,
-        "AP": -(-h // 128) * 128,  # A_log stored zero-padded to a multiple of 128 (spec a.2, c.5)
+        "AP": -(-h // 128) * 128,  # A_log stored zero-padded to a multiple of 128 (the release's [128] for 96 heads)
         "QL": cfg.q_lora_rank,
         "QB": cfg.num_attention_heads * cfg.q_head_dim,
         "KVA": cfg.kv_lora_rank + cfg.qk_rope_head_dim,

@@ -1,4 +1,4 @@
-"""Streaming safetensors I/O: header-indexed, memory-mapped, one tensor at a time (spec c.1).
+"""Streaming safetensors I/O: header-indexed, memory-mapped, one tensor at a time.
 
 File layout: ``u64-LE N`` | ``N`` bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [b, e]},
 "__metadata__": {...}}`` (space-padded to a multiple of 8) | raw little-endian row-major bytes.

@@ -62,7 +62,7 @@ def to_hf(rule: Rule, y: np.ndarray, sym: dict[str, int], name: str = "") -> np.
 
 
 def unpack_mxfp4_np(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """MXFP4 (``u8 [..., N/2]`` low nibble first, E8M0 ``u8 [..., N/32]``) -> ``f32 [..., N]`` (spec c.4)."""
+    """MXFP4 (``u8 [..., N/2]`` low nibble first, E8M0 ``u8 [..., N/32]``) -> ``f32 [..., N]``."""
     n = packed.shape[-1] * 2
     codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], n)
     vals = E2M1_LUT[codes].reshape(*packed.shape[:-1], n // 32, 32)

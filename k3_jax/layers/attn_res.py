@@ -1,4 +1,4 @@
-"""Block Attention Residuals (spec b.1, b.4).
+"""Block Attention Residuals.
 
 The depth sources of one token are kept in a fixed-size array so that layers can be scanned:
 

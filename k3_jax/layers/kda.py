@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (spec b.2): projections, causal short conv, lower-bounded gate, delta rule, gated norm.
+"""Kimi Delta Attention layer: projections, causal short conv, lower-bounded gate, delta rule, gated norm.
 
 The delta-rule recurrence itself lives in ``pallas_kernels.kda`` (pure-JAX reference + kernels); this module is
 the layer around it and matches the checkpoint's ``self_attn.*`` names for KDA layers.

@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention with NoPE (spec b.3).
+"""Gated Multi-head Latent Attention with NoPE (no rotary embedding).
 
 Training / prefill without a cache uses the expanded form (per-head K/V from ``kv_b_proj``). With a cache the
 layer stores only the normalised latent ``ĉ`` [kv_lora] and the shared unrotated key part ``k_rot`` [rope] per

@@ -1,4 +1,4 @@
-"""SiTU-GLU MLPs and Stable LatentMoE (spec b.5).
+"""SiTU-GLU MLPs and Stable LatentMoE.
 
 * :class:`SituMLP` — dense SiTU-GLU MLP (layer 0's ``mlp`` and the fused shared experts).
 * :func:`route` — fp32 sigmoid router; the correction bias steers *selection only*.

@@ -1,4 +1,4 @@
-"""Expert parallelism for the routed experts of Stable LatentMoE (spec b.5) inside ``jax.shard_map``.
+"""Expert parallelism for the routed experts of Stable LatentMoE inside ``jax.shard_map``.
 
 Each device of the ``expert`` mesh axis holds ``E / n`` consecutive experts (expert ``e`` lives on rank
 ``e // (E / n)``); the routed-expert widths (``I``) may additionally be split over ``tensor`` (their partial

@@ -3,7 +3,7 @@
 The token dimension ``T`` of every activation is split into ``n`` contiguous shards (rank ``r`` holds tokens
 ``[r·T/n, (r+1)·T/n)``).
 
-* **KDA** (spec b.2): the state recurrence is affine per chunk, ``S_out = M S_in + U``. Each shard folds its
+* **KDA**: the state recurrence is affine per chunk, ``S_out = M S_in + U``. Each shard folds its
   chunks' maps into one shard map ``(M_r [K, K], U_r [K, V])`` per (batch, head) with
   ``pallas_kernels.kda.reference.chunk_state_maps``; the maps are all-gathered over ``sequence`` (``n·K·(K+V)``
   floats per head — independent of ``T``) and every shard composes the maps of the shards before it (an
@@ -12,7 +12,7 @@ The token dimension ``T`` of every activation is split into ``n`` contiguous sha
   is built with a reset at token 0).
 * **Short conv halo**: the causal depthwise conv (width ``W = 4``) needs the last ``W − 1`` pre-conv inputs
   (and their document ids) of the previous shard: one ``ppermute`` of ``[B, W−1, C]``.
-* **MLA** (spec b.3): the normalised latent ``ĉ`` and the shared ``k_rot`` (576 values per token for K3) are
+* **MLA**: the normalised latent ``ĉ`` and the shared ``k_rot`` (576 values per token for K3) are
   all-gathered over ``sequence``; each shard runs causal (absorbed-form) attention for its own queries.
 * AttnRes, norms, MLPs and MoE are per token and need nothing.
 

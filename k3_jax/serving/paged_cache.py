@@ -1,6 +1,6 @@
 """Paged MLA latent cache + slot-indexed KDA state pool.
 
-K3's decode cache has two very different parts (spec b.2 / b.3):
+K3's decode cache has two very different parts:
 
 * **KDA layers** (69 in K3): a fixed-size recurrent state ``S [H, K, V] f32`` plus the short-conv history
   (the last ``W-1`` projected q/k/v inputs, ``[W-1, 3·H·Dk]``) per sequence, whatever its length. They live

@@ -6,7 +6,6 @@ before the micro-batch loop gives the same forward values, and its gradient is t
 per-use cast's transpose would have widened to f32 (XLA emits weight-gradient GEMMs with bf16 outputs either
 way): gradients are unchanged, but each micro-batch no longer re-reads the f32 masters (4 B/param), re-saves the
 cast weights as backward residuals, and writes its weight gradients at 4 B/param before the f32 accumulation.
-At K3's widths that was ~8% of a 4k-token micro-batch of ``configs/k3-slice.json`` (see benchmarks/RESULTS.md).
 
 Left in f32 on purpose: the router (``gate/kernel``, fp32 HIGHEST scores), the short-conv taps, norms,
 AttnRes queries, ``A_log``/``dt_bias``, the embedding, ``kv_b_proj`` (sequence-parallel MLA uses it in fp32),
