@@ -50,7 +50,8 @@ def convert_to_orbax(
     """Convert an HF checkpoint directory to an orbax OCDBT checkpoint of k3-jax params.
 
     The input is fully verified (index, every shard header, shapes, dtypes, sizes) before anything is
-    written. ``compression``: ``None`` (default; weights barely compress and zstd costs host time) or ``"zstd"`` (orbax's default). Returns stats ``{"tensors", "bytes_read", "seconds", "config"}``.
+    written. ``compression``: ``None`` (default; weights barely compress and zstd costs host time) or
+    ``"zstd"`` (orbax's default). Returns stats ``{"tensors", "bytes_read", "seconds", "config"}``.
     """
     import tensorstore as ts
 
