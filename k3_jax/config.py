@@ -11,8 +11,13 @@ dataclass so a module needs only one hashable config object; change them with :m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import numbers
 import os
+import types
+import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -22,6 +27,10 @@ FfnKind = Literal["dense", "moe"]
 
 class ConfigError(ValueError):
     """A config file or value is invalid; the message names the key, the expected and the actual value."""
+
+
+class ConfigWarning(UserWarning):
+    """A config file holds keys k3-jax does not know (they are ignored); the message lists them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +126,7 @@ class K3Config:
         return dataclasses.replace(self, **changes)
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         _validate(self)
 
     # ------------------------------------------------------------ HF round trip
@@ -268,6 +278,54 @@ def _validate(c: K3Config) -> None:
                "'float32', 'bfloat16' or 'float16'", getattr(c, key))
 
 
+@functools.cache
+def _field_hints() -> dict[str, Any]:
+    return typing.get_type_hints(K3Config)
+
+
+def _type_matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return isinstance(value, str)  # the allowed values are checked by _validate
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_matches(value, arg) for arg in typing.get_args(hint))
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_type_matches(v, typing.get_args(hint)[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "a string"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(hint)[0])}s"
+    return {type(None): "null", bool: "true/false", int: "an int", float: "a number", str: "a string"}.get(
+        hint, str(hint))
+
+
+def _check_field_types(c: K3Config) -> None:
+    """Every field holds its annotated type (lists for tuple fields become tuples, so the config hashes)."""
+    for name, hint in _field_hints().items():
+        value = getattr(c, name)
+        if typing.get_origin(hint) is tuple and isinstance(value, list):
+            value = tuple(value)
+            object.__setattr__(c, name, value)
+        _check(_type_matches(value, hint), name, _describe(hint), value)
+
+
 # ---------------------------------------------------------------------------- loading
 def _require(d: Mapping[str, Any], key: str, where: str) -> Any:
     if key not in d:
@@ -275,28 +333,120 @@ def _require(d: Mapping[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
+_MISSING = object()
+
+
+def _typed(d: Mapping[str, Any], key: str, where: str, kind: type, default: Any = _MISSING) -> Any:
+    """``d[key]`` as ``kind`` (int, float or bool); missing (or null, when a default is given) -> ``default``.
+
+    A value of another type raises :class:`ConfigError` naming the key, the expected type and the value
+    (an integral float such as ``256.0`` counts as an int; strings are never converted).
+    """
+    if key not in d or (d[key] is None and default is not _MISSING):
+        if default is _MISSING:
+            raise ConfigError(f"config key {where}{key!r} is missing")
+        return default
+    value = d[key]
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    else:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok:
+        expected = {bool: "true/false", int: "an int", float: "a number"}[kind]
+        raise ConfigError(f"config key {where}{key!r}: expected {expected}, got {value!r}")
+    return kind(value)
+
+
+# keys of the published config.json (and of transformers' PretrainedConfig) that k3-jax reads nowhere: known, so
+# they do not warn. Keys in none of these sets and not read by config_from_dict warn as unknown.
+_HF_GENERIC_KEYS = frozenset({
+    "_name_or_path", "add_cross_attention", "architectures", "auto_map", "bad_words_ids",
+    "begin_suppress_tokens", "chunk_size_feed_forward", "cross_attention_hidden_size", "decoder_start_token_id",
+    "diversity_penalty", "do_sample", "dtype", "early_stopping", "encoder_no_repeat_ngram_size",
+    "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id", "forced_eos_token_id",
+    "id2label", "initializer_range", "is_decoder", "is_encoder_decoder", "label2id", "length_penalty",
+    "max_length", "min_length", "model_type", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
+    "num_return_sequences", "output_attentions", "output_hidden_states", "output_scores", "prefix",
+    "problem_type", "pruned_heads", "remove_invalid_values", "repetition_penalty", "return_dict",
+    "return_dict_in_generate", "sep_token_id", "suppress_tokens", "task_specific_params", "temperature",
+    "tf_legacy_loss", "tie_encoder_decoder", "tokenizer_class", "top_k", "top_p", "torch_dtype", "torchscript",
+    "transformers_version", "typical_p", "use_bfloat16", "use_cache",
+})
+_TEXT_KEYS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate",
+    "linear_attn_config", "intermediate_size", "first_k_dense_replace", "moe_layer_freq", "num_experts",
+    "num_experts_per_token", "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
+    "latent_moe_use_norm", "moe_router_activation_func", "topk_method", "use_grouped_topk", "num_expert_group",
+    "topk_group", "moe_renormalize", "routed_scaling_factor", "hidden_act", "activation_situ_beta",
+    "activation_situ_linear_beta", "attn_res_block_size", "rms_norm_eps", "max_position_embeddings",
+    "num_nextn_predict_layers", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+    "quantization_config",
+}) | _HF_GENERIC_KEYS
+_LINEAR_ATTN_KEYS = frozenset({"num_heads", "head_dim", "short_conv_kernel_size", "kda_layers", "full_attn_layers",
+                               "use_full_rank_gate", "gate_lower_bound"})
+_TOP_KEYS = frozenset({"text_config", "vision_config", "k3_jax", "bos_token_id", "eos_token_id", "pad_token_id",
+                       "tie_word_embeddings", "ignore_index", "image_placeholder", "media_placeholder_token_id",
+                       }) | _HF_GENERIC_KEYS
+
+
+def unknown_keys(raw: Mapping[str, Any]) -> list[str]:
+    """Dotted names of the keys of a config dict that k3-jax neither reads nor knows to ignore."""
+    text = raw.get("text_config", raw)
+    where = "text_config." if "text_config" in raw else ""
+    found = [f"{where}{k}" for k in text if k not in _TEXT_KEYS and not (text is raw and k in _TOP_KEYS)]
+    if text is not raw:
+        found += [k for k in raw if k not in _TOP_KEYS]
+    lin = text.get("linear_attn_config")
+    if isinstance(lin, Mapping):
+        found += [f"{where}linear_attn_config.{k}" for k in lin if k not in _LINEAR_ATTN_KEYS]
+    return sorted(found)
+
+
+def _warn_unknown(raw: Mapping[str, Any], source: str | None) -> None:
+    unknown = unknown_keys(raw)
+    if unknown:
+        prefix = f"{source}: " if source else ""
+        warnings.warn(f"{prefix}config keys unknown to k3-jax, ignored: {', '.join(unknown)}", ConfigWarning,
+                      stacklevel=4)
+
+
 def config_from_dict(raw: Mapping[str, Any], **overrides: Any) -> K3Config:
     """Build a K3Config from the published layout (``{"text_config": {...}}``) or a bare text config.
 
     ``overrides`` set runtime fields (``dtype``, ``scan_layers`` …) or architecture fields after loading.
+    A wrongly typed value raises :class:`ConfigError` naming the key; keys k3-jax does not know are ignored
+    with one :class:`ConfigWarning` listing them (the published file's unused keys are known and do not warn).
     """
+    return _from_dict(raw, None, overrides)
+
+
+def _from_dict(raw: Mapping[str, Any], source: str | None, overrides: Mapping[str, Any]) -> K3Config:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config: expected a JSON object, got {type(raw).__name__}")
     text = raw.get("text_config", raw)
     where = "text_config." if "text_config" in raw else ""
     lin = _require(text, "linear_attn_config", where)
     lwhere = f"{where}linear_attn_config."
-    n = int(_require(text, "num_hidden_layers", where))
+    if not isinstance(lin, Mapping):
+        raise ConfigError(f"config key {where}'linear_attn_config': expected an object, got {lin!r}")
+    n = _typed(text, "num_hidden_layers", where, int)
 
     def zero_based(key: str) -> tuple[int, ...]:
         vals = _require(lin, key, lwhere)
-        if not isinstance(vals, list | tuple) or not all(isinstance(v, int) for v in vals):
+        if not isinstance(vals, list | tuple) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                          for v in vals):
             raise ConfigError(f"config key {lwhere}{key!r}: expected a list of ints, got {vals!r}")
         bad = [v for v in vals if not 1 <= v <= n]
         if bad:
             raise ConfigError(f"config key {lwhere}{key!r}: expected 1-based layer numbers in 1..{n}, got {bad}")
         return tuple(sorted(v - 1 for v in vals))
 
-    n_heads = int(_require(text, "num_attention_heads", where))
-    n_kv = int(text.get("num_key_value_heads", n_heads))
+    n_heads = _typed(text, "num_attention_heads", where, int)
+    n_kv = _typed(text, "num_key_value_heads", where, int, n_heads)
     if n_kv != n_heads:
         raise ConfigError(f"config key {where}'num_key_value_heads': expected == num_attention_heads "
                           f"({n_heads}) for MLA, got {n_kv}")
@@ -311,61 +461,68 @@ def config_from_dict(raw: Mapping[str, Any], **overrides: Any) -> K3Config:
     qc = text.get("quantization_config")
     expert_format = "bf16"
     if qc:
+        if not isinstance(qc, Mapping):
+            raise ConfigError(f"config key {where}'quantization_config': expected an object, got {qc!r}")
         fmt = qc.get("format")
         if fmt != "mxfp4-pack-quantized":
             raise ConfigError(f"config key {where}'quantization_config.format': expected "
                               f"'mxfp4-pack-quantized', got {fmt!r}")
         expert_format = "mxfp4"
 
-    def top(key: str) -> Any:
-        return text.get(key, raw.get(key))
+    def top(key: str) -> int | None:
+        d = text if key in text else raw
+        return _typed(d, key, where if d is text else "", int, None)
 
     fields: dict[str, Any] = dict(
-        vocab_size=int(_require(text, "vocab_size", where)),
-        hidden_size=int(_require(text, "hidden_size", where)),
+        vocab_size=_typed(text, "vocab_size", where, int),
+        hidden_size=_typed(text, "hidden_size", where, int),
         num_hidden_layers=n,
         num_attention_heads=n_heads,
-        q_lora_rank=int(_require(text, "q_lora_rank", where)),
-        kv_lora_rank=int(_require(text, "kv_lora_rank", where)),
-        qk_nope_head_dim=int(_require(text, "qk_nope_head_dim", where)),
-        qk_rope_head_dim=int(_require(text, "qk_rope_head_dim", where)),
-        v_head_dim=int(_require(text, "v_head_dim", where)),
-        kda_num_heads=int(_require(lin, "num_heads", lwhere)),
-        kda_head_dim=int(_require(lin, "head_dim", lwhere)),
+        q_lora_rank=_typed(text, "q_lora_rank", where, int),
+        kv_lora_rank=_typed(text, "kv_lora_rank", where, int),
+        qk_nope_head_dim=_typed(text, "qk_nope_head_dim", where, int),
+        qk_rope_head_dim=_typed(text, "qk_rope_head_dim", where, int),
+        v_head_dim=_typed(text, "v_head_dim", where, int),
+        kda_num_heads=_typed(lin, "num_heads", lwhere, int),
+        kda_head_dim=_typed(lin, "head_dim", lwhere, int),
         kda_layers=zero_based("kda_layers"),
         mla_layers=zero_based("full_attn_layers"),
-        short_conv_kernel_size=int(lin.get("short_conv_kernel_size", 4)),
-        gate_lower_bound=float(lin.get("gate_lower_bound", -5.0)),
-        intermediate_size=int(text.get("intermediate_size", 0)),
-        first_k_dense_replace=int(text.get("first_k_dense_replace", 1)),
-        moe_layer_freq=int(text.get("moe_layer_freq", 1)),
-        num_experts=int(text.get("num_experts", 0) or 0),
-        num_experts_per_token=int(text.get("num_experts_per_token", 0) or 0),
-        num_shared_experts=int(text.get("num_shared_experts", 0) or 0),
-        moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0),
-        routed_expert_hidden_size=int(text.get("routed_expert_hidden_size", 0) or 0),
-        latent_moe_use_norm=bool(text.get("latent_moe_use_norm", True)),
-        moe_renormalize=bool(text.get("moe_renormalize", True)),
-        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
-        situ_beta=float(text.get("activation_situ_beta", 4.0)),
-        situ_linear_beta=float(text.get("activation_situ_linear_beta", 25.0)),
-        attn_res_block_size=int(_require(text, "attn_res_block_size", where)),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(text.get("max_position_embeddings", 1 << 20)),
-        num_nextn_predict_layers=int(text.get("num_nextn_predict_layers", 0) or 0),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        short_conv_kernel_size=_typed(lin, "short_conv_kernel_size", lwhere, int, 4),
+        gate_lower_bound=_typed(lin, "gate_lower_bound", lwhere, float, -5.0),
+        intermediate_size=_typed(text, "intermediate_size", where, int, 0),
+        first_k_dense_replace=_typed(text, "first_k_dense_replace", where, int, 1),
+        moe_layer_freq=_typed(text, "moe_layer_freq", where, int, 1),
+        num_experts=_typed(text, "num_experts", where, int, 0),
+        num_experts_per_token=_typed(text, "num_experts_per_token", where, int, 0),
+        num_shared_experts=_typed(text, "num_shared_experts", where, int, 0),
+        moe_intermediate_size=_typed(text, "moe_intermediate_size", where, int, 0),
+        routed_expert_hidden_size=_typed(text, "routed_expert_hidden_size", where, int, 0),
+        latent_moe_use_norm=_typed(text, "latent_moe_use_norm", where, bool, True),
+        moe_renormalize=_typed(text, "moe_renormalize", where, bool, True),
+        routed_scaling_factor=_typed(text, "routed_scaling_factor", where, float, 1.0),
+        situ_beta=_typed(text, "activation_situ_beta", where, float, 4.0),
+        situ_linear_beta=_typed(text, "activation_situ_linear_beta", where, float, 25.0),
+        attn_res_block_size=_typed(text, "attn_res_block_size", where, int),
+        rms_norm_eps=_typed(text, "rms_norm_eps", where, float, 1e-5),
+        max_position_embeddings=_typed(text, "max_position_embeddings", where, int, 1 << 20),
+        num_nextn_predict_layers=_typed(text, "num_nextn_predict_layers", where, int, 0),
+        tie_word_embeddings=_typed(raw, "tie_word_embeddings", "", bool,
+                                   _typed(text, "tie_word_embeddings", where, bool, False)),
         bos_token_id=top("bos_token_id"),
         eos_token_id=top("eos_token_id"),
         pad_token_id=top("pad_token_id"),
         expert_format=expert_format,
     )
     runtime = raw.get("k3_jax", {})  # optional block of runtime defaults in our own configs
+    if not isinstance(runtime, Mapping):
+        raise ConfigError(f"config key 'k3_jax': expected an object, got {runtime!r}")
     fields.update(runtime)
     fields.update(overrides)
     known = {f.name for f in dataclasses.fields(K3Config)}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ConfigError(f"config keys {unknown} are not K3Config fields")
+    _warn_unknown(raw, source)
     return K3Config(**fields)
 
 
@@ -390,7 +547,7 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> K3Config:
     except json.JSONDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid JSON: {e}") from None
     try:
-        return config_from_dict(raw, **overrides)
+        return _from_dict(raw, path, overrides)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 

@@ -98,3 +98,70 @@ def test_missing_file_and_bad_json(tmp_path):
 def test_hf_dict_round_trip():
     cfg = load_config(REPO / "configs" / "k3.json")
     assert config_from_dict(cfg.to_hf_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "where, key, value, expected",
+    [
+        ("text", "hidden_size", "abc", "an int"),
+        ("text", "num_experts", 2.5, "an int"),
+        ("text", "rms_norm_eps", "tiny", "a number"),
+        ("text", "latent_moe_use_norm", "yes", "true/false"),
+        ("linear", "num_heads", "six", "an int"),
+        ("top", "tie_word_embeddings", 0, "true/false"),
+    ],
+)
+def test_wrongly_typed_value_names_key_type_and_value(tmp_path, where, key, value, expected):
+    raw = _tiny_raw()
+    target = {"text": raw["text_config"], "linear": raw["text_config"]["linear_attn_config"], "top": raw}[where]
+    target[key] = value
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert repr(key) in msg and expected in msg and repr(value) in msg and str(path) in msg, msg
+
+
+def test_wrongly_typed_override_names_the_field():
+    with pytest.raises(ConfigError, match=r"'rms_norm_eps': expected a number, got 'abc'"):
+        load_config(REPO / "configs" / "k3-tiny.json", rms_norm_eps="abc")
+    with pytest.raises(ConfigError, match=r"'remat': expected a string, got 1"):
+        load_config(REPO / "configs" / "k3-tiny.json", remat=1)
+    # list values of tuple fields become tuples (the config stays hashable)
+    cfg = load_config(REPO / "configs" / "k3-tiny.json").replace(kda_layers=[0, 1, 2, 4, 5, 6])
+    assert cfg.kda_layers == (0, 1, 2, 4, 5, 6) and hash(cfg)
+
+
+def test_unknown_keys_warn_once_by_name(tmp_path):
+    from k3_jax.config import ConfigWarning
+
+    raw = _tiny_raw()
+    raw["text_config"]["hiden_size"] = 256
+    raw["text_config"]["linear_attn_config"]["chunk"] = 64
+    raw["vision_tower_extra"] = {}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(raw))
+    with pytest.warns(ConfigWarning) as record:
+        load_config(path)
+    assert len(record) == 1
+    msg = str(record[0].message)
+    for name in ("text_config.hiden_size", "text_config.linear_attn_config.chunk", "vision_tower_extra"):
+        assert name in msg, msg
+    assert str(path) in msg
+
+
+def test_release_and_bundled_configs_load_without_warnings():
+    """The published config.json's known-but-unused keys (HF generation defaults, vision_config, auto_map...)
+    and every bundled config load without a warning; so does the HF dict k3-jax itself writes."""
+    import warnings
+
+    paths = sorted((REPO / "configs").glob("*.json"))
+    ref = SHARED / "reference" / "config.json"
+    if ref.exists():
+        paths.append(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for p in paths:
+            cfg = load_config(p)
+            config_from_dict(cfg.to_hf_dict())

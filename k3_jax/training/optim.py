@@ -227,7 +227,7 @@ def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
 def build_optimizer(cfg: OptimConfig, labels: Any) -> optax.GradientTransformation:
     """Global-norm clip, then Muon / AdamW / frozen groups keyed by :func:`param_labels`'s labels."""
     sched = lr_schedule(cfg)
-    used = set(jax.tree.leaves(labels))
+    used = sorted(set(jax.tree.leaves(labels)))  # sorted: the same HLO (and compile-cache key) every run
     txs: dict[str, optax.GradientTransformation] = {
         "adamw": optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
         "adamw_nowd": optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=0.0),
