@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from k3_jax.config import K3Config
+from pallas_kernels.registry import target_platform
 
 HIGHEST = jax.lax.Precision.HIGHEST
 Initializer = Callable[..., jax.Array]
@@ -37,8 +38,9 @@ def logical(init: Initializer, names: Sequence[str | None]) -> Initializer:
 def einsum_f32(eq: str, *operands: jax.Array) -> jax.Array:
     """``einsum`` accumulating in fp32 and returning fp32, whatever the operand dtype.
 
-    fp32 operands use HIGHEST precision. XLA:CPU has no bf16×bf16→f32 dot, so there bf16 operands are upcast
-    first (same result, CPU only); on GPU/TPU they stay bf16 with an fp32 accumulator.
+    fp32 operands use HIGHEST precision. XLA:CPU has no bf16×bf16→f32 dot, so when the target platform
+    (:func:`pallas_kernels.registry.target_platform`: the mesh's devices, else the default device) is CPU, bf16
+    operands are upcast first (same result); on GPU/TPU they stay bf16 with an fp32 accumulator.
 
     With two operands of one low-precision dtype (bf16), the backward casts the fp32 output cotangent to that
     dtype before its two GEMMs (:func:`_einsum_f32_lowp_grads`), as a bf16 layer's backward does: left to
@@ -54,7 +56,7 @@ def einsum_f32(eq: str, *operands: jax.Array) -> jax.Array:
 
 
 def _einsum_f32_forward(eq: str, *operands: jax.Array) -> jax.Array:
-    if jax.default_backend() == "cpu":
+    if target_platform() == "cpu":
         return jnp.einsum(eq, *(x.astype(jnp.float32) for x in operands), precision=HIGHEST)
     return jnp.einsum(eq, *operands, preferred_element_type=jnp.float32)
 
