@@ -159,7 +159,9 @@ _SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("pallas_kern
 def platform_scope(platform: str | None) -> Iterator[None]:
     """Within the block, :func:`target_platform` without an explicit platform answers ``platform``
     (``None`` / ``"auto"``: no change). For tracing a program for another platform without a mesh of its
-    devices (e.g. a GPU program's residuals on a CPU host)."""
+    devices (e.g. a GPU program's residuals on a CPU host). JAX's trace caches do not see the scope: enter it
+    inside the traced function (as the MLA layer does for ``cfg.platform``) or trace a new function under it.
+    Code whose trace depends on the platform passes it on as a static argument (``einsum_f32``)."""
     token = _SCOPE.set(None if platform in (None, "auto") else normalize_platform(platform))
     try:
         yield

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from k3_jax.config import ConfigError, load_config
+from k3_jax.layers.mla import blocked_causal_attention, causal_attention
 from pallas_kernels import attention as flash_attention
 from pallas_kernels.attention import MAX_MASKED_LENGTH, cudnn_causal_attention, cudnn_supports
-from k3_jax.layers.mla import blocked_causal_attention, causal_attention
 from tests._model_fixtures import REPO
 
 

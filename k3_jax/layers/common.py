@@ -50,28 +50,31 @@ def einsum_f32(eq: str, *operands: jax.Array) -> jax.Array:
     dtypes = {x.dtype for x in operands}
     if dtypes == {jnp.dtype(jnp.float32)}:
         return jnp.einsum(eq, *operands, precision=HIGHEST)
+    platform = target_platform()  # a static argument below: JAX caches traces by function, avals and statics
     if len(operands) == 2 and len(dtypes) == 1:
-        return _einsum_f32_lowp_grads(eq, *operands)
-    return _einsum_f32_forward(eq, *operands)
+        return _einsum_f32_lowp_grads(eq, platform, *operands)
+    return _einsum_f32_forward(eq, platform, *operands)
 
 
-def _einsum_f32_forward(eq: str, *operands: jax.Array) -> jax.Array:
-    if target_platform() == "cpu":
+def _einsum_f32_forward(eq: str, platform: str, *operands: jax.Array) -> jax.Array:
+    if platform == "cpu":
         return jnp.einsum(eq, *(x.astype(jnp.float32) for x in operands), precision=HIGHEST)
     return jnp.einsum(eq, *operands, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _einsum_f32_lowp_grads(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _einsum_f32_lowp_grads(eq: str, platform: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """fp32-output einsum of two same-dtype low-precision operands whose gradients are low-precision GEMMs."""
-    return _einsum_f32_forward(eq, a, b)
+    return _einsum_f32_forward(eq, platform, a, b)
 
 
-def _einsum_f32_lowp_fwd(eq: str, a: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _einsum_f32_forward(eq, a, b), (a, b)
+def _einsum_f32_lowp_fwd(eq: str, platform: str, a: jax.Array,
+                         b: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _einsum_f32_forward(eq, platform, a, b), (a, b)
 
 
-def _einsum_f32_lowp_bwd(eq: str, res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _einsum_f32_lowp_bwd(eq: str, platform: str, res: tuple[jax.Array, jax.Array],
+                         g: jax.Array) -> tuple[jax.Array, jax.Array]:
     a, b = res
     _, vjp = jax.vjp(lambda x, y: jnp.einsum(eq, x, y), a, b)  # products in a.dtype, fp32 accumulation in the GEMM
     return vjp(g.astype(a.dtype))
