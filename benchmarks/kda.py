@@ -31,6 +31,7 @@ from benchmarks._profile import device_op_times  # noqa: E402
 from pallas_kernels.kda import gpu as kgpu  # noqa: E402
 from pallas_kernels.kda import ops  # noqa: E402
 from pallas_kernels.kda import reference as ref  # noqa: E402
+from pallas_kernels.registry import selections  # noqa: E402
 
 
 def log(*a):
@@ -61,24 +62,20 @@ def time_jax(fn, *args, iters=10, repeats=3):
     return float(np.median(times))
 
 
-GPU_CFG_KEYS = ("block_v", "num_warps", "num_stages", "a_num_warps", "solve_num_warps", "wu_num_warps", "block_k",
-                "decay_cumsum")
+GPU_CFG_KEYS = ("block_v", "num_warps", "num_stages", "a_num_warps", "solve_num_warps", "wu_num_warps", "block_k")
 
 
 def gpu_kwargs(cfg):
     """``--configs`` entry (ints, in ``GPU_CFG_KEYS`` order; trailing ones may be left out) -> keyword args of
-    ``gpu.chunk_kda_fwd``; ``decay_cumsum`` is an index into ``gpu.DECAY_CUMSUM`` (0 kernel, 1 xla, 2 fused)."""
+    ``gpu.chunk_kda_fwd``."""
     if not 1 <= len(cfg) <= len(GPU_CFG_KEYS):
         raise ValueError(f"--configs entry {cfg}: expected 1..{len(GPU_CFG_KEYS)} ints ({':'.join(GPU_CFG_KEYS)})")
-    kw = dict(zip(GPU_CFG_KEYS[: len(cfg)], cfg, strict=True))
-    if "decay_cumsum" in kw:
-        kw["decay_cumsum"] = kgpu.DECAY_CUMSUM[kw["decay_cumsum"]]
-    return kw
+    return dict(zip(GPU_CFG_KEYS[: len(cfg)], cfg, strict=True))
 
 
 def jax_fns(impl, K, gpu_cfg=None):
     def fwd(q, k, v, g, beta):
-        if impl == "pallas_gpu" and gpu_cfg is not None:
+        if impl == "triton" and gpu_cfg is not None:
             return kgpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, None, None, 64, **gpu_kwargs(gpu_cfg))
         return ops.chunk_kda(q, k, v, g, beta, output_final_state=True, implementation=impl)
 
@@ -133,7 +130,7 @@ def bench_shape(B, T, H, args, gpu_cfg):
     do = jax.random.normal(jax.random.PRNGKey(7), (B, T, H, V), jnp.float32)
     res = {"shape": f"B={B},T={T},H={H},K={K},V={V}", "dtype": "bf16"}
     t0 = time.perf_counter()
-    fwd, grad = jax_fns("pallas_gpu", K, gpu_cfg)
+    fwd, grad = jax_fns("triton", K, gpu_cfg)
     o_ours = fwd(q, k, v, g, beta)[0]
     res["ours_compile_s"] = round(time.perf_counter() - t0, 1)
     res["ours_fwd_ms"] = time_jax(fwd, q, k, v, g, beta)
@@ -268,7 +265,7 @@ def main():
         sweep = {}
         for cfg in cfgs:
             try:
-                fwd, _ = jax_fns("pallas_gpu", 128, cfg)
+                fwd, _ = jax_fns("triton", 128, cfg)
                 sweep[":".join(map(str, cfg))] = time_jax(fwd, q, k, v, g, beta)
             except Exception as e:  # noqa: BLE001
                 sweep[":".join(map(str, cfg))] = repr(e)[:200]
@@ -301,6 +298,7 @@ def main():
             out["decode"] = bench_decode(64, 96, args)
         except Exception as e:  # noqa: BLE001
             out["decode"] = {"error": repr(e)[:500]}
+    out["kernels"] = [sel.describe() for sel in selections()]  # what each implementation="auto"/name ran
     print(json.dumps(out))
 
 

@@ -8,21 +8,16 @@ Prints one JSON line on stdout (progress on stderr). Times are ms per call (medi
     python benchmarks/kda_bwd.py                                  # T=8192, H=96, default launch config
     python benchmarks/kda_bwd.py --configs 64:64,32:64,64:32,64:64:8 --profile-dir /tmp/prof
 
-Suggested sweep of the step-7/8 variants (one run, ten configs; each costs its compile plus ~1 s of timing).
-Each of the first eight changes one kernel against the default ``64:64``, so the sweep isolates it; the last two
-combine the variants without spills in the offline sm_90 compile (gpu_bwd.DA_MODES comment):
+Example sweep of the launch parameters (each config costs its compile plus ~1 s of timing):
 
-    python benchmarks/kda_bwd.py --no-fla --configs 64:64,64:64:wda=8:wdq=8,64:64:da=tri:wda=8,\
-64:64:da=tri:dabk=32,64:64:da=loop:dabk=32,64:64:wyp=tf32:wwy=8,64:64:wysplit=1:wdx=8,\
-64:64:wysplit=1:wyp=tf32:wdx=8,64:64:da=tri:dabk=32:wysplit=1:wyp=tf32:wdx=8:wdq=8,\
-64:64:da=loop:dabk=32:wysplit=1:wyp=tf32:wdx=8:wdq=8 --profile-dir /tmp/prof
+    python benchmarks/kda_bwd.py --no-fla --configs 64:64,64:64:wdx=4,64:64:dabk=64,64:64:wda=8:wdq=4 \
+        --profile-dir /tmp/prof
 
 ``--configs``: comma list of ``block_v:block_k[:warps][:key=value...]`` (``warps`` = num_warps of the per-chunk
-gradient kernels dqkw / wy / da; the others keep ``gpu_bwd.DEFAULT_WARPS``); keys: ``da`` (``da_mode``: full |
-tri | loop), ``dabk`` (``da_block_k``), ``wysplit`` (0 | 1), ``wyp`` (``wy_precision``: x3 | tf32), and per-kernel
-warps ``wda``, ``wwy``, ``wdx``, ``wdl``, ``wdq`` (da, wy, wy_dx, wy_dl, dqkw). A config that fails prints its
-error in the sweep and the sweep goes on; the fastest on the first shape is used for the rest. bf16 q/k/v/beta,
-fp32 log-decay in (-5, 0), K = V = 128, random output and final-state cotangents.
+gradient kernels dqkw / wy_dx / wy_dl / da; the others keep ``gpu_bwd.DEFAULT_WARPS``); keys: ``dabk``
+(``da_block_k``) and per-kernel warps ``wda``, ``wdx``, ``wdl``, ``wdq`` (da, wy_dx, wy_dl, dqkw). A config that
+fails prints its error in the sweep and the sweep goes on; the fastest on the first shape is used for the rest.
+bf16 q/k/v/beta, fp32 log-decay in (-5, 0), K = V = 128, random output and final-state cotangents.
 ``rel_err_vs_ref`` compares our gradients with the fp32 VJP of the pure-JAX reference (first shape only).
 """
 
@@ -46,11 +41,9 @@ from benchmarks.kda import log, make_inputs, time_jax, to_torch  # noqa: E402
 from pallas_kernels.kda import gpu_bwd  # noqa: E402
 from pallas_kernels.kda import reference as ref  # noqa: E402
 
-PER_CHUNK = ("kda_bwd_dqkw_gpu", "kda_bwd_wy_gpu", "kda_bwd_da_gpu") + gpu_bwd.SPLIT_WY_NAMES
-WARP_KEYS = {"wda": "kda_bwd_da_gpu", "wwy": "kda_bwd_wy_gpu", "wdx": "kda_bwd_wy_dx_gpu", "wdl": "kda_bwd_wy_dl_gpu",
-             "wdq": "kda_bwd_dqkw_gpu"}
-VARIANT_KEYS = {"da": ("da_mode", str), "dabk": ("da_block_k", int), "wysplit": ("wy_split", lambda x: bool(int(x))),
-                "wyp": ("wy_precision", str)}
+PER_CHUNK = ("kda_bwd_dqkw_gpu", "kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu", "kda_bwd_da_gpu")
+WARP_KEYS = {"wda": "kda_bwd_da_gpu", "wdx": "kda_bwd_wy_dx_gpu", "wdl": "kda_bwd_wy_dl_gpu", "wdq": "kda_bwd_dqkw_gpu"}
+VARIANT_KEYS = {"dabk": ("da_block_k", int)}
 
 
 def bwd_kwargs(cfg: str) -> dict:

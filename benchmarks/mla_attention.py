@@ -24,8 +24,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3_jax.layers.flash_attention import cudnn_causal_attention  # noqa: E402
 from k3_jax.layers.mla import blocked_causal_attention  # noqa: E402
+from pallas_kernels.attention import cudnn_causal_attention  # noqa: E402
 
 
 def _time(fn, *args, iters: int) -> float:

@@ -3,7 +3,7 @@
 Parts (``--parts``, in this order; each under its own wall-clock budget, one JSON line per measurement, flushed):
 
 - ``decode``: MXFP4 experts (packed E2M1 codes + E8M0 scales, HF layout) with <= 8 rows per expert. Measures an
-  HBM copy (read + write bytes / s) first, then ``pallas_kernels.moe`` with ``implementation="pallas_gpu"``
+  HBM copy (read + write bytes / s) first, then ``pallas_kernels.moe`` with ``implementation="triton"``
   (Triton kernels decoding the codes in registers): one w1 grouped matmul swept over (decode variant, tiles)
   combos (``--mx-variants``; each checked against the first f32 combo's output, ``rel_err_vs_f32``; the fastest
   matching combo becomes ``gpu.MXFP4_VARIANT`` / ``gpu.MXFP4_TILES`` for the rest), the expert FFN (fused w1/w3
@@ -13,10 +13,11 @@ Parts (``--parts``, in this order; each under its own wall-clock budget, one JSO
   experts that received rows (codes + scales) / time; ``pct_hbm`` = that / the copy bandwidth.
 - ``ffn``: the routed expert FFN ``w2(SiTU-GLU(x w1, x w3))`` at K3 shapes (L = 3584, I = 3072; 65,536 rows over 64
   local experts, balanced and skewed), forward and forward+backward (grads of x, w1, w3, w2), peers: ``ours``
-  (``expert_ffn(implementation="pallas_gpu")``, fused GLU kernel forward), ``ours_unfused`` (two grouped
-  matmuls + XLA SiTU-GLU, forward), ``tokamax`` (``tokamax.ragged_dot(implementation="mosaic")`` for the three
-  products), ``reference`` (``jax.lax.ragged_dot``), ``dense`` (bf16 matmuls [M,L]x[L,I] x2 and [M,I]x[I,L]:
-  the same FLOPs). FLOPs = 6 M L I (x3 with backward); ``pct_dense`` vs the dense peer of the same pass.
+  (``expert_ffn(implementation="triton")``: two grouped matmuls + XLA SiTU-GLU, then w2), ``ours_unfused``
+  (the same products through ``gpu.gmm`` directly, forward), ``tokamax``
+  (``tokamax.ragged_dot(implementation="mosaic")`` for the three products), ``reference``
+  (``jax.lax.ragged_dot``), ``dense`` (bf16 matmuls [M,L]x[L,I] x2 and [M,I]x[I,L]: the same FLOPs).
+  FLOPs = 6 M L I (x3 with backward); ``pct_dense`` vs the dense peer of the same pass.
 - ``gmm`` (not run by default): one grouped matmul [M, L] x [E, L, I] with a tile sweep of ``gpu.gmm``.
 
 Timing: a compile+run call, one warm call, then ``n`` back-to-back calls (``n`` <= ``--iters``, cut to fit the
@@ -41,6 +42,7 @@ import numpy as np
 
 from pallas_kernels.moe import gpu, ops
 from pallas_kernels.moe import reference as ref
+from pallas_kernels.registry import selections
 
 T0 = time.perf_counter()
 
@@ -186,7 +188,7 @@ def part_decode(a, budget: Budget) -> None:
         emit({"part": part, "case": case, "best_mx": {"variant": best[2], "tiles": list(best[1]), "ms": best[0]}})
     del base
     ffn_bytes = mx_bytes(w1, e) + mx_bytes(w3, e) + mx_bytes(w2, e)
-    ours = jax.jit(lambda x, g, w1, w3, w2: ops.expert_ffn(x, g, w1, w3, w2, implementation="pallas_gpu",
+    ours = jax.jit(lambda x, g, w1, w3, w2: ops.expert_ffn(x, g, w1, w3, w2, implementation="triton",
                                                             interpret=a.interpret))
     refn = jax.jit(lambda x, g, w1, w3, w2: ref.expert_ffn(x, g, w1, w3, w2))
     out_ours = None
@@ -217,7 +219,7 @@ def part_decode(a, budget: Budget) -> None:
                    "w2": random_mxfp4(ks[5], e, lat, inter)}
         live = int(np.unique(np.asarray(ids)).size)
         nbytes = sum(mx_bytes(w, live) for w in experts.values())
-        f = jax.jit(lambda z, ids, wts, ex: ops.moe_dispatch_combine(z, ids, wts, ex, implementation="pallas_gpu",
+        f = jax.jit(lambda z, ids, wts, ex: ops.moe_dispatch_combine(z, ids, wts, ex, implementation="triton",
                                                                        interpret=a.interpret))
         _, tm = timeit(f, z, ids, wts, experts, iters=a.decode_iters, budget=budget)
         report("ours_dispatch_ffn_combine", f"T{t}_top{k}_of_{e}", tm, nbytes, live_experts=live)
@@ -254,7 +256,7 @@ def part_ffn(a, budget: Budget) -> None:
 
     peers: dict[str, object] = {
         "dense": dense,
-        "ours": lambda x, w1, w3, w2, g: ops.expert_ffn(x, g, w1, w3, w2, implementation="pallas_gpu",
+        "ours": lambda x, w1, w3, w2, g: ops.expert_ffn(x, g, w1, w3, w2, implementation="triton",
                                                         interpret=a.interpret),
         "ours_unfused": glu_ffn(lambda x, w, g: gpu.gmm(x, w, g, interpret=a.interpret)),
         "reference": lambda x, w1, w3, w2, g: ref.expert_ffn(x, g, w1, w3, w2),
@@ -369,6 +371,7 @@ def main() -> None:
             err_line(name, "part", exc)
         gc.collect()
         emit({"part": name, "done": True})
+    emit({"kernels": [sel.describe() for sel in selections()]})  # what each implementation choice ran
 
 
 if __name__ == "__main__":

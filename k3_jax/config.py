@@ -86,12 +86,18 @@ class K3Config:
     param_dtype: str = "float32"  # dtype at init of the parameters the release does not store in fp32
     remat: Literal["none", "full", "dots"] = "none"
     kda_chunk_size: int = 64
-    kda_implementation: str = "auto"
-    moe_implementation: str = "auto"
-    # MLA attention without a cache (training, prefill from scratch): "auto" = cuDNN flash attention on a
-    # Hopper+ GPU (bf16, T <= 16384 with segment ids), the blocked XLA path elsewhere; "xla" / "cudnn" force
-    # one (k3_jax/layers/flash_attention.py)
-    mla_attention_implementation: str = "auto"
+    # Kernel choices: "auto" (the first backend of the op's registry that supports the call; logged) or a backend
+    # name, which raises with the reason when it cannot run. `python -m k3_jax.kernels CONFIG` explains them.
+    kda_implementation: str = "auto"  # pallas_kernels.kda.ops.CHUNK / DECODE: mosaic_tpu | triton | xla
+    moe_implementation: str = "auto"  # pallas_kernels.moe.ops.EXPERT_FFN: mosaic_tpu | triton | xla
+    # expert parallelism over the `expert` mesh axis: "auto" = "allgather" when that axis has size > 1 and the
+    # expert FFN is not explicitly "xla" (then XLA partitions the pure-JAX MoE), "none" otherwise
+    moe_expert_parallel: str = "auto"  # auto | none | allgather | all_to_all
+    # MLA attention without a cache (training, prefill from scratch): pallas_kernels.attention.ATTENTION
+    mla_attention_implementation: str = "auto"  # cudnn | xla
+    # where the kernels will run: "auto" = the active mesh's devices, else the default device; set it to lower
+    # for another platform without a mesh of its devices (ahead-of-time compiles)
+    platform: str = "auto"  # auto | cpu | gpu | tpu
 
     # ----------------------------------------------------------------- derived
     @property
@@ -237,6 +243,24 @@ def _check(cond: bool, key: str, expected: str, actual: Any) -> None:
         raise ConfigError(f"config key {key!r}: expected {expected}, got {actual!r}")
 
 
+def _validate_kernel_choices(c: K3Config) -> None:
+    """The kernel fields name backends of their registries (imported here: the registries import jax)."""
+    from pallas_kernels.attention import ATTENTION  # noqa: PLC0415
+    from pallas_kernels.kda.ops import CHUNK  # noqa: PLC0415
+    from pallas_kernels.moe.ops import EXPERT_FFN  # noqa: PLC0415
+
+    for key, reg in (("kda_implementation", CHUNK), ("moe_implementation", EXPERT_FFN),
+                     ("mla_attention_implementation", ATTENTION)):
+        _check(getattr(c, key) in reg.choices, key, f"one of {reg.choices}", getattr(c, key))
+    _check(c.moe_expert_parallel in EXPERT_PARALLEL, "moe_expert_parallel", f"one of {EXPERT_PARALLEL}",
+           c.moe_expert_parallel)
+    _check(c.platform in ("auto", "cpu", "gpu", "tpu"), "platform", "one of ('auto', 'cpu', 'gpu', 'tpu')",
+           c.platform)
+
+
+EXPERT_PARALLEL = ("auto", "none", "allgather", "all_to_all")
+
+
 def _validate(c: K3Config) -> None:
     positive = [
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
@@ -271,8 +295,7 @@ def _validate(c: K3Config) -> None:
         for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
             _check(getattr(c, key) % 32 == 0, key, "a multiple of 32 for MXFP4 experts", getattr(c, key))
     _check(c.remat in ("none", "full", "dots"), "remat", "'none', 'full' or 'dots'", c.remat)
-    _check(c.mla_attention_implementation in ("auto", "xla", "cudnn"), "mla_attention_implementation",
-           "'auto', 'xla' or 'cudnn'", c.mla_attention_implementation)
+    _validate_kernel_choices(c)
     for key in ("dtype", "param_dtype"):
         _check(getattr(c, key) in ("float32", "bfloat16", "float16"), key,
                "'float32', 'bfloat16' or 'float16'", getattr(c, key))

@@ -61,7 +61,8 @@ def test_recomputed_chains_have_the_same_gradients():
 def test_kda_layer_keeps_only_the_gate_in_f32():
     """The KDA layer as the GPU kernels trace it (traced only, never run here): of its token-sized f32
     residuals only the log-decay gate (a kernel input) is left."""
-    cfg = load_config("configs/k3-tiny.json", dtype="bfloat16", kda_implementation="pallas_gpu")
+    cfg = load_config("configs/k3-tiny.json", dtype="bfloat16", kda_implementation="triton",
+                      platform="gpu")
     layer = KimiDeltaAttention(cfg)
     x = _bf16(B, T, cfg.hidden_size)
     seg = jnp.ones((B, T), jnp.int32)

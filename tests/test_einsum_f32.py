@@ -55,3 +55,16 @@ def test_fp32_einsum_f32_is_exact_and_differentiable():
     np.testing.assert_allclose(einsum_f32("ij,jk->ik", a, b), a64 @ b64, rtol=1e-5, atol=1e-5)
     g = jax.grad(lambda x: jnp.sum(einsum_f32("ij,jk->ik", x, b)))(a)
     np.testing.assert_allclose(g, np.broadcast_to(b64.sum(1), (8, 16)), rtol=1e-5, atol=1e-5)
+
+
+def test_code_path_follows_the_target_platform_not_the_host():
+    """A bf16 einsum_f32 traced for a TPU or GPU target is one bf16 x bf16 -> f32 dot; for a CPU target (this
+    host's default device) both operands are upcast to f32 first (XLA:CPU has no bf16 x bf16 -> f32 dot)."""
+    from pallas_kernels.registry import platform_scope
+
+    a = jnp.ones((4, 8), jnp.bfloat16)
+    fwd = lambda: lambda a, b: einsum_f32("ij,jk->ik", a, b)  # a new function per trace: jit caches by identity
+    assert _dot_operand_dtypes(fwd(), a, a.T) == [("float32", "float32")]
+    for platform in ("tpu", "gpu"):
+        with platform_scope(platform):
+            assert _dot_operand_dtypes(fwd(), a, a.T) == [("bfloat16", "bfloat16")], platform

@@ -1,4 +1,4 @@
-"""cuDNN flash attention for MLA training (k3_jax/layers/flash_attention.py): the static limits, the
+"""cuDNN flash attention for MLA training (pallas_kernels/attention.py): the static limits, the
 implementation choice, and (GPU only) equality with the blocked XLA path in outputs and gradients."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from k3_jax.config import ConfigError, load_config
-from k3_jax.layers import flash_attention
-from k3_jax.layers.flash_attention import MAX_MASKED_LENGTH, cudnn_causal_attention, cudnn_supports
 from k3_jax.layers.mla import blocked_causal_attention, causal_attention
+from pallas_kernels import attention as flash_attention
+from pallas_kernels.attention import MAX_MASKED_LENGTH, cudnn_causal_attention, cudnn_supports
 from tests._model_fixtures import REPO
 
 

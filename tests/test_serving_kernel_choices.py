@@ -6,9 +6,9 @@ in flax's ``nn.scan``. Cause: the KDA decode step was a bare ``pallas_call``, wh
 never removes, and flax's scan constancy check relies on DCE (see :mod:`pallas_kernels.forward_only`). The
 same held for the MXFP4 grouped matmuls and the TPU decode step.
 
-Tracing needs no accelerator: the flax check runs at trace time, so the real (non-interpret) kernel choices
-are traced here with ``jax.eval_shape``; the end-to-end test runs them in the Pallas interpreter and compares
-the greedy tokens with the reference implementation.
+Tracing needs no accelerator: the flax check runs at trace time, so the real (non-interpret) kernel choices of
+``"auto"`` for a GPU / TPU target (``cfg.platform``) are traced here with ``jax.eval_shape``; the end-to-end test
+runs them in the Pallas interpreter and compares the greedy tokens with the reference implementation.
 """
 
 from __future__ import annotations
@@ -25,15 +25,13 @@ from k3_jax.convert.fixture import random_params
 from k3_jax.model import K3ForCausalLM
 from k3_jax.serving.engine import Engine
 from pallas_kernels.kda import gpu as kda_gpu
-from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import tpu as kda_tpu
 from pallas_kernels.moe import gpu as moe_gpu
-from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe import tpu as moe_tpu
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-KERNEL_MODULES = {"pallas_gpu": (kda_gpu, moe_gpu), "pallas_tpu": (kda_tpu, moe_tpu)}
+KERNEL_MODULES = {"gpu": (kda_gpu, moe_gpu), "tpu": (kda_tpu, moe_tpu)}
 
 
 def _small_cfg(**changes):
@@ -43,35 +41,21 @@ def _small_cfg(**changes):
                        num_experts_per_token=2, dtype="float32", **changes)
 
 
-def _auto_as(monkeypatch, platform: str, interpret: bool) -> None:
-    """Make ``"auto"`` resolve as on ``platform`` (the kernels everywhere: decode and chunked KDA, MoE),
-    optionally forcing the kernels into the Pallas interpreter."""
-    kda_resolve, moe_resolve = kda_ops._resolve, moe_ops.resolve
-
-    def kda(implementation, interp, name):
-        if implementation != "auto":
-            return kda_resolve(implementation, interp, name)
-        return platform
-
-    def moe(implementation, interp=False, name="moe"):
-        return platform if implementation == "auto" else moe_resolve(implementation, interp, name)
-
-    monkeypatch.setattr(kda_ops, "_resolve", kda)
-    monkeypatch.setattr(moe_ops, "resolve", moe)
-    if interpret:
-        kda_mod, moe_mod = KERNEL_MODULES[platform]
-        for mod, fname in ((kda_mod, "decode_step"), (kda_mod, "chunk_kda_fwd"), (moe_mod, "gmm"),
-                           (moe_mod, "gmm_mxfp4")):
-            fn = getattr(mod, fname)
-            monkeypatch.setattr(mod, fname, lambda *a, _fn=fn, **k: _fn(*a, **{**k, "interpret": True}))
+def _interpret_kernels(monkeypatch, platform: str) -> None:
+    """Run the ``platform`` kernels (decode and chunked KDA, MoE) in the Pallas interpreter on this CPU host."""
+    kda_mod, moe_mod = KERNEL_MODULES[platform]
+    for mod, fname in ((kda_mod, "decode_step"), (kda_mod, "chunk_kda_fwd"), (moe_mod, "gmm"),
+                       (moe_mod, "gmm_mxfp4")):
+        fn = getattr(mod, fname)
+        monkeypatch.setattr(mod, fname, lambda *a, _fn=fn, **k: _fn(*a, **{**k, "interpret": True}))
 
 
-@pytest.mark.parametrize("platform", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
 @pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
-def test_auto_kernels_trace_in_scanned_model(monkeypatch, platform, experts):
-    """Prefill (T=4) and decode (T=1) with a cache trace through the scanned segments with the real kernels."""
-    cfg = _small_cfg(expert_format=experts)
-    _auto_as(monkeypatch, platform, interpret=False)
+def test_auto_kernels_trace_in_scanned_model(platform, experts):
+    """Prefill (T=4) and decode (T=1) with a cache trace through the scanned segments with the real kernels
+    that ``"auto"`` picks for the target platform."""
+    cfg = _small_cfg(expert_format=experts, platform=platform)
     params = random_params(cfg, seed=0, experts=experts)
     model = K3ForCausalLM(cfg)
     cache = init_cache(cfg, 2, 16)
@@ -151,7 +135,7 @@ def test_engine_gpu_kernels_interpret_equal_reference_greedy(monkeypatch):
     cfg = _small_cfg()
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), random_params(cfg, seed=1))
     prompts = [[5, 17, 200, 3], [9, 1000, 64, 12]]
-    want = _greedy(cfg.replace(kda_implementation="reference", moe_implementation="reference"), params, prompts, 4)
-    _auto_as(monkeypatch, "pallas_gpu", interpret=True)
-    got = _greedy(cfg, params, prompts, 4)
+    want = _greedy(cfg.replace(kda_implementation="xla", moe_implementation="xla"), params, prompts, 4)
+    _interpret_kernels(monkeypatch, "gpu")
+    got = _greedy(cfg.replace(platform="gpu"), params, prompts, 4)
     assert got == want

@@ -73,17 +73,17 @@ def _rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
-@pytest.mark.parametrize("preset, axes, moe_impl", [
-    ("train", {"fsdp": 2, "expert": 2, "tensor": 2}, "ep_all_to_all"),
-    pytest.param("serve", {"expert": 8}, "auto", marks=pytest.mark.slow),  # auto -> ep_allgather, 2 experts/dev
+@pytest.mark.parametrize("preset, axes, moe_ep", [
+    ("train", {"fsdp": 2, "expert": 2, "tensor": 2}, "all_to_all"),
+    pytest.param("serve", {"expert": 8}, "auto", marks=pytest.mark.slow),  # auto -> allgather, 2 experts/dev
     pytest.param("long-context", {"sequence": 4, "fsdp": 2}, "auto", marks=pytest.mark.slow),
 ])
-def test_sharded_forward_matches(setup, preset, axes, moe_impl):
+def test_sharded_forward_matches(setup, preset, axes, moe_ep):
     """No patching: the layers read the active mesh (expert / sequence / tensor axes) and pick their parallel path."""
     model, tokens, boxed, ref = setup
     from k3_jax.model import K3ForCausalLM
 
-    model = K3ForCausalLM(model.cfg.replace(moe_implementation=moe_impl))
+    model = K3ForCausalLM(model.cfg.replace(moe_expert_parallel=moe_ep))
     mesh = make_mesh(axes)
     params = rules.shard_params(boxed, mesh, preset)
     leaves = jax.tree.leaves(params)

@@ -1,7 +1,7 @@
-"""The whole train step with the Pallas TPU kernels compiles ahead of time for a 4-chip v5p slice on this CPU
-host, sharded (FSDP x expert parallel): the kernels run per shard (``sharding.local_kernels.per_shard`` and the
-expert-parallel body), since XLA refuses to partition a Mosaic call ("Mosaic kernels cannot be automatically
-partitioned")."""
+"""The whole train step compiles ahead of time for a 4-chip v5p slice on this CPU host, sharded (FSDP x expert
+parallel), with the kernels ``"auto"`` picks for the target: the mesh's TPU devices decide, not the CPU host.
+The kernels run per shard (``sharding.local_kernels.per_shard`` and the expert-parallel body), since XLA refuses
+to partition a Mosaic call ("Mosaic kernels cannot be automatically partitioned")."""
 
 import importlib.util
 import os
@@ -19,7 +19,7 @@ from tests._model_fixtures import REPO  # noqa: E402
 TWO_LAYERS = {"num_hidden_layers": 2, "kda_layers": (0,), "mla_layers": (1,), "first_k_dense_replace": 1}
 
 
-def test_sharded_train_step_with_tpu_kernels_compiles_for_v5p():
+def test_sharded_train_step_compiles_for_v5p_with_the_targets_kernels():
     try:
         out = compile_train_step(str(REPO / "configs" / "k3-tiny.json"), "v5p:2x2x1", "fsdp=2,expert=2",
                                  batch_size=8, seq_len=128, overrides=TWO_LAYERS)
@@ -28,6 +28,10 @@ def test_sharded_train_step_with_tpu_kernels_compiles_for_v5p():
             pytest.skip(f"libtpu cannot describe v5p:2x2x1: {exc}")
         raise
     assert out["devices"] == 4 and out["mesh"]["fsdp"] == 2 and out["mesh"]["expert"] == 2
-    # KDA forward + backward kernels and the MoE grouped matmuls (forward + backward)
+    assert out["implementation"] == "auto"
+    # KDA forward + backward kernels and the MoE grouped matmuls (forward + backward), chosen by "auto"
     assert out["mosaic_kernels"] >= 8, out
+    # TPU code paths, not the host's: einsum_f32's products (MLA scores / values, lm head, chunked loss) are
+    # bf16 x bf16 -> f32 dots; the CPU path would upcast both operands to f32 first
+    assert out["dots"].get("bf16 x bf16 -> f32", 0) >= 6, out["dots"]
     assert 0 < out["temp_bytes"] < 2**30 and 0 < out["argument_bytes"] < 2**30, out

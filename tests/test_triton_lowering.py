@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import gpu as kda_gpu
+from pallas_kernels.kda import gpu_bwd
 from pallas_kernels.moe import gpu as moe_gpu
+from pallas_kernels.moe.reference import situ_epilogue
 
 try:
     from jax._src.pallas.triton import pallas_call_registration as registration
@@ -69,32 +71,32 @@ def test_moe_kernels_lower(verified_modules):
     gs = jnp.array([30, 0, 50, 16], jnp.int32)
     _lower_for_cuda(lambda x, w: moe_gpu.gmm(x, w, gs), x, w)
     _lower_for_cuda(jax.grad(lambda x, w: moe_gpu.gmm(x, w, gs).astype(jnp.float32).sum(), (0, 1)), x, w)
-    _lower_for_cuda(lambda x, w: moe_gpu.gmm_glu(x, w, w, gs), x, w)
     c1, s1 = _mxfp4(e, n, k, 0)
     c3, s3 = _mxfp4(e, n, k, 1)
     for v in moe_gpu.MXFP4_VARIANTS:  # every decode variant, single weight and fused w1/w3
         _lower_for_cuda(lambda x, v=v: moe_gpu.gmm_mxfp4(x, [(c1, s1)], gs, variant=v), x)
         _lower_for_cuda(lambda x, v=v: moe_gpu.gmm_mxfp4(x, [(c1, s1), (c3, s3)], gs, variant=v,
-                                                         epilogue=moe_gpu.situ_epilogue(4.0, 25.0, jnp.bfloat16)), x)
+                                                         epilogue=situ_epilogue(4.0, 25.0, jnp.bfloat16)), x)
     _lower_for_cuda(lambda x: moe_gpu.gmm_mxfp4(x, [(c1, s1)], gs, variant="asm1", tiles=(16, 256, 128, 8, 3)), x)
-    assert len(verified_modules) >= 4 + 2 * len(moe_gpu.MXFP4_VARIANTS) + 1, verified_modules
+    assert len(verified_modules) >= 3 + 2 * len(moe_gpu.MXFP4_VARIANTS) + 1, verified_modules
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_kda_kernels_lower(verified_modules, dtype):
     """All chunk-forward kernels (decay scan, A, solve, W/U, state) and the decode step, for bf16 operands and
-    for fp32 (3xTF32) operands, K=V=64 and 128, each place of the decay cumsum (scan kernel, XLA, fused)."""
+    for fp32 (3xTF32) operands, K=V=64 and 128 (fp32 at 128: the state kernel with the stages that fit)."""
     b, t, h = 1, 128, 2
-    chunk = ["kda_chunk_a_gpu", "kda_chunk_solve_gpu", "kda_chunk_wu_gpu", "kda_chunk_state_gpu"]
+    chunk = ["kda_chunk_cumsum_gpu", "kda_chunk_a_gpu", "kda_chunk_solve_gpu", "kda_chunk_wu_gpu",
+             "kda_chunk_state_gpu"]
     want = []
-    for d, cumsum in ((64, "kernel"), (128, "kernel"), (128, "xla"), (128, "fused")):
+    for d in (64, 128):
         q = jnp.ones((b, t, h, d), dtype)
         g = jnp.full((b, t, h, d), -0.1, jnp.float32)
         beta = jnp.full((b, t, h), 0.5, dtype)
         seg = jnp.ones((b, t), jnp.int32)
-        _lower_for_cuda(lambda q, g, beta, seg, cumsum=cumsum: kda_gpu.chunk_kda_fwd(
-            q, q, q, g, beta, q.shape[-1] ** -0.5, segment_ids=seg, decay_cumsum=cumsum), q, g, beta, seg)
-        want += (["kda_chunk_cumsum_gpu"] if cumsum == "kernel" else []) + chunk
+        _lower_for_cuda(lambda q, g, beta, seg: kda_gpu.chunk_kda_fwd(
+            q, q, q, g, beta, q.shape[-1] ** -0.5, segment_ids=seg), q, g, beta, seg)
+        want += chunk
     pool = jnp.zeros((3, h, d, d), jnp.float32)
     slots = jnp.array([2], jnp.int32)
     _lower_for_cuda(lambda q1, g1, b1, pool: kda_gpu.decode_step(q1, q1, q1, g1, b1, d ** -0.5, pool, slots),
@@ -104,11 +106,8 @@ def test_kda_kernels_lower(verified_modules, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_kda_bwd_kernels_lower(verified_modules, dtype):
-    """The eight chunk-backward kernels (pallas_kernels.kda.gpu_bwd), K=V=64 and 128, T not a multiple of the
-    chunk, with segment ids; bf16 and fp32 (3xTF32) operands; then the step-7/8 variants (da_mode, da_block_k,
-    wy_split, wy_precision)."""
-    from pallas_kernels.kda import gpu_bwd
-
+    """The nine chunk-backward kernels (pallas_kernels.kda.gpu_bwd), K=V=64 and 128, T not a multiple of the
+    chunk, with segment ids; bf16 and fp32 (3xTF32) operands."""
     b, h = 1, 2
     for t, d in ((128, 64), (200, 128)):
         q = jnp.ones((b, t, h, d), dtype)
@@ -118,12 +117,4 @@ def test_kda_bwd_kernels_lower(verified_modules, dtype):
         h0 = jnp.zeros((b, h, d, d), jnp.float32)
         _lower_for_cuda(lambda q, g, beta, seg, h0: gpu_bwd.chunk_kda_bwd(
             q, q, q, g, beta, q.shape[-1] ** -0.5, h0, seg, q, h0), q, g, beta, seg, h0)
-    assert verified_modules == list(gpu_bwd.launched_kernels()) * 2, verified_modules
-    # The other static variants of steps 7 and 8 (K=V=128): the unsplit whole-chunk 3xTF32 path (the default before
-    # the H200 sweep), the looped step 8, and the unsplit step 7 with the triangular step 8 in one-pass TF32.
-    for kw in ({"da_mode": "full", "da_block_k": None, "wy_split": False, "wy_precision": "x3"}, {"da_mode": "loop"},
-               {"wy_split": False, "da_mode": "tri", "wy_precision": "tf32"}):
-        del verified_modules[:]
-        _lower_for_cuda(lambda q, g, beta, seg, h0, kw=kw: gpu_bwd.chunk_kda_bwd(
-            q, q, q, g, beta, q.shape[-1] ** -0.5, h0, seg, q, h0, **kw), q, g, beta, seg, h0)
-        assert verified_modules == list(gpu_bwd.launched_kernels(kw.get("wy_split", True))), verified_modules
+    assert verified_modules == list(gpu_bwd.KERNEL_NAMES) * 2, verified_modules

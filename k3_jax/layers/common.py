@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from k3_jax.config import K3Config
+from pallas_kernels.registry import target_platform
 
 HIGHEST = jax.lax.Precision.HIGHEST
 Initializer = Callable[..., jax.Array]
@@ -37,8 +38,9 @@ def logical(init: Initializer, names: Sequence[str | None]) -> Initializer:
 def einsum_f32(eq: str, *operands: jax.Array) -> jax.Array:
     """``einsum`` accumulating in fp32 and returning fp32, whatever the operand dtype.
 
-    fp32 operands use HIGHEST precision. XLA:CPU has no bf16×bf16→f32 dot, so there bf16 operands are upcast
-    first (same result, CPU only); on GPU/TPU they stay bf16 with an fp32 accumulator.
+    fp32 operands use HIGHEST precision. XLA:CPU has no bf16×bf16→f32 dot, so when the target platform
+    (:func:`pallas_kernels.registry.target_platform`: the mesh's devices, else the default device) is CPU, bf16
+    operands are upcast first (same result); on GPU/TPU they stay bf16 with an fp32 accumulator.
 
     With two operands of one low-precision dtype (bf16), the backward casts the fp32 output cotangent to that
     dtype before its two GEMMs (:func:`_einsum_f32_lowp_grads`), as a bf16 layer's backward does: left to
@@ -48,28 +50,31 @@ def einsum_f32(eq: str, *operands: jax.Array) -> jax.Array:
     dtypes = {x.dtype for x in operands}
     if dtypes == {jnp.dtype(jnp.float32)}:
         return jnp.einsum(eq, *operands, precision=HIGHEST)
+    platform = target_platform()  # a static argument below: JAX caches traces by function, avals and statics
     if len(operands) == 2 and len(dtypes) == 1:
-        return _einsum_f32_lowp_grads(eq, *operands)
-    return _einsum_f32_forward(eq, *operands)
+        return _einsum_f32_lowp_grads(eq, platform, *operands)
+    return _einsum_f32_forward(eq, platform, *operands)
 
 
-def _einsum_f32_forward(eq: str, *operands: jax.Array) -> jax.Array:
-    if jax.default_backend() == "cpu":
+def _einsum_f32_forward(eq: str, platform: str, *operands: jax.Array) -> jax.Array:
+    if platform == "cpu":
         return jnp.einsum(eq, *(x.astype(jnp.float32) for x in operands), precision=HIGHEST)
     return jnp.einsum(eq, *operands, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _einsum_f32_lowp_grads(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _einsum_f32_lowp_grads(eq: str, platform: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """fp32-output einsum of two same-dtype low-precision operands whose gradients are low-precision GEMMs."""
-    return _einsum_f32_forward(eq, a, b)
+    return _einsum_f32_forward(eq, platform, a, b)
 
 
-def _einsum_f32_lowp_fwd(eq: str, a: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _einsum_f32_forward(eq, a, b), (a, b)
+def _einsum_f32_lowp_fwd(eq: str, platform: str, a: jax.Array,
+                         b: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _einsum_f32_forward(eq, platform, a, b), (a, b)
 
 
-def _einsum_f32_lowp_bwd(eq: str, res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _einsum_f32_lowp_bwd(eq: str, platform: str, res: tuple[jax.Array, jax.Array],
+                         g: jax.Array) -> tuple[jax.Array, jax.Array]:
     a, b = res
     _, vjp = jax.vjp(lambda x, y: jnp.einsum(eq, x, y), a, b)  # products in a.dtype, fp32 accumulation in the GEMM
     return vjp(g.astype(a.dtype))

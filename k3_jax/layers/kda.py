@@ -1,7 +1,9 @@
 """Kimi Delta Attention layer: projections, causal short conv, lower-bounded gate, delta rule, gated norm.
 
-The delta-rule recurrence itself lives in ``pallas_kernels.kda`` (pure-JAX reference + kernels); this module is
-the layer around it and matches the checkpoint's ``self_attn.*`` names for KDA layers.
+The delta-rule recurrence itself lives in ``pallas_kernels.kda`` (reference + kernels, chosen through the
+registries ``pallas_kernels.kda.ops.CHUNK`` / ``DECODE`` by ``cfg.kda_implementation`` on ``cfg.platform``, with
+the gate bound ``cfg.gate_lower_bound``); this module is the layer around it and matches the checkpoint's
+``self_attn.*`` names for KDA layers.
 """
 
 from __future__ import annotations
@@ -16,18 +18,9 @@ from k3_jax.config import K3Config
 from k3_jax.layers.common import Linear, Weight, compute_dtype, logical, rms_norm
 from k3_jax.layers.parallel import axis_size
 from k3_jax.parallel.sequence import kda_sequence_parallel, short_conv_sequence_parallel
+from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import reference as kda_reference
 from sharding.local_kernels import per_shard
-
-
-def _kda_ops():
-    """The dispatching KDA ops when the kernel package provides them, else the reference module."""
-    try:
-        from pallas_kernels.kda import ops  # noqa: PLC0415
-
-        return ops
-    except ImportError:  # kernels not built yet
-        return None
 
 
 def causal_depthwise_conv(
@@ -179,23 +172,18 @@ class KimiDeltaAttention(nn.Module):
             Linear(h, ("embed", "kda_heads"), cfg, name="b_proj")(x).astype(jnp.float32))
 
         initial_state = None if cache is None else cache["state"]
-        ops = _kda_ops()
         kwargs = dict(initial_state=initial_state, output_final_state=cache is not None,
-                      segment_ids=segment_ids, chunk_size=cfg.kda_chunk_size)
+                      segment_ids=segment_ids, platform=cfg.platform)
         if seq_parallel:  # per-shard affine state maps combined by a prefix over `sequence`
             o, final_state = kda_sequence_parallel(q, k, v, g, beta, segment_ids=segment_ids,
                                                    initial_state=initial_state, chunk_size=cfg.kda_chunk_size)
         elif cache is not None and t == 1:  # decode step: one token per sequence, the recurrent form
-            kwargs.pop("chunk_size")
-            if ops is not None:
-                o, final_state = _kernel_per_shard(ops.recurrent_kda, q, k, v, g, beta, cfg.kda_implementation,
-                                                   **kwargs)
-            else:
-                o, final_state = kda_reference.recurrent_kda(q, k, v, g, beta, **kwargs)
-        elif ops is not None:
-            o, final_state = _kernel_per_shard(ops.chunk_kda, q, k, v, g, beta, cfg.kda_implementation, **kwargs)
+            o, final_state = _kernel_per_shard(kda_ops.recurrent_kda, q, k, v, g, beta, cfg.kda_implementation,
+                                               **kwargs)
         else:
-            o, final_state = kda_reference.chunk_kda(q, k, v, g, beta, **kwargs)
+            o, final_state = _kernel_per_shard(kda_ops.chunk_kda, q, k, v, g, beta, cfg.kda_implementation,
+                                               chunk_size=cfg.kda_chunk_size, gate_bound=cfg.gate_lower_bound,
+                                               **kwargs)
 
         o_norm = Weight((dk,), ("head_dim",), "ones", "float32", name="o_norm")()
         gate = Linear(hk, ("embed", "kda_heads"), cfg, name="g_proj")(x).reshape(b, t, h, dk)

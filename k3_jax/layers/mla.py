@@ -26,14 +26,10 @@ import jax.numpy as jnp
 
 from k3_jax.config import K3Config
 from k3_jax.layers.common import Linear, LinearKernel, RMSNorm, compute_dtype, einsum_f32, matmul_precision
-from k3_jax.layers.flash_attention import (
-    MAX_MASKED_LENGTH,
-    cudnn_attention_available,
-    cudnn_causal_attention,
-    cudnn_supports,
-)
 from k3_jax.layers.parallel import axis_size
 from k3_jax.parallel.sequence import mla_sequence_parallel
+from pallas_kernels import attention
+from pallas_kernels.registry import platform_scope
 
 NEG_INF = -1e30
 QUERY_BLOCK = 512
@@ -106,17 +102,14 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: fl
 
 def causal_attention(cfg: K3Config, q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
                      segment_ids: jax.Array | None) -> jax.Array:
-    """Causal same-document attention by ``cfg.mla_attention_implementation``: cuDNN flash attention
-    (:mod:`k3_jax.layers.flash_attention`) or :func:`blocked_causal_attention`. Shapes as the latter."""
-    impl = cfg.mla_attention_implementation
-    fits = cudnn_supports(q, segment_ids) and cudnn_attention_available()
-    if impl == "cudnn" and not fits:
-        raise ValueError("mla_attention_implementation='cudnn' needs an NVIDIA GPU of compute capability >= 9.0, "
-                         f"bf16/fp16 compute and, with segment ids, an even T <= {MAX_MASKED_LENGTH} (here: backend "
-                         f"{jax.default_backend()}, dtype {q.dtype}, T {q.shape[1]}); use 'auto' or 'xla'")
-    if impl == "xla" or (impl == "auto" and not fits):
+    """Causal same-document attention through the registry :data:`pallas_kernels.attention.ATTENTION` with
+    ``cfg.mla_attention_implementation`` on ``cfg.platform``: cuDNN flash attention
+    (:func:`pallas_kernels.attention.cudnn_causal_attention`) or :func:`blocked_causal_attention` (``xla``).
+    Shapes as the latter; an explicit choice that cannot run raises ``KernelUnavailable`` with the reason."""
+    call = attention.make_call(q, v, segment_ids, cfg.platform)
+    if attention.ATTENTION.select(cfg.mla_attention_implementation, call).backend == "xla":
         return blocked_causal_attention(q, k, v, scale, segment_ids)
-    return cudnn_causal_attention(q, k, v, scale, segment_ids)
+    return attention.cudnn_causal_attention(q, k, v, scale, segment_ids)
 
 
 def absorbed_attention(
@@ -239,9 +232,14 @@ class KimiMLAAttention(nn.Module):
 
     cfg: K3Config
 
-    @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, cache: dict | None = None,
                  lengths: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+        with platform_scope(self.cfg.platform):  # einsum_f32's code path follows cfg.platform when it is set
+            return self._attend(x, segment_ids, cache, lengths)
+
+    @nn.compact
+    def _attend(self, x: jax.Array, segment_ids: jax.Array | None, cache: dict | None,
+                lengths: jax.Array | None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         b, t, _ = x.shape
         h, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim

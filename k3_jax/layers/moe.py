@@ -17,6 +17,7 @@ from k3_jax.layers.common import HIGHEST, Linear, RMSNorm, logical, param_dtype
 from k3_jax.layers.parallel import axis_size
 from k3_jax.parallel.expert import moe_dispatch_combine_ep
 from k3_jax.quant.mxfp4 import pack_mxfp4
+from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe import reference as moe_reference
 from sharding.local_kernels import per_shard
 
@@ -149,16 +150,16 @@ class LatentMoE(nn.Module):
         self.sow("intermediates", "expert_ids", expert_ids)
         z = Linear(cfg.routed_expert_hidden_size, ("embed", "latent"), cfg, name="routed_expert_down_proj")(flat)
         experts = RoutedExperts(cfg, name="experts")()
-        strategy, impl = _moe_implementation(cfg)
+        strategy = expert_parallel_strategy(cfg)
         if strategy is not None:  # experts split over the `expert` mesh axis
             u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=strategy,
                                         beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-                                        ffn=_expert_ffn_kernel(impl, cfg))
+                                        ffn=_expert_ffn_kernel(cfg))
         else:  # kernels are single-device: each shard routes its own tokens through all experts
             def dispatch(z, expert_ids, weights, experts):
-                return moe_reference.moe_dispatch_combine(
+                return moe_ops.moe_dispatch_combine(
                     z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-                    implementation=impl)
+                    implementation=cfg.moe_implementation, platform=cfg.platform)
 
             tok = ("batch", None)
             u = per_shard(dispatch, (z, expert_ids, weights, experts), (tok, tok, tok, None), (tok,))
@@ -170,29 +171,25 @@ class LatentMoE(nn.Module):
         return y.reshape(b, t, d)
 
 
-def _moe_implementation(cfg: K3Config) -> tuple[str | None, str]:
-    """``(expert-parallel strategy or None, expert-FFN kernel)`` for ``cfg.moe_implementation`` on the active mesh.
-
-    With an ``expert`` mesh axis of size > 1, the kernel choices ``"auto"``, ``"pallas_tpu"``, ``"pallas_gpu"``
-    run expert parallelism (all-gather "ring of experts", which suits top-16 routing) with that kernel on each
-    rank; ``"ep_allgather"`` / ``"ep_all_to_all"`` pick the strategy with the ``"auto"`` kernel. Otherwise no
-    expert parallelism and the kernel choice itself (``"reference"``: pure JAX, partitioned by XLA).
-    """
-    impl = cfg.moe_implementation
-    if impl.startswith("ep_"):
-        return impl[3:], "auto"
-    if impl in ("auto", "pallas_tpu", "pallas_gpu") and axis_size("expert") > 1:
-        return "allgather", impl
-    return None, impl
+def expert_parallel_strategy(cfg: K3Config) -> str | None:
+    """``"allgather"`` | ``"all_to_all"`` | None (no expert parallelism) for ``cfg.moe_expert_parallel`` on the
+    active mesh. ``"auto"``: all-gather "ring of experts" (suits top-16 routing) when the ``expert`` mesh axis has
+    size > 1 and ``cfg.moe_implementation`` is not ``"xla"`` (explicitly the reference: XLA partitions the
+    pure-JAX MoE instead); ``"none"``: never. An explicit strategy without an ``expert`` axis > 1 is None too."""
+    mode = cfg.moe_expert_parallel
+    if mode == "none" or axis_size("expert") <= 1:
+        return None
+    if mode == "auto":
+        return None if moe_ops.EXPERT_FFN.canonical(cfg.moe_implementation) == "xla" else "allgather"
+    return mode
 
 
-def _expert_ffn_kernel(kernel: str, cfg: K3Config):
-    """``ffn(x_sorted, group_sizes, w1, w3, w2)`` for expert parallelism: ``pallas_kernels.moe.ops.expert_ffn``
-    with ``implementation=kernel`` (``"auto"``: the platform's kernels, the reference on CPU)."""
-    from pallas_kernels.moe import ops  # noqa: PLC0415
+def _expert_ffn_kernel(cfg: K3Config):
+    """``ffn(x_sorted, group_sizes, w1, w3, w2)`` for expert parallelism: :func:`pallas_kernels.moe.ops.expert_ffn`
+    with ``cfg.moe_implementation`` on ``cfg.platform``."""
 
     def ffn(x, group_sizes, w1, w3, w2):
-        return ops.expert_ffn(x, group_sizes, w1, w3, w2, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-                              implementation=kernel)
+        return moe_ops.expert_ffn(x, group_sizes, w1, w3, w2, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
+                                  implementation=cfg.moe_implementation, platform=cfg.platform)
 
     return ffn

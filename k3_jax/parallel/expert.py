@@ -125,7 +125,9 @@ def _use_native_ragged(ragged: str) -> bool:
         return False
     if ragged != "auto":
         raise ValueError(f"ragged must be 'auto', 'native' or 'emulate', got {ragged!r}")
-    return jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+    from pallas_kernels.registry import target_platform  # noqa: PLC0415
+
+    return target_platform() in ("gpu", "tpu")
 
 
 # ----------------------------------------------------------------------------- per-shard bodies

@@ -4,11 +4,13 @@
         --batch-size 8 --seq-len 1024
 
 Builds the same step as ``train.py`` (model, Muon/AdamW, chunked loss, Quantile Balancing, weight clipping) with
-abstract parameters laid out by the sharding preset on the topology's devices, lowers it with the Pallas TPU
-kernels (``kda_implementation`` / ``moe_implementation`` = ``pallas_tpu``; "auto" would pick the host's CPU path)
-and compiles it with XLA:TPU. Prints one JSON line: per-device argument / temp bytes from the compiler's memory
-analysis, the number of Mosaic kernels in the program, lower and compile seconds — so a config, mesh and batch can
-be checked for "does it lower, partition and fit in HBM" before a slice is rented.
+abstract parameters laid out by the sharding preset on the topology's devices and lowers it under that mesh, so
+every kernel choice sees the target platform (TPU) from the mesh's devices: ``"auto"`` takes the Mosaic TPU
+kernels and the TPU code paths (bf16 matmuls with fp32 accumulation), exactly as on the slice. Compiles it with
+XLA:TPU and prints one JSON line: per-device argument / temp bytes from the compiler's memory analysis, the
+number of Mosaic kernels in the program, the lowered dot products by operand/result dtypes, lower and compile
+seconds — so a config, mesh and batch can be checked for "does it lower, partition and fit in HBM" before a
+slice is rented.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -23,12 +26,14 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes on t
 
 
 def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, seq_len: int, *,
-                       implementation: str = "pallas_tpu", preset: str = "train", accum: int = 1,
+                       implementation: str = "auto", preset: str = "train", accum: int = 1,
                        muon_dtype: str = "bfloat16", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Lower and compile ``train_step(state, batch)`` for ``topology`` (e.g. ``"v5p:2x2x1"``) on ``mesh``.
 
-    Returns ``{"topology", "devices", "mesh", "argument_bytes", "temp_bytes", "output_bytes",
-    "mosaic_kernels", "lower_s", "compile_s"}`` (bytes per device).
+    ``implementation``: ``kda_implementation`` and ``moe_implementation`` (``"auto"``, ``"mosaic_tpu"`` or
+    ``"xla"``). Returns ``{"topology", "devices", "mesh", "argument_bytes", "temp_bytes", "output_bytes",
+    "mosaic_kernels", "dots", "lower_s", "compile_s"}`` (bytes per device; ``dots``: count of lowered
+    ``dot_general`` s per ``"lhs x rhs -> out"`` element types, e.g. ``"bf16 x bf16 -> f32"``).
     """
     import jax
     import jax.numpy as jnp
@@ -43,8 +48,9 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
 
     topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
     m = make_mesh(mesh, devices=topo.devices)
+    # platform="tpu": the single-device Trainer below traces the model (init shapes) outside the mesh too
     model_overrides = {"kda_implementation": implementation, "moe_implementation": implementation,
-                       **(overrides or {})}
+                       "platform": "tpu", **(overrides or {})}
     tc = TrainConfig(config=config, model_overrides=model_overrides, workdir="/tmp/k3-aot", seq_len=seq_len,
                      batch_size=batch_size, accum=accum, eval_every=0, tensorboard=False, resume=False,
                      mesh="none", preset=preset, muon_dtype=muon_dtype)
@@ -75,7 +81,23 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
             "argument_bytes": ma.argument_size_in_bytes, "temp_bytes": ma.temp_size_in_bytes,
             "output_bytes": ma.output_size_in_bytes,
             "mosaic_kernels": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+            "dots": dot_types(lowered.as_text()),
             "lower_s": round(t1 - t0, 1), "compile_s": round(t2 - t1, 1)}
+
+
+_TENSOR = r"tensor<(?:[^>]*x)?(\w+)>"  # element type of a ranked tensor type
+_DOT = re.compile(rf"stablehlo\.dot_general .*: \({_TENSOR}, {_TENSOR}\) -> {_TENSOR}")
+
+
+def dot_types(stablehlo: str) -> dict[str, int]:
+    """``{"lhs x rhs -> out": count}`` over the ``stablehlo.dot_general`` ops of a lowered module's text."""
+    counts: dict[str, int] = {}
+    for line in stablehlo.splitlines():
+        m = _DOT.search(line)
+        if m:
+            key = f"{m.group(1)} x {m.group(2)} -> {m.group(3)}"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--preset", default="train")
-    ap.add_argument("--implementation", default="pallas_tpu", choices=("pallas_tpu", "reference"))
+    ap.add_argument("--implementation", default="auto", choices=("auto", "mosaic_tpu", "xla"))
     args = ap.parse_args(argv)
     print(json.dumps(compile_train_step(args.config, args.topology, args.mesh, args.batch_size, args.seq_len,
                                         implementation=args.implementation, preset=args.preset,

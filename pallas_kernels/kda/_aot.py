@@ -121,7 +121,7 @@ def compile_all(target: str, with_grad: bool = False, kernels: tuple = ("fwd", "
             S((Bg, Tg, Hg), bf)]
 
     def loss(q, k, v, g, b, h0, seg):
-        o, ht = ops.chunk_kda(q, k, v, g, b, None, h0, True, seg, implementation="pallas_tpu")
+        o, ht = ops.chunk_kda(q, k, v, g, b, None, h0, True, seg, implementation="mosaic_tpu", platform="tpu")
         return jnp.sum(o.astype(f32)) + jnp.sum(ht)
 
     t0 = time.perf_counter()

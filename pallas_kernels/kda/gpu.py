@@ -4,9 +4,7 @@ Chunked forward (``chunk_kda_fwd``): four lean kernels, the split flash-linear-a
 no value slicing or concatenation, so every sub-block is loaded from a ref (``pl.ds``). q, k, v, g, beta are read
 and o written in the caller's ``[B, T, H, D]`` layout (strided tiles, no transposes; T is padded only when it
 is not a multiple of the chunk). ``G``, the chunk-local cumsum of g, comes from a small scan kernel
-(``_cumsum_kernel``, grid ``(B*H, N)``, memory-bound; ``decay_cumsum="kernel"``), from XLA (``"xla"``) or is
-scanned inside kernels 1 and 3 (``"fused"``: no extra pass, but the scan is repeated by the C/16 programs of a
-chunk and costs ~1.8x the A kernel's instructions):
+(``_cumsum_kernel``, grid ``(B*H, N)``, memory-bound) ahead of them:
 
 1. ``_a_kernel``, grid ``(C/16, B*H, N)``: one program per 16-token row tile ``a`` of a chunk. With the
    reference point ``m_a = G`` at the token before the tile (0 for ``a = 0``) the rows
@@ -44,12 +42,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.forward_only import forward_only
-from pallas_kernels.kda import _layout
+from pallas_kernels.kda import _layout, launch
 from pallas_kernels.kda import reference as ref
 
 SUB = 16
 EXP_CLAMP = 80.0
-DECAY_CUMSUM = ("kernel", "xla", "fused")
 LOG2E = 1.4426950408889634
 NT = (((1,), (1,)), ((), ()))
 NN = (((1,), (0,)), ((), ()))
@@ -83,20 +80,15 @@ def _exp(x):
     return jnp.exp2(x * LOG2E)
 
 
-def _decay_tiles(g_ref, cols, cumsum: bool):
-    """``(G [C, BK], select)`` for the columns ``cols`` of a chunk: ``G`` the chunk-local cumulative log-decay,
-    ``select(i)`` its row ``i`` as ``[1, BK]`` (0 for ``i = -1``). With ``cumsum`` the ref holds the raw
-    ``g`` and ``G`` is its scan (rows picked exactly by a masked sum), else the ref holds ``G``."""
-    if not cumsum:
-        gall = g_ref[:, cols]
+def _decay_tiles(g_ref, cols):
+    """``(G [C, BK], select)`` for the columns ``cols`` of a chunk: ``G`` the chunk-local cumulative log-decay
+    (the ref holds it), ``select(i)`` its row ``i`` as ``[1, BK]`` (0 for ``i = -1``)."""
+    gall = g_ref[:, cols]
 
-        def select(i):
-            return jnp.where(i < 0, 0.0, g_ref[pl.ds(jnp.maximum(i, 0), 1), cols])
+    def select(i):
+        return jnp.where(i < 0, 0.0, g_ref[pl.ds(jnp.maximum(i, 0), 1), cols])
 
-        return gall, select
-    gall = jnp.cumsum(g_ref[:, cols], axis=0)
-    rid = jax.lax.broadcasted_iota(jnp.int32, gall.shape, 0)
-    return gall, lambda i: jnp.sum(jnp.where(rid == i, gall, 0.0), axis=0, keepdims=True)
+    return gall, select
 
 
 def _cumsum_kernel(g_ref, gam_ref, *, block: int):
@@ -110,12 +102,12 @@ def _cumsum_kernel(g_ref, gam_ref, *, block: int):
 def _a_kernel(
     q_ref, k_ref, g_ref, beta_ref, segc_ref, segr_ref,  # q, beta: this row tile; k, g, seg: the chunk
     nkk_ref, aqk_ref, qg_ref, kdec_ref,  # outputs: this row tile
-    *, scale: float, mm_dtype, block_k: int, cumsum: bool, interpret: bool,
+    *, scale: float, mm_dtype, block_k: int, interpret: bool,
 ):
     """Rows ``[16a, 16a + 16)`` of ``N = diag(beta) A_kk``, masked ``A_qk``, ``q e^G scale``, ``e^{G_C-G} k``.
 
-    Grid ``(C/16, B*H, N)``. ``k_ref [C, K]``, ``g_ref [C, K]`` (raw log-decay if ``cumsum``, else its
-    chunk-local cumsum ``G``), ``segc_ref [C, 1]``, ``segr_ref [1, C]`` hold the chunk; ``q_ref [16, K]``,
+    Grid ``(C/16, B*H, N)``. ``k_ref [C, K]``, ``g_ref [C, K]`` (the chunk-local cumulative log-decay
+    ``G``), ``segc_ref [C, 1]``, ``segr_ref [1, C]`` hold the chunk; ``q_ref [16, K]``,
     ``beta_ref [16, 1]`` the row tile.
     """
     f32 = jnp.float32
@@ -131,10 +123,10 @@ def _a_kernel(
     acc_q = jnp.zeros((SUB, C), f32)
     for kb in range(K // block_k):
         cols = pl.ds(kb * block_k, block_k)
-        gall, select = _decay_tiles(g_ref, cols, cumsum)
+        gall, select = _decay_tiles(g_ref, cols)
         m = select(r0 - 1)  # [1, BK]: G at the token before the tile (0 for a = 0)
         glast = select(C - 1)
-        ga = m + jnp.cumsum(g_ref[rows, cols], axis=0) if cumsum else g_ref[rows, cols]  # [16, BK]
+        ga = g_ref[rows, cols]  # [16, BK]
         left = _exp(ga - m)  # <= 1
         ka = k_ref[rows, cols].astype(f32)
         qa = q_ref[:, cols].astype(f32)
@@ -168,10 +160,10 @@ def _solve_kernel(n_ref, x_ref, *, interpret: bool):
 
 
 def _wu_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, w_ref, u_ref, dl_ref,
-               *, block: int, cumsum: bool, interpret: bool):
+               *, block: int, interpret: bool):
     """``W = X (beta e^G k)`` (``e^G`` only for the segment entering the chunk), ``U = X (beta v)`` and the
-    chunk decay ``e^{G_C}`` (0 if a document starts inside the chunk); grid ``(B*H, N)``. ``g_ref`` as in
-    :func:`_a_kernel`. The matmuls take ``X``'s dtype as operand dtype (bf16, or fp32 = 3xTF32)."""
+    chunk decay ``e^{G_C}`` (0 if a document starts inside the chunk); grid ``(B*H, N)``. ``g_ref`` holds ``G``.
+    The matmuls take ``X``'s dtype as operand dtype (bf16, or fp32 = 3xTF32)."""
     f32 = jnp.float32
     C, K = k_ref.shape
     V = v_ref.shape[-1]
@@ -184,7 +176,7 @@ def _wu_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, w_ref, u_ref, dl_
     bk = min(block, K)
     for kb in range(K // bk):
         cols = pl.ds(kb * bk, bk)
-        gall, select = _decay_tiles(g_ref, cols, cumsum)
+        gall, select = _decay_tiles(g_ref, cols)
         rk = jnp.where(first, beta * _exp(gall), 0.0) * k_ref[:, cols].astype(f32)
         w_ref[:, cols] = mm(xm, rk, NN, xdt).astype(w_ref.dtype)
         dl_ref[:, cols] = jnp.where(reset, 0.0, _exp(select(C - 1)))
@@ -220,7 +212,7 @@ class _Inputs(NamedTuple):
     q: jax.Array  # [B, Tp, H, K], caller dtype
     k: jax.Array  # [B, Tp, H, K]
     v: jax.Array  # [B, Tp, H, V]
-    gam: jax.Array  # [B, Tp, H, K] f32: log-decay g, or its chunk-local cumsum G (``decay_cumsum="xla"``)
+    gam: jax.Array  # [B, Tp, H, K] f32: log-decay g, or its chunk-local cumsum G (``xla_cumsum``)
     beta: jax.Array  # [B, Tp, H, 1] f32
     seg_col: jax.Array  # [B, Tp, 1] i32: document starts inside the chunk up to token i
     seg_row: jax.Array  # [B, N, 1, C] i32: the same, row layout
@@ -252,19 +244,17 @@ def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int, xla_cumsum: b
 
 def chunk_kda_fwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, chunk_size: int = 64,
-    interpret: bool = False, block_v: int | None = None, num_warps: int = 4, num_stages: int = 3,
-    a_num_warps: int = 4, solve_num_warps: int = 4, wu_num_warps: int = 4, block_k: int = 64,
-    x_dtype=None, decay_cumsum: str = "kernel",
+    interpret: bool = False, block_v: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+    a_num_warps: int = 4, solve_num_warps: int = 4, wu_num_warps: int = 4, block_k: int = 64, x_dtype=None,
 ):
     """Chunked KDA forward on GPU, four Triton kernels. Args as the reference ``chunk_kda`` (``g >= -5``).
 
-    ``num_warps``/``num_stages``/``block_v``: the state kernel (grid ``(B*H, V / block_v)``; 3 stages: 2.31 vs
-    2.52 ms with 2 at B=1, T=8192, H=96 on the H200, benchmarks/RESULTS.md);
+    ``num_warps``/``num_stages``/``block_v``: the state kernel (grid ``(B*H, V / block_v)``); ``num_stages=None``
+    takes the most stages (up to 3) whose shared-memory estimate fits the GPU
+    (:func:`pallas_kernels.kda.launch.fit_num_stages`: 3 for bf16, 1 for fp32 at K = V = 128 on an H200);
     ``a_num_warps``, ``solve_num_warps``, ``wu_num_warps``: the A, solve and W/U kernels; ``block_k``: the
     K slice of the A kernel and the column block of the W/U kernel; ``x_dtype``: storage and matmul dtype of
-    ``X = (I + diag(beta) A_kk)^-1`` (default: the matmul dtype, bf16 for bf16 inputs, else fp32);
-    ``decay_cumsum``: where the chunk-local cumsum of ``g`` is computed: ``"kernel"`` (a Pallas scan kernel),
-    ``"xla"`` or ``"fused"`` (inside the A and W/U kernels; see the module docstring).
+    ``X = (I + diag(beta) A_kk)^-1`` (default: the matmul dtype, bf16 for bf16 inputs, else fp32).
     The kernels read q, k, v, beta and the cumulative decay in the ``[B, T, H, D]`` layout and write ``o`` in
     it (strided tiles, no transposes); intermediates are ``[B*H, Tp, D]``.
     Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32)``.
@@ -279,32 +269,31 @@ def chunk_kda_fwd(
         _pow2(nm, d)
     if V % BV:
         raise ValueError(f"gpu.chunk_kda_fwd: block_v={BV} must divide V={V}")
-    if decay_cumsum not in DECAY_CUMSUM:
-        raise ValueError(f"gpu.chunk_kda_fwd: decay_cumsum must be one of {DECAY_CUMSUM}, got {decay_cumsum!r}")
-    cs = decay_cumsum == "fused"
-    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, C, decay_cumsum == "xla")
+    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, C, xla_cumsum=False)
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
     nt = C // SUB
     mm_dtype = jnp.float32 if jnp.promote_types(q.dtype, v.dtype) == jnp.float32 else jnp.bfloat16
     x_dtype = jnp.dtype(x_dtype or mm_dtype)
     interp = bool(interpret)
+    if not interp:
+        num_stages = launch.fit_num_stages("kda_chunk_state_gpu", num_stages, chunk=C, k=K, block_v=BV,
+                                           q_dtype=q.dtype, v_dtype=v.dtype)
     params = lambda nw, ns=1: None if interp else _compiler_params(nw, ns)
     bi = lambda bh: jax.lax.div(bh, H)  # batch index of a (sequence, head) program
     hi = lambda bh: jax.lax.rem(bh, H)  # head index
 
     tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
-    if decay_cumsum == "kernel":
-        x = x._replace(gam=pl.pallas_call(
-            functools.partial(_cumsum_kernel, block=BK),
-            grid=(BH, N),
-            in_specs=[tok_in(K)],
-            out_specs=tok_in(K),
-            out_shape=jax.ShapeDtypeStruct(x.gam.shape, jnp.float32),
-            compiler_params=params(4),
-            interpret=interp,
-            name="kda_chunk_cumsum_gpu",
-        )(x.gam))
+    x = x._replace(gam=pl.pallas_call(
+        functools.partial(_cumsum_kernel, block=BK),
+        grid=(BH, N),
+        in_specs=[tok_in(K)],
+        out_specs=tok_in(K),
+        out_shape=jax.ShapeDtypeStruct(x.gam.shape, jnp.float32),
+        compiler_params=params(4),
+        interpret=interp,
+        name="kda_chunk_cumsum_gpu",
+    )(x.gam))
 
     # 1. A: one program per (16-row tile, sequence/head, chunk); the row tile is the fastest grid axis so the
     #    programs of one chunk run together and share its k / decay tiles in L2.
@@ -312,8 +301,7 @@ def chunk_kda_fwd(
     chunk_in = lambda d: pl.BlockSpec((None, C, None, d), lambda a, bh, c: (bi(bh), c, hi(bh), 0))
     row_out = lambda d: pl.BlockSpec((None, SUB, d), lambda a, bh, c: (bh, c * nt + a, 0))
     nkk, aqk, qg, kdec = pl.pallas_call(
-        functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BK, cumsum=cs,
-                          interpret=interp),
+        functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BK, interpret=interp),
         grid=(nt, BH, N),
         in_specs=[
             row_in(K), chunk_in(K), chunk_in(K), row_in(1),
@@ -347,7 +335,7 @@ def chunk_kda_fwd(
 
     # 3. W, U and the chunk decay.
     w, u, dl = pl.pallas_call(
-        functools.partial(_wu_kernel, block=BK, cumsum=cs, interpret=interp),
+        functools.partial(_wu_kernel, block=BK, interpret=interp),
         grid=(BH, N),
         in_specs=[tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1),
                   pl.BlockSpec((None, C, 1), lambda bh, c: (bi(bh), c, 0))],

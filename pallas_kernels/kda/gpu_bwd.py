@@ -21,10 +21,11 @@ axis is the fastest, so a chunk's row-tile / K-block programs run together and s
 6. ``_dqkw_kernel``, grid ``(K/BK, B*H, N)``: the state products ``dO S^T``, ``V~ dS'^T``,
    ``dW = -dV~ S^T`` and ``sum(S * dS')`` (loop over V blocks), giving the e^G / kd / chunk-decay parts of
    dq, dk, dG and ``dW``.
-7. ``_wy_kernel``, grid ``(B*H, N)``: through the UT transform: ``dB_v = X^T dV~`` (-> dv),
-   ``dB_k = X^T dW`` (written out), ``dX = dV~ B_v^T + dW B_k^T``, ``dL = -X^T dX X^T`` (strictly lower,
-   same document), ``dA_kk = diag(beta) dL``, ``dA_qk = dO V~^T`` (masked), dbeta.
-8. ``_da_kernel``, grid ``(K/BK, B*H, N)``: the decay products differentiated as matmuls per 16-row tile
+7. ``_wy_dx_kernel`` then ``_wy_dl_kernel``, grid ``(B*H, N)``: through the UT transform: ``dB_v = X^T dV~``
+   (-> dv), ``dB_k = X^T dW`` (written out), ``dX = dV~ B_v^T + dW B_k^T`` (through HBM), then
+   ``dL = -X^T dX X^T`` (strictly lower, same document), ``dA_kk = diag(beta) dL``, ``dA_qk = dO V~^T``
+   (masked), dbeta. For bf16 inputs the products with ``X`` and ``dX`` take one TF32 pass.
+8. ``_da_kernel``, grid ``(K/BK, B*H, N)``: the decay products differentiated as matmuls on the 16x16 tiles
    (row part at the reference point before the tile, column part at the tile's last token), summed with
    the partial dq, dk, dG of steps 6 and 7; ``dg`` = reverse cumsum of ``dG`` inside the chunk (tiles in
    reverse order with a running suffix sum).
@@ -49,11 +50,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda import _layout
+from pallas_kernels.kda import _layout, launch
 from pallas_kernels.kda import gpu as _fwd
 
-__all__ = ["chunk_kda_bwd", "launched_kernels", "KERNEL_NAMES", "SPLIT_WY_NAMES", "DEFAULT_WARPS", "DA_MODES",
-           "WY_PRECISIONS"]
+__all__ = ["chunk_kda_bwd", "KERNEL_NAMES", "DEFAULT_WARPS"]
 
 SUB = 16
 EXP_CLAMP = 80.0
@@ -63,32 +63,13 @@ TN = (((0,), (0,)), ((), ()))
 
 KERNEL_NAMES = (
     "kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_wu_gpu", "kda_bwd_h_gpu", "kda_bwd_ds_gpu",
-    "kda_bwd_dqkw_gpu", "kda_bwd_wy_gpu", "kda_bwd_da_gpu",
+    "kda_bwd_dqkw_gpu", "kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu", "kda_bwd_da_gpu",
 )
-# ``wy_split=True``: step 7 as two kernels (these names replace "kda_bwd_wy_gpu").
-SPLIT_WY_NAMES = ("kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu")
-# Launch widths: 2 warps for the solve, 4 elsewhere, 8 for the split step-7 X-product kernel (with 4 it spills in
-# the offline sm_90 compile, see DA_MODES' note) and for dq/dk/dw (the H200 sweep's fastest, benchmarks/RESULTS.md).
-DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES + SPLIT_WY_NAMES, 4) | {
+"""The kernels one backward launches, in launch order (step 7 is two kernels: ``wy_dx``, ``wy_dl``)."""
+DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES, 4) | {
     "kda_bwd_solve_gpu": 2, "kda_bwd_wy_dx_gpu": 8, "kda_bwd_dqkw_gpu": 8}
-
-
-def launched_kernels(wy_split: bool = True) -> tuple[str, ...]:
-    """Names of the kernels one backward launches, in launch order (``wy_split`` as :func:`chunk_kda_bwd`)."""
-    if not wy_split:
-        return KERNEL_NAMES
-    return tuple(n for n in KERNEL_NAMES[:-1] if n != "kda_bwd_wy_gpu") + SPLIT_WY_NAMES + KERNEL_NAMES[-1:]
-
-
-# step 8: whole-chunk [C, BK] operands per row tile (unrolled) | 16x16 lower sub-tiles only | "full" in a fori_loop
-DA_MODES = ("full", "tri", "loop")
-# Offline sm_90 compile (pip Triton 3.9, bf16 inputs, K=V=128; registers / spill stack bytes / SASS instructions
-# per thread, static): default da (4 warps) 255 / 128 / 9.3k, wy (4) 255 / 1160 / 10.4k; da "tri" 8 warps
-# 182 / 0 / 4.3k, "tri" da_block_k=32 (4) 188 / 0 / 4.2k, "loop" da_block_k=32 (4) 190 / 0 / 1.6k (loop body,
-# 4 trips); wy "tf32" (8) 255 / 256 / 3.5k; split "tf32": wy_dx (8) 156 / 0 / 2.1k + wy_dl (4) 166 / 0 / 1.4k,
-# split 3xTF32: wy_dx (8) 255 / 232 / 6.6k. H200 sweep (benchmarks/kda_bwd.py, T=8192, H=96, bf16; RESULTS.md):
-# backward 17.46 ms with full / unsplit / x3 -> 13.29 ms with tri, da_block_k 32, split, tf32 (the defaults now).
-WY_PRECISIONS = ("x3", "tf32")  # step 7's X / dX products for bf16 inputs: 3xTF32 | one TF32 pass
+"""Launch widths: 2 warps for the solve, 8 for the step-7 X-product kernel (with 4 it spills registers) and for
+dq/dk/dw, 4 elsewhere."""
 
 
 TF32 = "tf32"  # matmul "dtype": fp32 operands rounded to TF32 (10-bit mantissa), one tensor-core pass
@@ -291,11 +272,11 @@ def _dqkw_kernel(q_ref, k_ref, g_ref, segc_ref, do_ref, vt_ref, dvt_ref, h_ref, 
 
 
 def _dx_and_db(x_of, beta, first, k_ref, v_ref, g_ref, dvt_ref, dw_ref, dv_ref, dbk_ref, *, block: int, mm,
-               x_dtype, per_v_block=None):
+               x_dtype):
     """Step 7's V / K-block loops: ``dB_v = X^T dV~`` (written as ``dv = beta dB_v``), ``dB_k = X^T dW`` (written),
     and their sums ``dX = dV~ B_v^T + dW B_k^T [C, C]`` and the ``dB`` part of dbeta ``[C, 1]`` (both fp32,
     returned). ``x_of()`` gives ``X`` (a held value, or a fresh ref read per product for short live ranges);
-    ``first [C, 1]``: tokens of the document that entered the chunk; ``per_v_block(vs)`` runs inside the V loop."""
+    ``first [C, 1]``: tokens of the document that entered the chunk."""
     f32 = jnp.float32
     C, K = k_ref.shape
     V = v_ref.shape[-1]
@@ -307,8 +288,6 @@ def _dx_and_db(x_of, beta, first, k_ref, v_ref, g_ref, dvt_ref, dw_ref, dv_ref, 
         dvt = dvt_ref[:, vs].astype(f32)
         vv = v_ref[:, vs].astype(f32)
         dx = dx + mm(dvt, beta * vv, NT, x_dtype)
-        if per_v_block is not None:
-            per_v_block(vs)
         dbv = mm(x_of(), dvt, TN, x_dtype)
         dv_ref[:, vs] = (beta * dbv).astype(dv_ref.dtype)
         dbeta = dbeta + jnp.sum(dbv * vv, axis=1, keepdims=True)
@@ -324,38 +303,9 @@ def _dx_and_db(x_of, beta, first, k_ref, v_ref, g_ref, dvt_ref, dw_ref, dv_ref, 
     return dx, dbeta
 
 
-def _wy_kernel(x_ref, akk_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref, do_ref, vt_ref, dvt_ref,
-               dw_ref, dv_ref, dbk_ref, dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool,
-               x_dtype=jnp.float32):
-    """Through ``[W | U] = X diag(beta) [e^G k | v]`` for one chunk (see the module docstring, step 7).
-    ``x_dtype``: operands of the products with ``X`` and ``dX`` (fp32 = 3xTF32, or :data:`TF32`)."""
-    f32 = jnp.float32
-    xp = x_dtype
-    C = k_ref.shape[0]
-    mm = _make_mm(interpret)
-    xm = x_ref[...]
-    beta = beta_ref[...]  # [C, 1]
-    segc = segc_ref[...]
-    daqk = [jnp.zeros((C, C), f32)]
-
-    def add_daqk(vs):
-        daqk[0] = daqk[0] + mm(do_ref[:, vs], vt_ref[:, vs], NT, mm_dtype)
-
-    dx, dbeta = _dx_and_db(lambda: xm, beta, segc == 0, k_ref, v_ref, g_ref, dvt_ref, dw_ref, dv_ref, dbk_ref,
-                           block=block, mm=mm, x_dtype=xp, per_v_block=add_daqk)
-    daqk = daqk[0]
-    row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    same = segc == segr_ref[...]
-    dlo = jnp.where(same & (row > col), -mm(mm(xm, dx, TN, xp), xm, NT, xp), 0.0)  # -X^T dX X^T
-    dakk_ref[...] = beta * dlo
-    dbeta_ref[...] = dbeta + jnp.sum(dlo * akk_ref[...], axis=1, keepdims=True)
-    daqk_ref[...] = jnp.where(same & (row >= col), daqk, 0.0)
-
-
 def _wy_dx_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, dvt_ref, dw_ref,
                   dv_ref, dbk_ref, dx_ref, dbp_ref, *, block: int, interpret: bool, x_dtype=jnp.float32):
-    """Split step 7, part 1 (``wy_split``): ``dB_v = X^T dV~`` (-> dv), ``dB_k = X^T dW``, the V / K-block
+    """Step 7, part 1: ``dB_v = X^T dV~`` (-> dv), ``dB_k = X^T dW``, the V / K-block
     sums ``dX [C, C]`` (fp32, written out) and the ``dB`` part of dbeta. ``X`` is re-read from its ref at each
     product (short live ranges; only the ``dX`` accumulator spans the loops)."""
     mm = _make_mm(interpret)
@@ -367,7 +317,7 @@ def _wy_dx_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, dvt_ref, dw_re
 
 def _wy_dl_kernel(x_ref, akk_ref, beta_ref, segc_ref, segr_ref, dx_ref, dbp_ref, do_ref, vt_ref,
                   dakk_ref, daqk_ref, dbeta_ref, *, block: int, mm_dtype, interpret: bool, x_dtype=jnp.float32):
-    """Split step 7, part 2 (``wy_split``): ``dL = -X^T dX X^T`` (strictly lower, same document),
+    """Step 7, part 2: ``dL = -X^T dX X^T`` (strictly lower, same document),
     ``dA_kk = diag(beta) dL``, dbeta, then ``dA_qk = dO V~^T`` (masked) over V blocks."""
     f32 = jnp.float32
     C = x_ref.shape[0]
@@ -407,43 +357,13 @@ def _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale: float, q_ref, k_ref, be
     return suffix + tot
 
 
-def _da_loop_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref,
-                    dbk_ref, dq_ref, dk_ref, dg_ref, *, scale: float, mm_dtype, interpret: bool):
-    """:func:`_da_kernel` (``da_mode="loop"``) with the 16-row tiles as a ``fori_loop`` (static trip count)
-    instead of unrolled Python code: one copy of the tile body, and the compiler cannot hoist the next tiles'
-    loads and exps above this tile's products (the unrolled kernel uses 255 registers and spills)."""
-    f32 = jnp.float32
-    C, BK = k_ref.shape
-    nt = C // SUB
-    mm = _make_mm(interpret)
-
-    def body(i, suffix):
-        a = nt - 1 - i
-        r0 = pl.multiple_of(a * SUB, SUB)
-        rows = pl.ds(r0, SUB)
-        ga = g_ref[rows, :]
-        m = jnp.where(a == 0, 0.0, g_ref[pl.ds(jnp.maximum(r0 - 1, 0), 1), :])  # G before the tile
-        left = jnp.exp(ga - m)
-        right = k_ref[...].astype(f32) * jnp.exp(jnp.minimum(m - g_ref[...], EXP_CLAMP))
-        rq = left * mm(daqk_ref[rows, :], right, NN, mm_dtype)
-        rk = left * mm(dakk_ref[rows, :], right, NN, mm_dtype)
-        mb = g_ref[pl.ds(r0 + SUB - 1, 1), :]  # G at the tile's last token
-        back = jnp.exp(mb - ga)
-        up = jnp.exp(jnp.minimum(g_ref[...] - mb, EXP_CLAMP))
-        cq = back * mm(daqk_ref[:, rows], (q_ref[...].astype(f32) * scale) * up, TN, mm_dtype)
-        ck = back * mm(dakk_ref[:, rows], k_ref[...].astype(f32) * up, TN, mm_dtype)
-        return _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale, q_ref, k_ref, beta_ref, segc_ref, dbk_ref,
-                           dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref)
-
-    jax.lax.fori_loop(0, nt, body, jnp.zeros((1, BK), f32))
-
-
-def _da_tri_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref,
+def _da_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref,
                    dbk_ref, dq_ref, dk_ref, dg_ref, *, scale: float, mm_dtype, interpret: bool):
-    """:func:`_da_kernel` (``da_mode="tri"``) on 16x16 sub-tiles of ``dA``: only the blocks on or below the
-    diagonal (``dA_kk``, ``dA_qk`` are lower triangular), so 20 instead of 32 ``[16, BK]`` decay-factor
-    tiles (exps) and 40 instead of 64 ``[16, 16] x [16, BK]`` products per K block, each operand ``[16, BK]``
-    (short live ranges, no chunk-wide ``[C, BK]`` fp32 operand). Same reference points as :func:`_da_kernel`."""
+    """K-block of the decay-product gradients plus the partial terms (``dqp, dkp, dgp`` from step 6, the
+    ``B_k = beta e^G k`` terms from ``dB_k``); ``dg`` = reverse cumsum of ``dG`` inside the chunk. Works on
+    16x16 sub-tiles of ``dA`` on or below the diagonal only (``dA_kk``, ``dA_qk`` are lower triangular), each
+    operand ``[16, BK]``: per row tile, the row part at the reference point before the tile and the column part
+    at the tile's last token (exponents ``<= 0`` or clamped at 80)."""
     f32 = jnp.float32
     C, BK = k_ref.shape
     nt = C // SUB
@@ -473,32 +393,6 @@ def _da_tri_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, 
         back = jnp.exp(mb - ga)
         cq = back * cq
         ck = back * ck
-        suffix = _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale, q_ref, k_ref, beta_ref, segc_ref, dbk_ref,
-                           dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref)
-
-
-def _da_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref, dbk_ref,
-               dq_ref, dk_ref, dg_ref, *, scale: float, mm_dtype, interpret: bool):
-    """K-block of the decay-product gradients plus the partial terms (``dqp, dkp, dgp`` from step 6, the
-    ``B_k = beta e^G k`` terms from ``dB_k``); ``dg`` = reverse cumsum of ``dG`` inside the chunk. Chunk-wide
-    operands are re-read from the refs per 16-row tile (short live ranges)."""
-    f32 = jnp.float32
-    C, BK = k_ref.shape
-    mm = _make_mm(interpret)
-    suffix = jnp.zeros((1, BK), f32)
-    for a in reversed(range(C // SUB)):
-        rows = pl.ds(a * SUB, SUB)
-        ga = g_ref[rows, :]
-        m = _row(g_ref, a * SUB - 1)  # G before the tile: exponents of `left` <= 0
-        left = jnp.exp(ga - m)
-        right = k_ref[...].astype(f32) * jnp.exp(jnp.minimum(m - g_ref[...], EXP_CLAMP))
-        rq = left * mm(daqk_ref[rows, :], right, NN, mm_dtype)  # d(q scale)_i from A_qk rows
-        rk = left * mm(dakk_ref[rows, :], right, NN, mm_dtype)  # d(k_i) from A_kk rows
-        mb = _row(g_ref, a * SUB + SUB - 1)  # G at the tile's last token
-        back = jnp.exp(mb - ga)  # <= 1
-        up = jnp.exp(jnp.minimum(g_ref[...] - mb, EXP_CLAMP))
-        cq = back * mm(daqk_ref[:, rows], (q_ref[...].astype(f32) * scale) * up, TN, mm_dtype)  # d(k_j), A_qk
-        ck = back * mm(dakk_ref[:, rows], k_ref[...].astype(f32) * up, TN, mm_dtype)  # d(k_j), A_kk cols
         suffix = _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale, q_ref, k_ref, beta_ref, segc_ref, dbk_ref,
                            dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref)
 
@@ -542,10 +436,9 @@ def _pow2(name: str, d: int) -> None:
 def chunk_kda_bwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
     chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int = 64,
-    num_warps: dict | None = None, num_stages: int = 2, state_dtype=None,
-    da_mode: str = "tri", da_block_k: int | None = 32, wy_split: bool = True, wy_precision: str = "tf32",
+    num_warps: dict | None = None, num_stages: int | None = None, state_dtype=None, da_block_k: int = 32,
 ):
-    """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), eight Triton kernels.
+    """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), nine Triton kernels.
 
     Args: forward inputs as :func:`pallas_kernels.kda.reference.chunk_kda` (``q, k, g [B, T, H, K]``,
     ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` or None, ``segment_ids [B, T]``
@@ -553,18 +446,11 @@ def chunk_kda_bwd(
     zeros). ``block_v``: V slice of the two sweeps (grid axis; default ``min(V, 64)``); ``block_k``: K block
     of the per-chunk gradient kernels (grid axis), their V loop block and the A kernel's K loop;
     ``num_warps``: per-kernel override ``{kernel name: warps}`` (names in :data:`KERNEL_NAMES`; default
-    :data:`DEFAULT_WARPS`); ``num_stages``: the sweeps; ``state_dtype``: storage of the per-chunk states
+    :data:`DEFAULT_WARPS`); ``state_dtype``: storage of the per-chunk states
     ``h`` and state cotangents ``dh`` (default: the matmul dtype, bf16 for bf16 inputs - they only enter
     bf16 matmuls there - else fp32). ``interpret``: generic Pallas interpreter.
-    Variants (static; defaults = the fastest of the H200 sweep): ``da_mode`` (:data:`DA_MODES`): step 8 over
-    whole-chunk operands per 16-row tile, unrolled (``"full"``), the same in a ``fori_loop`` over the tiles
-    (``"loop"``), or over the 16x16 sub-tiles on/below the diagonal only (``"tri"``: ~40% fewer exps and products,
-    ``[16, BK]`` operands); ``da_block_k``: step 8's K block (grid axis; None = ``block_k``); ``wy_split``: step 7
-    as two kernels
-    (:data:`SPLIT_WY_NAMES`: X-products and ``dX``, then the ``dL`` chain and ``dA_qk``; ``dX`` goes through
-    HBM, +0.4 GB at T=8192, H=96) instead of one that spills; ``wy_precision`` (:data:`WY_PRECISIONS`): step 7's
-    products with ``X`` / ``dX`` for bf16 inputs - ``"x3"`` (3xTF32) or ``"tf32"`` (one pass; fp32 inputs
-    always keep 3xTF32).
+    ``da_block_k``: step 8's K block (grid axis). ``num_stages``: the sweeps' pipeline stages, None = the most
+    (up to 2) whose shared-memory estimate fits the GPU (:func:`pallas_kernels.kda.launch.fit_num_stages`).
     Returns ``(dq, dk, dv, dg, dbeta)`` in the dtypes of ``q, k, v, g, beta`` and ``dh0 [B, H, K, V] f32``.
     """
     name = "gpu_bwd.chunk_kda_bwd"
@@ -579,7 +465,7 @@ def chunk_kda_bwd(
     BV = block_v or min(V, 64)
     BK = min(block_k, K)
     BL = min(block_k, V)  # V loop block of the per-chunk kernels
-    BKD = min(da_block_k or block_k, K)
+    BKD = min(da_block_k, K)
     for nm, d in (("K", K), ("V", V), ("block_v", BV), ("block_k", BK), ("da_block_k", BKD), ("chunk_size", C)):
         _pow2(nm, d)
     if V % BV or K % BK or V % BL or K % BKD:
@@ -588,16 +474,16 @@ def chunk_kda_bwd(
     mm_dtype = jnp.float32 if jnp.promote_types(q.dtype, v.dtype) == jnp.float32 else jnp.bfloat16
     st_dtype = jnp.dtype(state_dtype or mm_dtype)
     da_dtype = jnp.float32 if mm_dtype == jnp.float32 else TF32
-    if da_mode not in DA_MODES or wy_precision not in WY_PRECISIONS:
-        raise ValueError(f"{name}: da_mode must be in {DA_MODES} (got {da_mode!r}) and wy_precision in "
-                         f"{WY_PRECISIONS} (got {wy_precision!r})")
-    wy_dtype = TF32 if wy_precision == "tf32" and mm_dtype != jnp.float32 else jnp.float32
+    wy_dtype = TF32 if mm_dtype != jnp.float32 else jnp.float32  # step 7's X / dX products: one TF32 pass
     x = _prepare(q, k, v, g, beta, initial_state, segment_ids, do.astype(v.dtype), dht, C)
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
     nt = C // SUB
     f32 = jnp.float32
     interp = bool(interpret)
+    fit = dict(chunk=C, k=K, block_v=BV, q_dtype=q.dtype, v_dtype=v.dtype)
+    stages = {n: 1 if interp else launch.fit_num_stages(n, num_stages, **fit)
+              for n in ("kda_bwd_h_gpu", "kda_bwd_ds_gpu")}
     warps = dict(num_warps or {})
     unknown = set(warps) - set(DEFAULT_WARPS)
     if unknown:
@@ -655,13 +541,14 @@ def chunk_kda_bwd(
     h, vt = call(
         functools.partial(_h_kernel, **sweep), "kda_bwd_h_gpu", (BH, V // BV),
         [seq(K), seq_v, seq(K), dl_spec, state], [states, seq_v],
-        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype)], stages=num_stages,
+        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype)], stages=stages["kda_bwd_h_gpu"],
     )(w, u, kdec, dl, x.h0t)
     do_spec = pl.BlockSpec((None, Tp, None, BV), lambda bh, j: (bi(bh), 0, hi(bh), j))
     dh, dvt, dh0t = call(
         functools.partial(_ds_kernel, **sweep), "kda_bwd_ds_gpu", (BH, V // BV),
         [seq(C), seq(K), seq(K), seq(K), dl_spec, do_spec, state], [states, seq_v, state],
-        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype), sds((BH, V, K), f32)], stages=num_stages,
+        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype), sds((BH, V, K), f32)],
+        stages=stages["kda_bwd_ds_gpu"],
     )(aqk, qg, kdec, w, dl, x.do, x.dhtt)
 
     # 6. State products per K block.
@@ -679,39 +566,27 @@ def chunk_kda_bwd(
         [sds((BH, Tp, K), f32), sds((BH, Tp, K), mm_dtype), sds((BH, Tp, K), mm_dtype), sds((BH, Tp, K), f32)],
     )(x.q, x.k, x.gam, x.seg_col, x.do, vt, dvt, h, dh)
 
-    # 7. Through the UT transform.
-    if not wy_split:
-        dv, dbk, dakk, daqk, dbeta = call(
-            functools.partial(_wy_kernel, block=BL, mm_dtype=mm_dtype, interpret=interp, x_dtype=wy_dtype),
-            "kda_bwd_wy_gpu", (BH, N),
-            [tok(C), tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, segr_spec, tok_in(V), tok(V),
-             tok(V), tok(K)],
-            [tok_in(V), tok(K), tok(C), tok(C), tok_in(1)],
-            [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32), sds((BH, Tp, C), f32),
-             sds((B, Tp, H, 1), f32)],
-        )(xm, akk, x.k, x.v, x.gam, x.beta, x.seg_col, x.seg_row, x.do, vt, dvt, dw)
-    else:
-        dv, dbk, dxm, dbp = call(
-            functools.partial(_wy_dx_kernel, block=BL, interpret=interp, x_dtype=wy_dtype), SPLIT_WY_NAMES[0],
-            (BH, N), [tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, tok(V), tok(K)],
-            [tok_in(V), tok(K), tok(C), tok(1)],
-            [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32), sds((BH, Tp, 1), f32)],
-        )(xm, x.k, x.v, x.gam, x.beta, x.seg_col, dvt, dw)
-        dakk, daqk, dbeta = call(
-            functools.partial(_wy_dl_kernel, block=BL, mm_dtype=mm_dtype, interpret=interp, x_dtype=wy_dtype),
-            SPLIT_WY_NAMES[1], (BH, N),
-            [tok(C), tok(C), tok_in(1), segc_spec, segr_spec, tok(C), tok(1), tok_in(V), tok(V)],
-            [tok(C), tok(C), tok_in(1)],
-            [sds((BH, Tp, C), f32), sds((BH, Tp, C), f32), sds((B, Tp, H, 1), f32)],
-        )(xm, akk, x.beta, x.seg_col, x.seg_row, dxm, dbp, x.do, vt)
+    # 7. Through the UT transform: X-products and dX, then the dL chain and dA_qk.
+    dv, dbk, dxm, dbp = call(
+        functools.partial(_wy_dx_kernel, block=BL, interpret=interp, x_dtype=wy_dtype), "kda_bwd_wy_dx_gpu",
+        (BH, N), [tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, tok(V), tok(K)],
+        [tok_in(V), tok(K), tok(C), tok(1)],
+        [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32), sds((BH, Tp, 1), f32)],
+    )(xm, x.k, x.v, x.gam, x.beta, x.seg_col, dvt, dw)
+    dakk, daqk, dbeta = call(
+        functools.partial(_wy_dl_kernel, block=BL, mm_dtype=mm_dtype, interpret=interp, x_dtype=wy_dtype),
+        "kda_bwd_wy_dl_gpu", (BH, N),
+        [tok(C), tok(C), tok_in(1), segc_spec, segr_spec, tok(C), tok(1), tok_in(V), tok(V)],
+        [tok(C), tok(C), tok_in(1)],
+        [sds((BH, Tp, C), f32), sds((BH, Tp, C), f32), sds((B, Tp, H, 1), f32)],
+    )(xm, akk, x.beta, x.seg_col, x.seg_row, dxm, dbp, x.do, vt)
 
     # 8. Decay products and the reverse cumsum.
     ktok = lambda d: pl.BlockSpec((None, C, d), lambda kb, bh, c: (bh, c, 0))
     kin = lambda: pl.BlockSpec((None, C, None, BKD), lambda kb, bh, c: (bi(bh), c, hi(bh), kb))
     kout = lambda: pl.BlockSpec((None, C, BKD), lambda kb, bh, c: (bh, c, kb))
     dq, dk, dg = call(
-        functools.partial({"full": _da_kernel, "tri": _da_tri_kernel, "loop": _da_loop_kernel}[da_mode],
-                          scale=float(scale), mm_dtype=da_dtype, interpret=interp),
+        functools.partial(_da_kernel, scale=float(scale), mm_dtype=da_dtype, interpret=interp),
         "kda_bwd_da_gpu", (K // BKD, BH, N),
         [kin(), kin(), kin(), pl.BlockSpec((None, C, None, 1), lambda kb, bh, c: (bi(bh), c, hi(bh), 0)),
          pl.BlockSpec((None, C, 1), lambda kb, bh, c: (bi(bh), c, 0)), ktok(C), ktok(C), kout(), kout(), kout(),

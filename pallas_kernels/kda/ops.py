@@ -1,62 +1,147 @@
-"""Public KDA entry points dispatching between the Pallas kernels and the pure-JAX reference.
+"""Public KDA entry points: a registry of backends per op and the dispatch through it.
 
-``implementation``:
-  * ``"auto"``: ``"pallas_tpu"`` on TPU; ``"pallas_gpu"`` on GPU (H200, bf16, B=1, T=8192, H=96: forward
-    2.50 ms vs 20.6 ms for the XLA reference and 2.42 ms for fla; k3-small train step 0.177 vs 0.281 s with the
-    reference, benchmarks/RESULTS.md), except for the chunked form when K or V is not a power of two >= 16
-    (the Triton kernels' block rule), which takes the reference; ``"reference"`` elsewhere (on CPU,
-    ``interpret`` truthy selects ``"pallas_tpu"`` in TPU interpret mode, which is how CI runs the kernel);
-  * ``"reference"``: :mod:`pallas_kernels.kda.reference` (any ``g <= 0``);
-  * ``"pallas_tpu"`` / ``"pallas_gpu"``: the kernels (they require the K3 lower-bounded gate ``g >= -5``).
+Two ops, each an ordered table (:class:`pallas_kernels.registry.Registry`; ``"auto"`` = the first that supports
+the call, an explicit name that cannot run raises with the reason):
 
-Gradients: the Pallas forward sits inside ``jax.custom_vjp`` (nothing but the inputs is saved), so ``jax.grad``
-gives gradients for q, k, v, g, beta and the initial state on every implementation. ``backward`` picks the
-backward: ``"auto"`` / ``"pallas"`` = the backward kernels of the implementation
-(:mod:`pallas_kernels.kda.tpu_bwd`: state sweep + reverse chunk sweep for ``"pallas_tpu"``;
-:mod:`pallas_kernels.kda.gpu_bwd`: eight Triton kernels for ``"pallas_gpu"``); ``"reference"`` = the
-recomputed chunked reference's VJP.
+* :data:`CHUNK` (``chunk_kda``, training / prefill): ``mosaic_tpu`` (:mod:`.tpu`, :mod:`.tpu_bwd`), ``triton``
+  (:mod:`.gpu`, :mod:`.gpu_bwd`), ``xla`` (:mod:`.reference`, the chunked UT/WY form).
+* :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``xla``.
+
+``mosaic_gpu`` (Hopper wgmma/TMA kernels) is reserved: it goes ahead of ``triton`` in both tables once written.
+
+What a backend checks (``supports``): the target platform (``platform=`` or
+:func:`pallas_kernels.registry.target_platform`: the mesh's devices, else the default device; ``interpret=True``
+runs the Pallas kernels on CPU in interpret mode, ``"auto"`` then picks ``mosaic_tpu``), the dtype, head dims,
+chunk size, the Triton launch's shared memory (:mod:`.launch`), and the gate bound: the kernels need the K3
+lower-bounded log-decay ``g >= -5`` per token; a call promises ``g >= gate_bound`` (``None``: no bound), and
+``gate_bound < -5`` or None leaves only ``xla`` (exact for any ``g <= 0``).
+
+Gradients: the kernel forwards sit inside ``jax.custom_vjp`` (only the inputs are saved); ``backward="auto"`` /
+``"kernel"`` = the backend's backward kernels, ``"xla"`` = the VJP of the recomputed chunked reference.
+The decode kernels are forward-only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kda import launch
 from pallas_kernels.kda import reference as ref
+from pallas_kernels.registry import Backend, Registry, target_platform
 
-IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
-BACKWARDS = ("auto", "pallas", "reference")
+KERNEL_GATE_BOUND = -5.0
+"""The Pallas kernels' factored decay products need every per-token log-decay ``>= KERNEL_GATE_BOUND``."""
+BACKWARDS = ("auto", "kernel", "xla")
+ALIASES = {"reference": "xla"}
+"""Old name of the reference still accepted (``sharding.plan``, benchmark scripts)."""
 
 
-def _resolve(implementation: str, interpret, name: str) -> str:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{name}: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation != "auto":
-        return implementation
-    backend = jax.default_backend()
-    if backend == "tpu":
-        return "pallas_tpu"
-    if backend in ("gpu", "cuda"):
-        return "pallas_gpu"
-    return "pallas_tpu" if interpret else "reference"
+@dataclasses.dataclass(frozen=True)
+class KdaCall:
+    """What the backends of a KDA op look at. ``shape = (B, T, H, K, V)``; ``dtype`` = promoted q/v dtype."""
+
+    platform: str
+    dtype: str
+    shape: tuple[int, int, int, int, int]
+    chunk_size: int
+    gate_bound: float | None
+    interpret: bool = False
+
+
+def _pow2(d: int) -> bool:
+    return d >= 16 and d & (d - 1) == 0
+
+
+def _platform_reason(call: KdaCall, platform: str) -> str | None:
+    if call.platform == platform or (call.interpret and call.platform == "cpu"):
+        return None
+    return f"needs target platform {platform} (or cpu with interpret=True), target is {call.platform}"
+
+
+def _gate_reason(call: KdaCall) -> str | None:
+    if call.gate_bound is None or call.gate_bound < KERNEL_GATE_BOUND:
+        return (f"needs the lower-bounded gate g >= {KERNEL_GATE_BOUND:g} per token, the call promises "
+                f"{'no bound' if call.gate_bound is None else f'g >= {call.gate_bound:g}'}")
+    return None
+
+
+def _dtype_reason(call: KdaCall) -> str | None:
+    if call.dtype not in ("float32", "bfloat16"):
+        return f"takes float32 or bfloat16 inputs, got {call.dtype}"
+    return None
+
+
+def _first(*reasons: str | None) -> str | None:
+    return next((r for r in reasons if r is not None), None)
+
+
+def _tpu_chunk(call: KdaCall) -> str | None:
+    c = call.chunk_size
+    return _first(_platform_reason(call, "tpu"), _dtype_reason(call), _gate_reason(call),
+                  None if c >= 16 and c & (c - 1) == 0 else f"chunk_size must be a power of two >= 16, got {c}")
+
+
+def _triton_chunk(call: KdaCall) -> str | None:
+    _, _, _, k, v = call.shape
+    dims = None if _pow2(k) and _pow2(v) and _pow2(call.chunk_size) else (
+        f"head dims and chunk must be powers of two >= 16, got K={k}, V={v}, chunk {call.chunk_size}")
+    smem = None
+    if call.platform == "gpu" and dims is None:
+        dt = jnp.dtype(call.dtype)
+        smem = launch.chunk_launch_reason(chunk=call.chunk_size, k=k, v=v, q_dtype=dt, v_dtype=dt)
+    return _first(_platform_reason(call, "gpu"), _dtype_reason(call), _gate_reason(call), dims, smem)
+
+
+def _decode_reason(call: KdaCall) -> str | None:
+    t = call.shape[1]
+    return None if t == 1 else f"the kernel is the one-token decode step, got T={t}"
+
+
+def _tpu_decode(call: KdaCall) -> str | None:
+    return _first(_platform_reason(call, "tpu"), _decode_reason(call), _dtype_reason(call))
+
+
+def _triton_decode(call: KdaCall) -> str | None:
+    return _first(_platform_reason(call, "gpu"), _decode_reason(call), _dtype_reason(call))
+
+
+XLA = Backend("xla", "pure-JAX reference (any g <= 0, any dtype and head dims)", lambda call: None)
+CHUNK = Registry("kda.chunk", (
+    Backend("mosaic_tpu", "Pallas Mosaic TPU chunk forward + backward kernels", _tpu_chunk),
+    Backend("triton", "Pallas Triton chunk forward (5 kernels) + backward (9 kernels)", _triton_chunk),
+    XLA,
+), ALIASES)
+DECODE = Registry("kda.decode", (
+    Backend("mosaic_tpu", "Pallas Mosaic TPU decode step on a state pool (in place)", _tpu_decode),
+    Backend("triton", "Pallas Triton decode step on a state pool (in place)", _triton_decode),
+    XLA,
+), ALIASES)
+
+
+def make_call(q, v, chunk_size: int, gate_bound: float | None, interpret, platform: str | None) -> KdaCall:
+    B, T, H, K = q.shape
+    return KdaCall(target_platform(platform), jnp.promote_types(q.dtype, v.dtype).name, (B, T, H, K, v.shape[-1]),
+                   int(chunk_size), None if gate_bound is None else float(gate_bound), bool(interpret))
 
 
 def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpret):
-    if impl == "pallas_tpu":
-        from pallas_kernels.kda import tpu
+    if impl == "mosaic_tpu":
+        from pallas_kernels.kda import tpu  # noqa: PLC0415
 
         return tpu.chunk_kda_fwd(q, k, v, g, beta, scale, h0, seg, chunk_size, interpret=interpret)
-    from pallas_kernels.kda import gpu
+    from pallas_kernels.kda import gpu  # noqa: PLC0415
 
     return gpu.chunk_kda_fwd(q, k, v, g, beta, scale, h0, seg, chunk_size, interpret=interpret)
 
 
 @functools.cache
-def _pallas_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backward: str = "reference"):
+def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backward: str):
     """``f(q, k, v, g, beta, h0, seg) -> (o, ht)``; VJP by the backward kernels of ``impl``
-    (``backward="pallas"``) or by recomputing the chunked reference (``"reference"``)."""
+    (``backward="kernel"``) or by recomputing the chunked reference (``"xla"``)."""
 
     @jax.custom_vjp
     def f(q, k, v, g, beta, h0, seg):
@@ -68,11 +153,11 @@ def _pallas_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backwa
     def f_bwd(res, cts):
         q, k, v, g, beta, h0, seg = res
         do, dht = cts
-        if backward == "pallas":
-            if impl == "pallas_gpu":
-                from pallas_kernels.kda import gpu_bwd as bwd_mod
+        if backward == "kernel":
+            if impl == "triton":
+                from pallas_kernels.kda import gpu_bwd as bwd_mod  # noqa: PLC0415
             else:
-                from pallas_kernels.kda import tpu_bwd as bwd_mod
+                from pallas_kernels.kda import tpu_bwd as bwd_mod  # noqa: PLC0415
 
             grads = bwd_mod.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
                                           dht.astype(jnp.float32), chunk_size, interpret=interpret)
@@ -101,6 +186,14 @@ def _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm):
     return q, k, g
 
 
+def _interpret_params(impl: str, interpret):
+    if impl == "mosaic_tpu" and interpret is True:
+        from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+
+        return pltpu.InterpretParams()
+    return interpret
+
+
 def chunk_kda(
     q: jax.Array,
     k: jax.Array,
@@ -118,47 +211,37 @@ def chunk_kda(
     dt_bias: jax.Array | None = None,
     lower_bound: float = -5.0,
     use_qk_l2norm: bool = False,
-    safe_gate: bool = True,
+    gate_bound: float | None = KERNEL_GATE_BOUND,
     backward: str = "auto",
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (training / prefill). Shapes as :func:`pallas_kernels.kda.reference.chunk_kda`:
 
     ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V] f32``,
     ``segment_ids [B, T] int``. Returns ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32 or None)``.
     With ``A_log [H]`` (and optional ``dt_bias [H*K]``), ``g`` is the raw gate ``f`` and the K3 log-decay
-    ``lower_bound * sigmoid(exp(A_log) (f + dt_bias))`` is computed first; ``use_qk_l2norm`` L2-normalises
-    q and k first (scale is still applied after the norm).
-    ``safe_gate=True`` (default) promises ``g >= -5`` per token (K3's gate; fla's ``safe_gate``), which the
-    Pallas kernels need; with ``safe_gate=False`` (e.g. the unbounded Kimi-Linear gate) ``"auto"`` uses the
-    reference, which is exact for any ``g <= 0``.
-    ``backward``: ``"auto"`` | ``"pallas"`` | ``"reference"`` (see the module docstring).
+    ``lower_bound * sigmoid(exp(A_log) (f + dt_bias))`` is computed first (then ``gate_bound = lower_bound``);
+    ``use_qk_l2norm`` L2-normalises q and k first (scale is still applied after the norm).
+    ``gate_bound``: the caller's promise ``g >= gate_bound`` per token (None: no bound, e.g. Kimi-Linear's
+    gate); the kernels need ``>= -5`` (module docstring). ``implementation``: ``"auto"`` or a name of
+    :data:`CHUNK`; ``backward``: one of :data:`BACKWARDS`; ``platform``: the target platform (default:
+    :func:`pallas_kernels.registry.target_platform`).
     """
     if backward not in BACKWARDS:
         raise ValueError(f"chunk_kda: backward must be one of {BACKWARDS}, got {backward!r}")
     q, k, g = _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm)
-    impl = _resolve(implementation, interpret, "chunk_kda")
-    if not safe_gate and implementation == "auto":
-        impl = "reference"
-    if A_log is not None and lower_bound < -5.0 and implementation == "auto":
-        impl = "reference"
-    if impl == "pallas_gpu" and implementation == "auto" and not all(
-        d >= 16 and d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])
-    ):
-        impl = "reference"  # the Triton chunk kernels need power-of-two head dims >= 16
-    if impl == "reference":
+    if A_log is not None:
+        gate_bound = lower_bound
+    impl = CHUNK.select(implementation, make_call(q, v, chunk_size, gate_bound, interpret, platform)).backend
+    if impl == "xla":
         return ref.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, segment_ids, chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if scale is None:
         scale = K**-0.5
     h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    interp = interpret
-    if impl == "pallas_tpu" and interpret is True:
-        from jax.experimental.pallas import tpu as pltpu
-
-        interp = pltpu.InterpretParams()
-    bwd = "pallas" if backward == "auto" else backward
-    fn = _pallas_chunk_fn(impl, float(scale), int(chunk_size), interp, bwd)
+    bwd = "kernel" if backward == "auto" else backward
+    fn = _kernel_chunk_fn(impl, float(scale), int(chunk_size), _interpret_params(impl, interpret), bwd)
     o, ht = fn(q, k, v, g, beta, h0, segment_ids)
     return o, (ht if output_final_state else None)
 
@@ -180,20 +263,21 @@ def recurrent_kda(
     dt_bias: jax.Array | None = None,
     lower_bound: float = -5.0,
     use_qk_l2norm: bool = False,
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Recurrent KDA; the Pallas path is the decode step (``T == 1``).
+    """Recurrent KDA; the kernels (:data:`DECODE`) are the one-token decode step (``T == 1``).
 
     Without ``state_slots``: ``initial_state [B, H, K, V]`` (zeros if None), returns
     ``(o [B, T, H, V], final_state [B, H, K, V] f32 or None)``.
     With ``state_slots [B] i32``: ``initial_state`` is a state pool ``[P, H, K, V] f32`` and sequence b
     reads/writes row ``state_slots[b]`` (distinct slots); returns ``(o, new_pool)`` where the other rows are
-    unchanged. On the Pallas path the pool is updated in place (aliased: donate it under ``jit``).
-    ``T > 1`` and ``implementation="reference"`` use the reference scan; ``segment_ids`` only matter there.
-    Not differentiable on the Pallas path (inference only). ``A_log``/``dt_bias``/``use_qk_l2norm`` as in
-    :func:`chunk_kda`.
+    unchanged. On a kernel the pool is updated in place (aliased: donate it under ``jit``).
+    ``T > 1`` runs the reference scan (``"auto"``; an explicit kernel raises); ``segment_ids`` only matter
+    there. Not differentiable on a kernel (inference only). ``A_log``/``dt_bias``/``use_qk_l2norm`` as in
+    :func:`chunk_kda`. The decode step is exact for any ``g <= 0`` (no gate bound needed).
     """
     q, k, g = _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm)
-    impl = _resolve(implementation, interpret, "recurrent_kda")
+    impl = DECODE.select(implementation, make_call(q, v, 64, None, interpret, platform)).backend
     B, T, H, K = q.shape
     V = v.shape[-1]
     if scale is None:
@@ -206,7 +290,7 @@ def recurrent_kda(
             )
         if state_slots.shape != (B,):
             raise ValueError(f"recurrent_kda: state_slots must be [B]=[{B}], got {state_slots.shape}")
-    if impl == "reference" or T != 1:
+    if impl == "xla":
         h0 = initial_state if state_slots is None else initial_state[state_slots]
         o, ht = ref.recurrent_kda(q, k, v, g, beta, scale, h0, True, segment_ids)
         if state_slots is not None:
@@ -219,12 +303,12 @@ def recurrent_kda(
     else:
         pool, slots = initial_state, state_slots
     args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], float(scale), pool, slots)
-    if impl == "pallas_tpu":
-        from pallas_kernels.kda import tpu
+    if impl == "mosaic_tpu":
+        from pallas_kernels.kda import tpu  # noqa: PLC0415
 
         o, pool = tpu.decode_step(*args, interpret=interpret)
     else:
-        from pallas_kernels.kda import gpu
+        from pallas_kernels.kda import gpu  # noqa: PLC0415
 
         o, pool = gpu.decode_step(*args, interpret=interpret)
     return o[:, None], (pool if output_final_state or state_slots is not None else None)

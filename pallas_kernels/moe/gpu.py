@@ -9,8 +9,6 @@ under ``jit`` with a static upper bound of ``ceil(M / tm) + E`` tiles; programs 
 - :func:`gmm`: forward (``rhs [E, K, N]``, or ``[E, N, K]`` with ``transpose_rhs``) with ``custom_vjp``:
   ``dlhs = gmm(dout, rhs, transpose_rhs=True)``, ``drhs = tgmm(lhs, dout)``.
 - :func:`tgmm`: one program per (group, K tile, N tile), looping over that group's rows.
-- :func:`gmm_glu`: fused ``SiTU-GLU(x @ w1[g], x @ w3[g])`` (two accumulators, epilogue in registers, no
-  ``[M, 2I]`` intermediate in HBM), forward only (``ops`` gives it a grouped-matmul backward).
 - :func:`gmm_mxfp4`: grouped matmul whose weights stay MXFP4 in HBM (HF ``[E, N, K/2]`` codes + ``[E, N, K/32]``
   E8M0 scales) and are decoded in registers; one or two weights (w1/w3 with the SiTU-GLU epilogue). Built for
   decode (few rows per expert: weight-streaming bound), forward only.
@@ -26,7 +24,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.forward_only import forward_only
-from pallas_kernels.moe.reference import situ_epilogue
 
 
 def make_tile_table(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -53,10 +50,9 @@ def _tile_rows(gid_ref, row0_ref, ends_ref, t, tm: int):
     return g, r0, r0 + jnp.arange(tm, dtype=jnp.int32) < ends_ref[g]
 
 
-def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, *refs,
-                tm: int, tk: int, tn: int, k: int, num_groups: int, trans_b: bool, n_rhs: int = 1, epilogue=None):
-    """One ``[tm, tn]`` output tile; ``refs = (*rhs_refs, out_ref)``; with two rhs, ``epilogue(acc1, acc2)``."""
-    rhs_refs, out_ref = refs[:n_rhs], refs[n_rhs]
+def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, rhs_ref, out_ref,
+                tm: int, tk: int, tn: int, k: int, num_groups: int, trans_b: bool):
+    """One ``[tm, tn]`` output tile of the grouped matmul."""
     t = pl.program_id(1)
     j = pl.program_id(0)
 
@@ -67,41 +63,34 @@ def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, *refs,
         n0 = pl.multiple_of(j * tn, tn)
         gw = jnp.minimum(g, num_groups - 1)
 
-        def body(kk, accs):
+        def body(kk, acc):
             k0 = pl.multiple_of(kk * tk, tk)
             a = pltriton.load(lhs_ref.at[pl.ds(r0, tm), pl.ds(k0, tk)], mask=rmask[:, None], other=0.0)
-            out = []
-            for rhs_ref, acc in zip(rhs_refs, accs, strict=True):
-                if trans_b:
-                    b = rhs_ref[gw, pl.ds(n0, tn), pl.ds(k0, tk)].T
-                else:
-                    b = rhs_ref[gw, pl.ds(k0, tk), pl.ds(n0, tn)]
-                out.append(acc + jnp.dot(a, b.astype(a.dtype), preferred_element_type=jnp.float32))
-            return tuple(out)
+            if trans_b:
+                b = rhs_ref[gw, pl.ds(n0, tn), pl.ds(k0, tk)].T
+            else:
+                b = rhs_ref[gw, pl.ds(k0, tk), pl.ds(n0, tn)]
+            return acc + jnp.dot(a, b.astype(a.dtype), preferred_element_type=jnp.float32)
 
-        accs = tuple(jnp.zeros((tm, tn), jnp.float32) for _ in range(n_rhs))
-        accs = jax.lax.fori_loop(0, k // tk, body, accs)
-        val = epilogue(*accs) if epilogue is not None else accs[0]
+        val = jax.lax.fori_loop(0, k // tk, body, jnp.zeros((tm, tn), jnp.float32))
         pltriton.store(out_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)], val.astype(out_ref.dtype), mask=smask[:, None])
 
 
-def _gmm_call(lhs, rhs, group_sizes, *, trans_b, out_dtype, tiles, interpret, rhs2=None, epilogue=None):
+def _gmm_call(lhs, rhs, group_sizes, *, trans_b, out_dtype, tiles, interpret):
     m, k = lhs.shape
     e = rhs.shape[0]
     n = rhs.shape[1] if trans_b else rhs.shape[2]
     tm, tk, tn, warps, stages = tiles
     gid, row0, ends, num = make_tile_table(group_sizes, m, tm)
-    rhs_list = [rhs] if rhs2 is None else [rhs, rhs2]
-    kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k=k, num_groups=e, trans_b=trans_b,
-                               n_rhs=len(rhs_list), epilogue=epilogue)
+    kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k=k, num_groups=e, trans_b=trans_b)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(n // tn, gid.shape[0]),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name="moe_gmm_gpu" if rhs2 is None else "moe_gmm_glu_gpu",
-    )(gid, row0, ends, num, lhs, *rhs_list)
+        name="moe_gmm_gpu",
+    )(gid, row0, ends, num, lhs, rhs)
 
 
 def _tgmm_kernel(ends_ref, lhs_ref, dout_ref, out_ref, *, tm: int, tk: int, tn: int):
@@ -140,7 +129,6 @@ def _tgmm_call(lhs, dout, group_sizes, *, out_dtype, tiles, interpret):
 
 
 DEFAULT_TILES = (128, 64, 256, 8, 3)  # tm, tk, tn, num_warps, num_stages (best of 4 on the H200, RESULTS.md)
-GLU_TILES = (128, 64, 128, 8, 3)  # two f32 accumulators: half the N tile of DEFAULT_TILES
 MXFP4_TILES = (16, 128, 64, 4, 4)  # tm, tkh (packed bytes of K per step), tn, num_warps, num_stages
 TGMM_TILES = (64, 128, 128, 8, 3)
 
@@ -216,38 +204,6 @@ def tgmm(lhs, dout, group_sizes, *, tiles=None, out_dtype=jnp.float32, interpret
         lhs, dout = (jnp.pad(a, ((0, tiles[0]), (0, 0))) for a in (lhs, dout))
     return _tgmm_call(lhs, dout.astype(lhs.dtype), group_sizes.astype(jnp.int32), out_dtype=out_dtype,
                       tiles=tiles, interpret=interpret)
-
-
-# ------------------------------------------------------------------------------------- fused w1/w3 GLU
-def gmm_glu(
-    x: jax.Array,
-    w1: jax.Array,
-    w3: jax.Array,
-    group_sizes: jax.Array,
-    *,
-    beta1: float = 4.0,
-    beta2: float = 25.0,
-    tiles: tuple[int, int, int, int, int] | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """``SiTU-GLU(x @ w1[g], x @ w3[g])`` per group in one kernel -> ``[M, I]`` in ``x.dtype`` (forward only).
-
-    Args:
-      x: ``[M, L]`` bf16/f32, sorted by expert; w1, w3: ``[E, L, I]``; group_sizes: ``[E] i32``.
-    Rows past ``sum(group_sizes)`` give 0 (SiTU-GLU(0, 0) = 0).
-    """
-    k, n = w1.shape[1], w1.shape[2]
-    if w3.shape != w1.shape:
-        raise ValueError(f"gpu.gmm_glu: w1 {w1.shape} and w3 {w3.shape} must match")
-    tiles = _fit(tiles or GLU_TILES, k, n)
-    if k % tiles[1] or n % tiles[2]:
-        raise ValueError(f"gpu.gmm_glu: L={k}, I={n} must be multiples of the tiles (tk={tiles[1]}, tn={tiles[2]})")
-    m = x.shape[0]
-    xp = jnp.pad(x, ((0, tiles[0]), (0, 0))) if interpret else x
-    out = _gmm_call(xp, w1.astype(x.dtype), group_sizes.astype(jnp.int32), trans_b=False, out_dtype=x.dtype,
-                    tiles=tiles, interpret=interpret, rhs2=w3.astype(x.dtype),
-                    epilogue=situ_epilogue(beta1, beta2, x.dtype))
-    return out[:m]
 
 
 # ------------------------------------------------------------------------------------------- MXFP4 gmm

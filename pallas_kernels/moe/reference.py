@@ -1,4 +1,4 @@
-"""Pure-JAX reference for the LatentMoE routed experts (spec b.5, b.8, c.4).
+"""Pure-JAX reference for the LatentMoE routed experts (the ``xla`` backend of ``pallas_kernels.moe.ops``).
 
 Everything here is jit-able with static shapes and differentiable; the Pallas kernels are tested against it.
 
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mxfp4 import is_mxfp4, unpack_mxfp4
 from pallas_kernels.mxfp8 import fake_quant_mxfp8
+from pallas_kernels.registry import target_platform
 
 ExpertWeight = jax.Array | dict[str, jax.Array]
 
@@ -30,6 +31,7 @@ def grouped_matmul(
     group_sizes: jax.Array,
     *,
     preferred_element_type: jnp.dtype | None = None,
+    platform: str | None = None,
 ) -> jax.Array:
     """``lhs [M, K]`` x ``rhs [E, K, N]`` per group -> ``[M, N]``.
 
@@ -38,14 +40,15 @@ def grouped_matmul(
     Output dtype: ``preferred_element_type`` or ``lhs.dtype``.
 
     ``jax.lax.ragged_dot`` on GPU/TPU. XLA:CPU lowers ``ragged_dot`` ~30x slower than a dense matmul of the same
-    FLOPs, so on CPU the same product is computed by :func:`grouped_matmul_tiled` (identical semantics).
+    FLOPs, so when the target platform (``platform`` or :func:`pallas_kernels.registry.target_platform`) is CPU
+    the same product is computed by :func:`grouped_matmul_tiled` (identical semantics).
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"grouped_matmul: expected lhs [M, K], rhs [E, K, N]; got {lhs.shape}, {rhs.shape}")
     if group_sizes.shape != (rhs.shape[0],):
         raise ValueError(f"grouped_matmul: group_sizes must be [E={rhs.shape[0]}], got {group_sizes.shape}")
     out_dtype = preferred_element_type or lhs.dtype
-    if jax.default_backend() == "cpu":
+    if target_platform(platform) == "cpu":
         return grouped_matmul_tiled(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
     return jax.lax.ragged_dot(
         lhs,
@@ -154,6 +157,7 @@ def expert_ffn(
     beta1: float = 4.0,
     beta2: float = 25.0,
     mxfp8_activations: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
     """Routed experts ``E_e(x) = w2_e(SiTU-GLU(w1_e x, w3_e x))`` on expert-sorted rows.
 
@@ -163,17 +167,21 @@ def expert_ffn(
       w1, w3: ``[E, L, I]`` or MXFP4 ``{"weight_packed": u8 [E, I, L/2], "weight_scale": u8 [E, I, L/32]}``.
       w2: ``[E, I, L]`` or MXFP4 ``{"weight_packed": u8 [E, L, I/2], "weight_scale": u8 [E, L, I/32]}``.
       mxfp8_activations: fake-quantize the inputs of every expert matmul to MXFP8 (SGLang emulation).
+      platform: the target platform of the grouped matmuls (see :func:`grouped_matmul`).
     Returns:
       ``[M, L]`` in ``x_sorted.dtype``; matmuls accumulate in f32, each product is rounded to the input dtype.
     """
     dt = x_sorted.dtype
     a = fake_quant_mxfp8(x_sorted) if mxfp8_activations else x_sorted
-    gate = grouped_matmul(a, dense_expert_weight(w1, dt), group_sizes, preferred_element_type=jnp.float32)
-    up = grouped_matmul(a, dense_expert_weight(w3, dt), group_sizes, preferred_element_type=jnp.float32)
+    gate = grouped_matmul(a, dense_expert_weight(w1, dt), group_sizes, preferred_element_type=jnp.float32,
+                          platform=platform)
+    up = grouped_matmul(a, dense_expert_weight(w3, dt), group_sizes, preferred_element_type=jnp.float32,
+                          platform=platform)
     h = situ_glu(gate.astype(dt), up.astype(dt), beta1, beta2)
     if mxfp8_activations:
         h = fake_quant_mxfp8(h)
-    out = grouped_matmul(h, dense_expert_weight(w2, dt), group_sizes, preferred_element_type=jnp.float32)
+    out = grouped_matmul(h, dense_expert_weight(w2, dt), group_sizes, preferred_element_type=jnp.float32,
+                          platform=platform)
     return out.astype(dt)
 
 
@@ -274,8 +282,6 @@ def moe_dispatch_combine(
     beta1: float = 4.0,
     beta2: float = 25.0,
     mxfp8_activations: bool = False,
-    implementation: str = "reference",
-    interpret: bool = False,
 ) -> jax.Array:
     """Routed-expert part of Stable LatentMoE: ``u = bf16(sum_{e in I} p_e * f32(E_e(z)))``.
 
@@ -284,18 +290,9 @@ def moe_dispatch_combine(
       expert_ids: ``[T, k] i32`` selected experts.
       weights: ``[T, k] f32`` routing weights.
       experts: ``{"w1", "w3", "w2"}`` arrays or MXFP4 dicts (see :func:`expert_ffn`).
-      implementation: "reference" here; other values are forwarded to ``pallas_kernels.moe.ops``.
     Returns:
       ``[T, L]`` in ``z.dtype``.
     """
-    if implementation != "reference":
-        from pallas_kernels.moe import ops
-
-        return ops.moe_dispatch_combine(
-            z, expert_ids, weights, experts, beta1=beta1, beta2=beta2,
-            mxfp8_activations=mxfp8_activations, implementation=implementation, interpret=interpret,
-        )
-
     def ffn(x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return expert_ffn(
             x_sorted, group_sizes, experts["w1"], experts["w3"], experts["w2"],

@@ -1,0 +1,120 @@
+"""What a config will run: the kernel choice of every op of every layer kind, per target platform.
+
+    python -m k3_jax.kernels --config configs/k3.json [--platform tpu] [--seq-len 8192] [--compute-capability 9.0]
+
+:func:`explain` asks each op's registry (``pallas_kernels.kda.ops.CHUNK`` / ``DECODE``,
+``pallas_kernels.moe.ops.EXPERT_FFN``, ``pallas_kernels.attention.ATTENTION``) what ``cfg``'s implementation
+field selects for a call of the config's shapes, without running anything: the backend, or the reason an
+explicit choice cannot run, and why the backends ahead of it were passed over. At run time the same registries
+make the same choice per call (logged once per op, shape and choice on the ``pallas_kernels`` logger;
+``pallas_kernels.registry.selections()`` lists them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from k3_jax.config import K3Config, load_config
+from pallas_kernels import attention
+from pallas_kernels.kda import ops as kda_ops
+from pallas_kernels.moe import ops as moe_ops
+from pallas_kernels.registry import PLATFORMS, KernelUnavailable, Registry, normalize_platform
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One op of one layer kind on one platform: ``backend`` (None when the explicit choice cannot run, then
+    ``error`` says why) and ``passed_over`` ``[(backend, reason)]`` ahead of it in the table."""
+
+    layer: str
+    op: str
+    platform: str
+    requested: str
+    backend: str | None
+    passed_over: tuple[tuple[str, str], ...] = ()
+    error: str | None = None
+
+    def line(self) -> str:
+        got = self.backend if self.backend is not None else f"ERROR: {self.error}"
+        why = "; ".join(f"{n}: {r}" for n, r in self.passed_over)
+        return f"{self.platform:<4} {self.layer:<20} {self.op:<16} {self.requested:<11} -> {got}" + (
+            f"  (passed over {why})" if why else "")
+
+
+def _choose(layer: str, reg: Registry, requested: str, call: Any) -> Choice:
+    try:
+        sel = reg.select(requested, call, record=False)
+    except KernelUnavailable as e:
+        return Choice(layer, reg.op, call.platform, requested, None, error=str(e))
+    return Choice(layer, reg.op, call.platform, requested, sel.backend, sel.passed_over)
+
+
+def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_len: int = 4096,
+            compute_capability: float | None = None) -> list[Choice]:
+    """The kernel choices of ``cfg`` per layer kind on ``platform`` (default: ``cfg.platform`` if set, else all
+    of cpu, gpu, tpu) for ``batch`` sequences of ``seq_len`` tokens (decode: one token each).
+
+    ``compute_capability``: of the target GPU (default: the visible GPU's, unknown without one; cuDNN attention
+    needs >= 9.0). Layer kinds the config does not have are left out.
+    """
+    if platform is not None:
+        platforms = (normalize_platform(platform),)
+    elif cfg.platform != "auto":
+        platforms = (cfg.platform,)
+    else:
+        platforms = PLATFORMS
+    kinds = set(cfg.layer_kinds())
+    has_kda = any(m == "kda" for m, _ in kinds)
+    has_mla = any(m == "mla" for m, _ in kinds)
+    has_moe = any(f == "moe" for _, f in kinds)
+    dt = cfg.dtype
+    h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+    out: list[Choice] = []
+    for p in platforms:
+        if has_kda:
+            chunk = kda_ops.KdaCall(p, dt, (batch, seq_len, h, dk, dk), cfg.kda_chunk_size, cfg.gate_lower_bound)
+            out.append(_choose("kda (train/prefill)", kda_ops.CHUNK, cfg.kda_implementation, chunk))
+            decode = dataclasses.replace(chunk, shape=(batch, 1, h, dk, dk))
+            out.append(_choose("kda (decode)", kda_ops.DECODE, cfg.kda_implementation, decode))
+        if has_mla:
+            cc = compute_capability if compute_capability is not None else (
+                attention.visible_gpu_compute_capability() if p == "gpu" else None)
+            call = attention.AttentionCall(p, dt, (batch, seq_len, cfg.num_attention_heads, cfg.q_head_dim,
+                                                   cfg.v_head_dim), True, cc)
+            out.append(_choose("mla (train/prefill)", attention.ATTENTION, cfg.mla_attention_implementation, call))
+        if has_moe:
+            rows = batch * seq_len * cfg.num_experts_per_token
+            call = moe_ops.MoeCall(p, dt, (rows, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),
+                                   cfg.num_experts, cfg.expert_format == "mxfp4")
+            out.append(_choose("moe (routed experts)", moe_ops.EXPERT_FFN, cfg.moe_implementation, call))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/k3-tiny.json")
+    ap.add_argument("--platform", choices=PLATFORMS, default=None, help="default: every platform")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--compute-capability", type=float, default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="config override")
+    ap.add_argument("--json", action="store_true", help="one JSON object per choice")
+    args = ap.parse_args(argv)
+    overrides = {}
+    for kv in args.set:
+        key, _, val = kv.partition("=")
+        try:
+            overrides[key] = json.loads(val)
+        except json.JSONDecodeError:
+            overrides[key] = val
+    cfg = load_config(args.config, **overrides)
+    for c in explain(cfg, args.platform, batch=args.batch, seq_len=args.seq_len,
+                     compute_capability=args.compute_capability):
+        print(json.dumps(dataclasses.asdict(c)) if args.json else c.line())
+
+
+if __name__ == "__main__":
+    main()
