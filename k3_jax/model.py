@@ -25,6 +25,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3_jax.config import FfnKind, K3Config, MixerKind
 from k3_jax.layers.attn_res import (
@@ -174,8 +175,9 @@ class K3Model(nn.Module):
         embedding = self.param("embed_tokens", _embedding_init(cfg), cfg.vocab_size, cfg.hidden_size)
         if axis_size("tensor") > 1:  # rows of the table live on different devices: never gather it whole
             e = vocab_parallel_embed(tokens, embedding["embedding"]).astype(dt)
-        else:
-            e = jnp.take(embedding["embedding"], tokens, axis=0).astype(dt)
+        else:  # ids outside [0, V) (negative ones too, which take would wrap) embed as NaN: see K3ForCausalLM
+            safe = jnp.where(tokens < 0, cfg.vocab_size, tokens)
+            e = jnp.take(embedding["embedding"], safe, axis=0, mode="fill", fill_value=jnp.nan).astype(dt)
         sources = jnp.zeros((num_sources(cfg), b, t, cfg.hidden_size), dt).at[0].set(e)
         sources = constrain(sources, (None, "batch", "length", "embed"))
         lengths = None if cache is None else cache["lengths"]
@@ -215,6 +217,34 @@ def _embedding_init(cfg: K3Config):
     return init
 
 
+def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
+    """Raise ``ValueError`` naming ``name``, the vocabulary range and the first bad ids when a concrete
+    (host or fully addressable device) array of token ids holds an id outside ``[0, vocab_size)``.
+
+    Does nothing for traced values (inside ``jit``) and for arrays spread over several processes.
+    """
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+        return
+    ids = np.asarray(tokens)
+    if ids.size == 0:
+        return
+    if ids.dtype == object:  # Python ints beyond int64
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids.flat):
+            raise ValueError(f"{name} must be integer token ids")
+    elif not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
+    bad = np.asarray((ids < 0) | (ids >= vocab_size), bool)
+    if bad.any():
+        where = np.argwhere(bad)[:5]
+        shown = ", ".join(f"{tuple(int(i) for i in w)}: {int(ids[tuple(w)])}" for w in where)
+        raise ValueError(
+            f"{name} has {int(bad.sum())} token id(s) outside the vocabulary [0, {vocab_size}); first at "
+            f"(index: id) {shown}"
+        )
+
+
 class K3ForCausalLM(nn.Module):
     """The K3 text model.
 
@@ -222,6 +252,12 @@ class K3ForCausalLM(nn.Module):
     ``return_hidden=True`` returns the final normalised hidden ``[B, T, D]`` instead (for chunked losses);
     with ``cache=`` (see :mod:`k3_jax.cache`) returns ``(logits_or_hidden, new_cache)``.
     ``segment_ids`` [B, T] marks packed documents: KDA state, short convs and MLA attention never cross them.
+
+    Token ids must lie in ``[0, vocab_size)``. Concrete ``tokens`` (an eager ``apply``) are checked with
+    :func:`check_token_ids`, which raises naming the bad ids. Traced ``tokens`` (under ``jit``) cannot be checked
+    without a host sync: an out-of-range id (negative ones included) embeds as NaN, which makes the logits of its
+    row NaN (attention multiplies masked positions by zero, so earlier positions too), never a silently wrapped
+    or clamped row; callers that take untrusted ids check them first, as the serving engine does.
     """
 
     cfg: K3Config
@@ -232,6 +268,7 @@ class K3ForCausalLM(nn.Module):
         cfg = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] int, got shape {tokens.shape}")
+        check_token_ids(tokens, cfg.vocab_size)
         if segment_ids is not None and segment_ids.shape != tokens.shape:
             raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
         if cache is not None and segment_ids is not None:

@@ -45,6 +45,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--decode-block", type=int, default=1,
                    help="decode steps per device call (tokens stream in bursts of this size; see Engine)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="HTTP request bodies over this many bytes get 413 before parsing (default: 4 MiB)")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random init (no checkpoint)")
     return p.parse_args(argv)
 
@@ -134,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.port is not None:
         import uvicorn
 
-        from k3_jax.serving.server import create_app
+        from k3_jax.serving.server import DEFAULT_MAX_BODY_BYTES, create_app
 
-        app = create_app(engine, tok, model_name=name)
+        app = create_app(engine, tok, model_name=name, max_body_bytes=args.max_request_bytes or DEFAULT_MAX_BODY_BYTES)
         print(
             f"serving '{name}' on http://{args.host}:{args.port}/v1 (max_batch={args.max_batch}, "
             f"max_len={args.max_len})",

@@ -12,6 +12,13 @@ leaves it when it finishes; nothing recompiles when requests come and go:
   garbage that is discarded (their length is pinned to 0 and their row is zeroed when a request arrives);
 * sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`).
 
+Failure isolation: every request is validated when it is added (:meth:`Engine.validate`: prompt ids in the
+vocabulary, sampling values in their ranges). An unexpected exception while admitting or emitting one request
+fails that request alone: it gets a final event with ``finish_reason="error"`` and ``error`` set, its slot is
+freed, the traceback is logged with its id, and the others keep decoding. A failed decode call (all slots at
+once) fails the running requests, rebuilds the cache if the call consumed it, and sets :attr:`Engine.degraded`
+until a decode step succeeds again.
+
 Python API::
 
     engine = Engine(cfg, params, max_batch=8, max_len=512)
@@ -25,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,16 +44,22 @@ import numpy as np
 
 from k3_jax.cache import init_cache
 from k3_jax.config import K3Config
-from k3_jax.model import K3ForCausalLM
+from k3_jax.model import K3ForCausalLM, check_token_ids
 from k3_jax.serving.chat import IncrementalDetokenizer
 from k3_jax.serving.paged_cache import PageAllocator, PagedCacheSpec, gather_latent, write_latent
 from k3_jax.serving.sampling import SamplingArrays, SamplingParams, StopStrings, sample
 
-__all__ = ["Engine", "TokenEvent", "RequestError"]
+__all__ = ["Engine", "TokenEvent", "RequestError", "RequestFailed"]
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
     """A request cannot be served (empty/over-long prompt, bad token ids, bad sampling values)."""
+
+
+class RequestFailed(RuntimeError):
+    """A request failed while being served (an engine-side error, not a bad request)."""
 
 
 @dataclasses.dataclass
@@ -59,7 +73,8 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None
     text: str = ""  # text delta (empty without a tokenizer or while a stop string is undecided)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: str | None = None  # with finish_reason "error": what failed (the request's traceback is logged)
 
 
 @dataclasses.dataclass
@@ -176,6 +191,7 @@ class Engine:
         self.variables = params if "params" in params and "model" not in params else {"params": params}
         self.model = K3ForCausalLM(cfg)
         self._axes = _batch_axes(cfg, max_len)
+        self._cache_dtype = cache_dtype
         self.cache = init_cache(cfg, max_batch, max_len, cache_dtype)
         self.paged = paged
         self._table = None
@@ -207,6 +223,8 @@ class Engine:
         }
         self._last_token = np.zeros(max_batch, np.int32)
         self.stats = collections.Counter()
+        self.step_failures = 0  # consecutive failed decode calls (0 after any successful one)
+        self.last_step_error: str | None = None
 
     def _to_paged(self, cache: dict, axes: dict) -> tuple[dict, dict]:
         """Replace every MLA ``latent [R, B, L, D]`` entry by a page pool ``pages [R, P, S, D]`` + ``scale``."""
@@ -302,19 +320,22 @@ class Engine:
                 f"prompt has {len(prompt)} tokens; this engine's max_len is {self.max_len} "
                 f"(prompt + at least one generated token)"
             )
-        bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
-        if bad:
-            raise RequestError(f"prompt token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        try:
+            check_token_ids(np.asarray(list(prompt)), self.cfg.vocab_size, name="prompt")
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        try:
+            params.validate(self.cfg.vocab_size, self.max_logprobs)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
         if self.paged:
             pages = -(-min(len(prompt) + params.max_tokens, self.max_len) // self.page_size)
             if pages > self.page_spec.num_pages - 1:
                 raise RequestError(f"request needs {pages} cache pages; the pool has {self.page_spec.num_pages - 1}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need an engine with a tokenizer")
-        try:
-            params.validate(self.cfg.vocab_size, self.max_logprobs)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
 
     def add_request(
         self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -359,7 +380,23 @@ class Engine:
 
     @property
     def num_running(self) -> int:
+        """Occupied decode slots."""
         return sum(r is not None for r in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the engine tracks (waiting + running); equals ``num_waiting + num_running`` unless leaked."""
+        return len(self._by_id)
+
+    @property
+    def degraded(self) -> bool:
+        """True while the last decode call failed (no decode step has succeeded since)."""
+        return self.step_failures > 0
 
     # ------------------------------------------------------------------ stepping
     def _free_slot(self, slot: int) -> None:
@@ -383,11 +420,40 @@ class Engine:
                         break  # FIFO: wait until running requests return pages
                     self.allocator.ensure(slot, need)
                     self._table = jnp.asarray(self.allocator.table)
-                events += self._admit(self._waiting.popleft(), slot)
+                req = self._waiting.popleft()
+                try:
+                    events += self._admit(req, slot)
+                except Exception as e:  # noqa: BLE001 - fail this request alone (see the module docstring)
+                    events.append(self._fail(req, e))
+                    if not self._cache_alive():
+                        events += self._fail_running(e)
         running = [r for r in self._slots if r is not None]
         if running:
             events += self._decode_step()
         return events
+
+    def _fail(self, req: _Request, exc: BaseException) -> TokenEvent:
+        """End ``req`` with an error event; its slot (if any) is freed. The traceback is logged with its id."""
+        logger.error("request %s failed: %s: %s", req.id, type(exc).__name__, exc, exc_info=exc)
+        if req.slot >= 0 and self._slots[req.slot] is req:
+            self._free_slot(req.slot)
+        self._by_id.pop(req.id, None)
+        self.stats["failed_requests"] += 1
+        return TokenEvent(request_id=req.id, index=len(req.output), token=-1, finished=True,
+                          finish_reason="error", error=f"{type(exc).__name__}: {exc}")
+
+    def _fail_running(self, exc: BaseException) -> list[TokenEvent]:
+        """Fail every running request (their device state is gone) and make the cache usable again."""
+        events = [self._fail(r, exc) for r in list(self._slots) if r is not None]
+        if not self._cache_alive():  # a failed call consumed its donated cache: start from a zero one
+            cache = init_cache(self.cfg, self.max_batch, self.max_len, self._cache_dtype)
+            if self.paged:
+                cache, _ = self._to_paged(cache, _batch_axes(self.cfg, self.max_len))
+            self.cache = cache
+        return events
+
+    def _cache_alive(self) -> bool:
+        return not any(x.is_deleted() for x in jax.tree.leaves(self.cache) if isinstance(x, jax.Array))
 
     def _admit(self, req: _Request, slot: int) -> list[TokenEvent]:
         req.slot = slot
@@ -397,12 +463,15 @@ class Engine:
         self._samp["top_k"][slot] = p.top_k
         self._samp["top_p"][slot] = p.top_p
         self._samp["seed"][slot] = np.uint32(p.seed)
+        prompt = np.asarray(req.prompt)
+        check_token_ids(prompt, self.cfg.vocab_size, name=f"prompt of request {req.id}")  # what enters jit
+        prompt = prompt.astype(np.int32)
         slot_arr = jnp.asarray(slot, jnp.int32)
         self.cache = self._reset(self.cache, slot_arr)
         pos = 0
         logits = None
         for n in _prefill_pieces(len(req.prompt), self.prefill_chunk, self.prefill_mode):
-            toks = jnp.asarray([req.prompt[pos : pos + n]], jnp.int32)
+            toks = jnp.asarray(prompt[None, pos : pos + n])
             logits, self.cache = self._prefill(self.variables, self.cache, slot_arr, toks, self._table)
             pos += n
         self.stats["prefill_tokens"] += len(req.prompt)
@@ -430,21 +499,32 @@ class Engine:
             step=jnp.asarray(steps),
         )
         n = self._block_size()
-        args = (self.variables, self.cache, jnp.asarray(self._last_token), jnp.asarray(active), samp,
-                self.max_logprobs, self._table)  # max_logprobs: always computed, one compiled decode step
-        if n == 1:
-            out, self.cache = self._decode(*args)
-            outs = [jax.device_get(out)]
-        else:
-            stacked, self.cache = self._decode_multi(*args, n)
-            stacked = jax.device_get(stacked)
-            outs = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
+        try:
+            args = (self.variables, self.cache, jnp.asarray(self._last_token), jnp.asarray(active), samp,
+                    self.max_logprobs, self._table)  # max_logprobs: always computed, one compiled decode step
+            if n == 1:
+                out, self.cache = self._decode(*args)
+                outs = [jax.device_get(out)]
+            else:
+                stacked, self.cache = self._decode_multi(*args, n)
+                stacked = jax.device_get(stacked)
+                outs = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
+        except Exception as e:  # noqa: BLE001 - the batch's state is lost: fail its requests, keep the engine
+            self.step_failures += 1
+            self.last_step_error = f"{type(e).__name__}: {e}"
+            logger.error("decode step failed (%d in a row); failing the running requests", self.step_failures)
+            return self._fail_running(e)
+        self.step_failures = 0
+        self.last_step_error = None
         self.stats["decode_steps"] += n
         events = []
         for out in outs:
             for slot, req in enumerate(self._slots):
                 if req is not None:  # a request that finished earlier in this block has left its slot
-                    events.append(self._emit(req, int(out.tokens[slot]), out, slot))
+                    try:
+                        events.append(self._emit(req, int(out.tokens[slot]), out, slot))
+                    except Exception as e:  # noqa: BLE001 - this request alone fails
+                        events.append(self._fail(req, e))
                     self.stats["decode_tokens"] += 1
         return events
 
@@ -470,7 +550,7 @@ class Engine:
         if not ev.finished and len(req.output) >= req.max_tokens:
             ev.finished, ev.finish_reason = True, "length"
         if ev.finished:
-            if req.detok is not None and ev.finish_reason == "length":
+            if req.detok is not None:  # whatever the reason, emit the held-back text (empty after a stop string)
                 ev.text += req.stops.push(req.detok.flush())[0] + req.stops.flush()
             self._free_slot(req.slot)
             self._by_id.pop(req.id, None)
@@ -515,7 +595,8 @@ class Engine:
         **extra: Any,
     ) -> Iterator[TokenEvent]:
         """Yield :class:`TokenEvent` s as they are produced; request ``i`` has id ``"gen-{i}"`` and seed
-        ``seed + i``. ``stop_token_ids=None`` stops at eos; a sequence replaces eos by those ids."""
+        ``seed + i``. ``stop_token_ids=None`` stops at eos; a sequence replaces eos by those ids.
+        Raises :class:`RequestFailed` (after aborting the others) when one of the requests fails."""
         params = self._params_list(
             len(prompts), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, **extra
         )
@@ -532,6 +613,8 @@ class Engine:
                     if ev.request_id in pending:
                         if ev.finished:
                             pending.discard(ev.request_id)
+                        if ev.finish_reason == "error":
+                            raise RequestFailed(f"request {rename[ev.request_id]} failed: {ev.error}")
                         ev.request_id = rename[ev.request_id]
                         yield ev
         finally:

@@ -39,15 +39,39 @@ __all__ = [
     "hit_stop_token",
     "StopStrings",
     "MAX_STOP_IDS",
+    "INT32_MAX",
+    "MAX_TEMPERATURE",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
     "stop_id_array",
 ]
 
 MAX_STOP_IDS = 8  # stop-token-id slots per row on device (padded with -1)
+INT32_MAX = 2**31 - 1  # device arrays of token ids / top_k are int32
+MAX_TEMPERATURE = 100.0  # beyond this every distribution over realistic logits is uniform
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # the hold-back matcher costs O(len(stop)^2) per token
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Host-side sampling settings of one request (validated by :meth:`validate`)."""
+    """Host-side sampling settings of one request (validated by :meth:`validate`).
+
+    Ranges (inclusive unless noted), checked by :meth:`validate` so that every value fits the engine's
+    device arrays: ``max_tokens`` integer in [1, 2**31 - 1]; ``temperature`` finite in [0, MAX_TEMPERATURE];
+    ``top_p`` in (0, 1]; ``top_k`` integer in [0, 2**31 - 1] (0 or >= vocab: off); ``seed`` integer in
+    [0, 2**32); at most ``MAX_STOP_IDS`` ``stop_token_ids``, each in [0, vocab); at most ``MAX_STOP_STRINGS``
+    ``stop`` strings of 1 to ``MAX_STOP_STRING_CHARS`` characters; ``logprobs`` None or an integer in
+    [0, max_logprobs]; ``ignore_eos`` a bool.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -60,26 +84,37 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self, vocab_size: int | None = None, max_logprobs: int = 20) -> SamplingParams:
-        """Raise ``ValueError`` naming the bad field; return self when valid."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        """Raise ``ValueError`` naming the bad field and its allowed range; return self when valid."""
+        if not _is_int(self.max_tokens) or not (1 <= self.max_tokens <= INT32_MAX):
+            raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not (0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"
+            )
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not (0 <= int(self.seed) < 2**32):
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+        if not _is_int(self.top_k) or not (0 <= self.top_k <= INT32_MAX):
+            raise ValueError(
+                f"top_k must be an integer in [0, {INT32_MAX}] (0 disables it), got {self.top_k!r}"
+            )
+        if not _is_int(self.seed) or not (0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if len(self.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        hi = INT32_MAX + 1 if vocab_size is None else vocab_size
         for t in self.stop_token_ids:
-            if vocab_size is not None and not (0 <= t < vocab_size):
-                raise ValueError(f"stop token id {t} outside the vocabulary [0, {vocab_size})")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= max_logprobs):
-            raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs!r}")
+            if not _is_int(t) or not (0 <= t < hi):
+                raise ValueError(f"stop token id {t!r} outside the vocabulary [0, {hi})")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any((not isinstance(s, str)) or not (1 <= len(s) <= MAX_STOP_STRING_CHARS) for s in self.stop):
+            raise ValueError(
+                f"stop strings must be strings of 1 to {MAX_STOP_STRING_CHARS} characters, got {self.stop!r:.200}"
+            )
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not (0 <= self.logprobs <= max_logprobs)):
+            raise ValueError(f"logprobs must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         return self
 
 

@@ -5,11 +5,21 @@ Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST
 
 Threading: the engine is single-threaded; :class:`AsyncEngine` owns it on one worker thread that admits
 submitted requests, steps the engine while there is work, and hands each token event to the asyncio queue
-of its request. Request validation happens before submission, so a bad request gets a 4xx and never
-touches the engine. A client that disconnects mid-stream aborts its request.
+of its request. Tokenization and request validation run in the default executor (never on the event loop);
+detokenization runs on the engine thread. A bad request gets a 4xx and never touches the engine.
 
-Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with 400 (invalid request),
-404 (unknown model) or 500.
+Robustness contract:
+  * request bodies larger than ``max_body_bytes`` get 413 before any parsing (the ``Content-Length`` header is
+    checked, and the bytes of a chunked body are counted as they arrive);
+  * every sampling field has an explicit range (the schemas below, then :meth:`SamplingParams.validate`);
+  * a request that fails inside the engine fails alone (500 ``server_error``, its id in the message and in
+    the log); the others keep streaming;
+  * a client that disconnects, streaming or not, aborts its request: its slot is free at the next step;
+  * ``/health`` answers 200 ``{"status": "ok", ...slot occupancy}``, or 503 with ``"status": "degraded"``
+    only while the engine cannot step (its thread died, or its last decode call failed).
+
+Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``: 400 (invalid request, invalid
+JSON or UTF-8), 404 (unknown model or route), 405, 413, 500 / 503 (``server_error``).
 """
 
 from __future__ import annotations
@@ -17,28 +27,56 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3_jax.serving.chat import ChatFormatError, chat_prompt_ids, chat_stop_ids
 from k3_jax.serving.engine import Engine, RequestError, TokenEvent
-from k3_jax.serving.sampling import SamplingParams
+from k3_jax.serving.sampling import (
+    INT32_MAX,
+    MAX_STOP_IDS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 
-__all__ = ["AsyncEngine", "create_app"]
+__all__ = ["AsyncEngine", "create_app", "DEFAULT_MAX_BODY_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 1M-character prompt fits; serve.py --max-request-bytes raises it
 
 
 # ---------------------------------------------------------------------------------------------- engine loop
+class _Failure:
+    """Queue item ending a request with an HTTP error (``status``, OpenAI error ``type``, message)."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None):
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+_DISCONNECTED = object()  # queue item: the client went away
+
+
 class AsyncEngine:
-    """Runs an :class:`Engine` on a worker thread; ``submit`` returns an asyncio queue of events."""
+    """Runs an :class:`Engine` on a worker thread; ``submit`` returns an asyncio queue of events.
+
+    Queue items: :class:`TokenEvent` (the last one has ``finished``; ``finish_reason == "error"`` when the
+    engine failed the request) or a :class:`_Failure`. The thread never dies of a request: an exception the
+    engine did not isolate fails the requests it holds, is logged, and the loop goes on.
+    """
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -46,15 +84,40 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
-        self.error: BaseException | None = None
+        self.loop_error: str | None = None  # last step failure the engine did not isolate (None after a success)
         self._thread = threading.Thread(target=self._run, name="k3-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def degraded_reason(self) -> str | None:
+        """Why the engine cannot step now, or None when it can."""
+        if not self.alive:
+            return "the engine thread is not running"
+        if self.engine.degraded:
+            return f"the last decode step failed: {self.engine.last_step_error}"
+        if self.loop_error is not None:
+            return f"the last engine step failed: {self.loop_error}"
+        return None
+
+    def occupancy(self) -> dict[str, int]:
+        """Slot occupancy (read without a lock: a snapshot, exact when the engine is idle)."""
+        e = self.engine
+        return {
+            "running": e.num_running,
+            "waiting": e.num_waiting,
+            "max_batch": e.max_batch,
+            "free_slots": e.max_batch - e.num_running,
+            "tracked_requests": e.num_requests,
+            "open_streams": len(self._queues),
+        }
+
     def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
-        """Validate (raises :class:`RequestError`) and queue a request; events arrive on the queue."""
-        if self.error is not None:
-            raise RuntimeError(f"engine stopped after an error: {self.error!r}")
-        self.engine.validate(prompt, params)
+        """Queue an already validated request (see :meth:`Engine.validate`); events arrive on the queue."""
+        if not self.alive:
+            raise RuntimeError("the engine thread is not running")
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), q)
@@ -63,6 +126,7 @@ class AsyncEngine:
         return rid, q
 
     def abort(self, rid: str) -> None:
+        """Forget ``rid``'s queue and free its slot before the engine's next step."""
         self._queues.pop(rid, None)
         self._inbox.put(("abort", rid, None, None))
         self._wake.set()
@@ -76,62 +140,157 @@ class AsyncEngine:
         target = self._queues.get(rid)
         if target is not None:
             loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+                loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, rid, prompt, params = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if op == "add":
+                    if rid in self._queues:  # else aborted while queued
+                        self.engine.add_request(prompt, params, request_id=rid)
+                else:
+                    self.engine.abort(rid)
+            except RequestError as e:
+                self._deliver(rid, _Failure(400, str(e), "invalid_request_error"))
+                self._queues.pop(rid, None)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                logger.error("request %s: %s failed", rid, op, exc_info=e)
+                self._deliver(rid, _Failure(500, f"request {rid} failed: {type(e).__name__}: {e}", "server_error"))
+                self._queues.pop(rid, None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """After an error the engine did not isolate: drop everything it holds, telling each client."""
+        for rid in list(self.engine._by_id):
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+        msg = f"engine step failed: {type(exc).__name__}: {exc}"
+        for rid in list(self._queues):
+            self._deliver(rid, _Failure(500, f"request {rid}: {msg}", "server_error", "engine_error"))
+            self._queues.pop(rid, None)
 
     def _run(self) -> None:
         while not self._stop:
-            while True:
-                try:
-                    op, rid, prompt, params = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    if op == "add":
-                        self.engine.add_request(prompt, params, request_id=rid)
-                    else:
-                        self.engine.abort(rid)
-                except RequestError as e:
-                    self._deliver(rid, e)
-            if not self.engine.has_work:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                self._drain_inbox()
+                if not self.engine.has_work:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
                 events = self.engine.step()
-            except BaseException as e:  # noqa: BLE001 - report to every waiting client, then stop
-                self.error = e
-                for rid in list(self._queues):
-                    self._deliver(rid, e)
-                return
+                self.loop_error = None
+            except Exception as e:  # noqa: BLE001 - keep the thread alive; health says degraded meanwhile
+                logger.error("engine step failed outside any one request; failing what it held", exc_info=e)
+                self.loop_error = f"{type(e).__name__}: {e}"
+                self._fail_all(e)
+                time.sleep(0.05)
+                continue
             for ev in events:
                 self._deliver(ev.request_id, ev)
                 if ev.finished:
-                    target = self._queues.get(ev.request_id)
-                    if target is not None:
-                        self._queues.pop(ev.request_id, None)
+                    self._queues.pop(ev.request_id, None)
+
+
+# ---------------------------------------------------------------------------------------------- body limit
+class BodySizeLimit:
+    """ASGI middleware: HTTP bodies over ``max_bytes`` get 413 before the app parses anything.
+
+    A ``Content-Length`` over the limit is refused before reading; otherwise the body is read (counting the
+    bytes, so a chunked body is refused as soon as it passes the limit) and handed to the app in one piece.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int):
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                await _error_response(400, f"invalid Content-Length {length[:40]!r}")(scope, receive, send)
+                return
+            if declared > self.max_bytes:
+                await self._too_large(f"Content-Length {declared} is over the limit", scope, receive, send)
+                return
+        chunks: list[bytes] = []
+        total, tail = 0, None
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                tail = msg  # the client left before the body was complete: pass that on
+                break
+            chunks.append(msg.get("body", b""))
+            total += len(chunks[-1])
+            if total > self.max_bytes:
+                await self._too_large("the body passed the limit while being received", scope, receive, send)
+                return
+            if not msg.get("more_body", False):
+                break
+        pending = [tail or {"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> dict:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, why: str, scope: dict, receive: Callable, send: Callable) -> None:
+        resp = _error_response(
+            413, f"request body too large: {why} of {self.max_bytes} bytes", code="request_too_large"
+        )
+        resp.headers["connection"] = "close"
+        await resp(scope, receive, send)
 
 
 # ---------------------------------------------------------------------------------------------- schemas
+_StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+_TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+_Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+# OpenAI / vLLM fields this server does not implement, with the values that mean "off": any other is refused
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+}
+
+
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Fields shared by both endpoints, each with an explicit range (a value outside answers 400)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None)
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)  # 0 or -1 (vLLM's convention): off
+    seed: int | None = Field(default=None, ge=0, lt=2**32)
+    stop: _StopString | Annotated[list[_StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[_TokenId], Field(max_length=MAX_STOP_IDS)] | None = None
     stream: bool = False
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=INT32_MAX)
     ignore_eos: bool = False
 
 
 class CompletionRequest(_Base):
     prompt: str | list[int] | list[str]
-    logprobs: int | None = None
+    logprobs: _Count | None = None
     echo: bool = False
 
 
@@ -145,7 +304,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Base):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: _Count | None = None
 
 
 class APIError(Exception):
@@ -161,18 +320,35 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
 
+def _error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def _error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None, type_: str = "invalid_request_error"
+    status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(status_code=status, content=body)
+    """An OpenAI-shaped error; ``type`` defaults to ``server_error`` for 5xx, else ``invalid_request_error``."""
+    type_ = type_ or ("server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse(status_code=status, content=_error_body(message, type_, param, code))
+
+
+async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
+    """Put ``_DISCONNECTED`` on ``q`` when the client of ``request`` goes away."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            q.put_nowait(_DISCONNECTED)
+            return
 
 
 # ---------------------------------------------------------------------------------------------- app
-def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAPI:
+def create_app(
+    engine: Engine, tokenizer: Any, model_name: str = "k3", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model id ``model_name``.
 
     The engine should have been built with the same ``tokenizer`` (text deltas and stop strings).
+    ``max_body_bytes``: larger request bodies get 413 before parsing.
     """
     runner = AsyncEngine(engine)
 
@@ -182,6 +358,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
         runner.shutdown()
 
     app = FastAPI(title="k3-jax", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.state.runner = runner
     created = int(time.time())
     stop_chat = chat_stop_ids(tokenizer)
@@ -194,14 +371,36 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            why = (first.get("ctx") or {}).get("error", "")
+            return _error_response(400, f"request body is not valid JSON: {why}", code="invalid_json")
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return _error_response(400, f"invalid request: {loc}: {first.get('msg', 'bad value')}", param=loc or None)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = str(e.detail)
+        if e.status_code == 400 and "parsing the body" in message:
+            message = "request body could not be parsed: it must be UTF-8 encoded JSON"
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        resp = _error_response(e.status_code, message, code=codes.get(e.status_code))
+        resp.headers.update(e.headers or {})
+        return resp
+
+    @app.exception_handler(Exception)
+    async def _unhandled(request: Request, e: Exception) -> JSONResponse:
+        eid = uuid.uuid4().hex[:12]
+        logger.error("unhandled error %s on %s %s", eid, request.method, request.url.path, exc_info=e)
+        return _error_response(500, f"internal server error (error id {eid}): {type(e).__name__}")
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        if runner.error is not None:
-            return _error_response(500, f"engine failed: {runner.error!r}", type_="server_error")
-        return JSONResponse({"status": "ok", "running": engine.num_running})
+        occ = runner.occupancy()
+        reason = runner.degraded_reason()
+        if reason is not None:
+            body = {"status": "degraded", **occ, **_error_body(f"engine degraded: {reason}", "server_error")}
+            return JSONResponse(status_code=503, content=body)
+        return JSONResponse({"status": "ok", **occ})
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -218,7 +417,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
             ],
         }
 
-    def check_model(req: _Base) -> None:
+    def check_request(req: _Base) -> None:
         if req.model is not None and req.model != model_name:
             raise APIError(
                 404,
@@ -228,6 +427,9 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
             )
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
+        for field, value in (req.model_extra or {}).items():
+            if field in _UNSUPPORTED and value not in _UNSUPPORTED[field]:
+                raise APIError(400, f"{field}={value!r:.80} is not supported by this server", param=field)
 
     def sampling(req: _Base, extra_stop_ids: tuple[int, ...], logprobs: int | None) -> SamplingParams:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -239,7 +441,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
                 max_tokens=max_tokens,
                 temperature=req.temperature,
                 top_p=req.top_p,
-                top_k=req.top_k,
+                top_k=max(req.top_k, 0),
                 seed=req.seed if req.seed is not None else int(uuid.uuid4().int % (2**32)),
                 stop_token_ids=tuple(dict.fromkeys([*(req.stop_token_ids or ()), *extra_stop_ids])),
                 stop=stop,
@@ -247,31 +449,45 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
                 ignore_eos=req.ignore_eos,
             ).validate(engine.cfg.vocab_size, engine.max_logprobs)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param=str(e).split(" ")[0]) from e
 
-    def submit(prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+    async def submit(make_ids: Callable[[], list[int]], params: SamplingParams) -> tuple[list[int], str, asyncio.Queue]:
+        """Tokenize (``make_ids``) and validate in the executor, then queue: ``(ids, request id, queue)``."""
+
+        def prepare() -> list[int]:
+            ids = make_ids()
+            engine.validate(ids, params)
+            return ids
+
         try:
-            return runner.submit(prompt, params)
+            ids = await asyncio.to_thread(prepare)
+        except ChatFormatError as e:
+            raise APIError(400, str(e), param="messages") from e
         except RequestError as e:
             raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from e
+        try:
+            rid, q = runner.submit(ids, params)
         except RuntimeError as e:
-            raise APIError(500, str(e), type_="server_error") from e
+            raise APIError(503, str(e), type_="server_error", code="engine_unavailable") from e
+        return ids, rid, q
 
     async def events(rid: str, q: asyncio.Queue, request: Request) -> AsyncIterator[TokenEvent]:
+        watcher = asyncio.create_task(_watch_disconnect(request, q))
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(q.get(), timeout=1.0)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
-                if isinstance(item, BaseException):
-                    raise APIError(400 if isinstance(item, RequestError) else 500, str(item))
+                item = await q.get()
+                if item is _DISCONNECTED:
+                    return
+                if isinstance(item, _Failure):
+                    raise APIError(item.status, item.message, code=item.code, type_=item.type)
+                if item.finish_reason == "error":
+                    raise APIError(500, f"request {rid} failed in the engine: {item.error}", code="engine_error",
+                                   type_="server_error")
                 yield item
                 if item.finished:
                     return
         finally:
+            watcher.cancel()
             if rid in runner._queues:  # not finished: client gone or error
                 runner.abort(rid)
 
@@ -281,16 +497,18 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
     # ------------------------------------------------------------------ /v1/completions
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_model(req)
+        check_request(req)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         params = sampling(req, () if req.ignore_eos else eos, req.logprobs)
-        rid, q = submit(ids, params)
+        text_prompt = prompt if isinstance(prompt, str) else None
+        ids, rid, q = await submit(
+            (lambda: tokenizer.encode(text_prompt)) if text_prompt is not None else (lambda: list(prompt)), params
+        )
         echo = req.prompt if (req.echo and isinstance(req.prompt, str)) else ""
 
         def logprob_block(evs: list[TokenEvent]) -> dict | None:
@@ -313,7 +531,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
                     )
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_guard(sse()), media_type="text/event-stream")
+            return StreamingResponse(_guard(sse(), rid), media_type="text/event-stream")
 
         evs = [ev async for ev in events(rid, q, request)]
         text = echo + "".join(e.text for e in evs)
@@ -336,14 +554,13 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
     # ------------------------------------------------------------------ /v1/chat/completions
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        check_model(req)
-        try:
-            ids = chat_prompt_ids(tokenizer, [m.model_dump(exclude_none=True) for m in req.messages])
-        except ChatFormatError as e:
-            raise APIError(400, str(e), param="messages") from e
+        check_request(req)
         n_top = req.top_logprobs or 0
         params = sampling(req, () if req.ignore_eos else stop_chat, n_top if req.logprobs else None)
-        rid, q = submit(ids, params)
+        messages = req.messages
+        ids, rid, q = await submit(
+            lambda: chat_prompt_ids(tokenizer, [m.model_dump(exclude_none=True) for m in messages]), params
+        )
 
         def lp_content(evs: list[TokenEvent]) -> dict | None:
             if not req.logprobs:
@@ -368,7 +585,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str = "k3") -> FastAP
                     yield _sse(_chat_chunk(rid, created, model_name, delta, ev.finish_reason, lp_content([ev])))
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_guard(sse()), media_type="text/event-stream")
+            return StreamingResponse(_guard(sse(), rid), media_type="text/event-stream")
 
         evs = [ev async for ev in events(rid, q, request)]
         return {
@@ -402,13 +619,17 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _guard(gen: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Turn an error in the middle of a stream into a final SSE error event."""
+async def _guard(gen: AsyncIterator[str], rid: str) -> AsyncIterator[str]:
+    """Turn an error in the middle of a stream into a final SSE error event (OpenAI error shape)."""
     try:
         async for chunk in gen:
             yield chunk
     except APIError as e:
-        yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+        yield _sse(_error_body(e.message, e.type, e.param, e.code))
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - the headers are sent: the error can only travel as an event
+        logger.error("stream of request %s failed", rid, exc_info=e)
+        yield _sse(_error_body(f"request {rid} failed: {type(e).__name__}", "server_error"))
         yield "data: [DONE]\n\n"
 
 
