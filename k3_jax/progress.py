@@ -19,6 +19,7 @@ what tests use). Lines go to the stream (stderr by default) or to a ``write`` ca
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from typing import Any, TextIO
 
 _QUIET = False
 DEFAULT_INTERVAL_S = 10.0
+LONG_PREFILL_TOKENS = 2048  # prompts at least this long get prefill progress lines in the serving log
 
 
 def set_quiet(quiet: bool = True) -> None:
@@ -215,3 +217,14 @@ def parse_line(line: str) -> tuple[str, dict[str, str]]:
         fields[k] = v
     return job, fields
 
+
+
+def prefill_progress(prompt_tokens: int, request_id: str) -> Progress | None:
+    """Progress lines (``prefill: … request=ID``) on the ``k3_jax.serving`` logger for a prompt of at least
+    :data:`LONG_PREFILL_TOKENS` tokens; ``None`` for shorter prompts (nothing to report)."""
+    if prompt_tokens < LONG_PREFILL_TOKENS:
+        return None
+    prog = Progress("prefill", prompt_tokens, unit="tok", write=logging.getLogger("k3_jax.serving").info,
+                    mode="off" if _QUIET else "lines")
+    prog.fields["request"] = request_id
+    return prog
