@@ -255,6 +255,8 @@ def main():
     p.add_argument("--decode-configs", default="64:8", help="comma list of block_v:num_warps for gpu.decode_step")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
     p.add_argument("--profile-dir", default=None, help="add per-kernel device times (JAX profiler) of our calls")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="also write a summary plot: time vs sequence length, ours vs fla (needs matplotlib)")
     args = p.parse_args()
     out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "results": []}
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
@@ -300,6 +302,31 @@ def main():
             out["decode"] = {"error": repr(e)[:500]}
     out["kernels"] = [sel.describe() for sel in selections()]  # what each implementation="auto"/name ran
     print(json.dumps(out))
+    if args.plot:
+        log("plot:", plot_results(out, args.plot))
+
+
+def plot_results(out: dict, path: str) -> str:
+    """Time per call vs sequence length for each implementation of ``out["results"]`` (the JSON line's)."""
+    from benchmarks._plot import save_lines
+
+    series = {f"{who} {what}": [] for what in ("fwd", "fwd+bwd") for who in ("ours", "fla", "reference")}
+    keys = {"ours": "ours", "fla": "fla", "reference": "ref"}
+    labels = {}
+    for r in out["results"]:
+        dims = dict(kv.split("=") for kv in r["shape"].split(",")) if "=" in r["shape"] else {}
+        if "T" not in dims:
+            continue
+        t = int(dims["T"])
+        labels[t] = f"T={t}\nB={dims['B']} H={dims['H']}"
+        for who, k in keys.items():
+            series[f"{who} fwd"].append((t, r.get(f"{k}_fwd_ms")))
+            series[f"{who} fwd+bwd"].append((t, r.get(f"{k}_fwdbwd_ms")))
+    return save_lines(path, series, title=f"KDA chunked attention on {out['device']} (bf16, K=V=128)",
+                      xlabel="sequence length (shape per point)", ylabel="ms per call", logx=True, logy=True,
+                      point_labels=labels,
+                      styles={f"{who} {what}": {"color": f"C{i}", "ls": "-" if what == "fwd" else "--"}
+                              for i, who in enumerate(keys) for what in ("fwd", "fwd+bwd")})
 
 
 if __name__ == "__main__":

@@ -115,52 +115,22 @@ print("scanned segments:", [(s.start, s.period, s.repeats) for s in layer_plan(c
 import itertools
 import time
 
-
-class TextBar:
-    """A progress bar for environments without tqdm: one line every tenth of the run."""
-
-    def __init__(self, total: int):
-        self.total, self.n, self.postfix = total, 0, ""
-
-    def update(self, k: int = 1) -> None:
-        self.n += k
-        if self.n == self.total or self.n % max(1, self.total // 10) == 0:
-            done = int(20 * self.n / self.total)
-            print(f"[{'#' * done}{'.' * (20 - done)}] {self.n}/{self.total} {self.postfix}", flush=True)
-
-    def set_postfix_str(self, s: str) -> None:
-        self.postfix = s
-
-    def close(self) -> None:
-        pass
-
-
-def progress_bar(total: int):
-    try:
-        import warnings
-
-        with warnings.catch_warnings():  # tqdm warns when it falls back from widgets to text
-            warnings.simplefilter("ignore")
-            from tqdm.auto import tqdm
-
-            return tqdm(total=total, desc="train", mininterval=2.0)
-    except Exception:  # no tqdm: plain text
-        return TextBar(total)
-
+from k3_jax.progress import Progress
 
 state = trainer.init_state()
 data = trainer.data_iterator("train")
 train_step, _ = trainer.compiled_steps(state)
-history = []
-bar = progress_bar(STEPS)
+history = []  # one row per step, the same fields train.py writes to metrics.jsonl
+bar = Progress("train", STEPS, unit="step")  # a bar on a terminal, a line every 10 s elsewhere
 for step in range(1, STEPS + 1):
     batch = jax.tree.map(jnp.asarray, next(data))
     t0 = time.perf_counter()
     state, metrics = train_step(state, batch)
-    metrics = jax.device_get(metrics)
-    history.append({"step": step, "time_s": time.perf_counter() - t0, **{k: float(v) for k, v in metrics.items()}})
-    bar.update(1)
-    bar.set_postfix_str(f"loss {history[-1]['loss']:.3f}")
+    metrics = jax.device_get(metrics)  # scalars, and per-MoE-layer vectors (load_max_mean_per_layer, ...)
+    dt = time.perf_counter() - t0
+    history.append({"step": step, "kind": "train", "time_s": dt, "tokens_per_s": BATCH * SEQ_LEN / dt,
+                    **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in metrics.items()}})
+    bar.update(1, loss=history[-1]["loss"])
 bar.close()
 step_times = [h["time_s"] for h in history[1:]] or [history[0]["time_s"]]
 STEP_S = float(np.median(step_times))
@@ -186,24 +156,22 @@ print(f"train loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; held-o
       f"next-token accuracy {EVAL['eval_accuracy']:.1%}")
 
 # %% [markdown]
-# The loss curve, and the most loaded expert relative to the mean (1.0 = perfectly even) with the router
-# bias and without it: the gap is what Quantile Balancing buys.
+# The run in pictures, drawn by `k3_jax.training.plot` (the same figure as
+# `python -m k3_jax.training.plot RUN_DIR` draws from a `train.py` run): loss, throughput, and the most loaded
+# expert relative to the mean (1.0 = perfectly even) with the router bias and without it -- the gap is what
+# Quantile Balancing buys -- then that ratio and the dead experts per MoE layer over the steps.
 
 # %%
 try:
     import matplotlib.pyplot as plt
 except ImportError:
     plt = None
-steps_x = [h["step"] for h in history]
 if plt is not None:
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
-    ax1.plot(steps_x, [h["loss"] for h in history])
-    ax1.set(xlabel="step", ylabel="loss (nats/token)", title="training loss")
-    ax2.plot(steps_x, [h["load_max_mean"] for h in history], label="with QB bias")
-    ax2.plot(steps_x, [h["load_max_mean_nobias"] for h in history], label="without bias")
-    ax2.set(xlabel="step", ylabel="max / mean expert load", title="MoE balance (worst layer)")
-    ax2.legend()
-    plt.tight_layout()
+    from k3_jax.training.plot import figure
+
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.ffn_kind(i) == "moe"]
+    fig = figure([{"kind": "meta", "step": 0, "moe_layer_ids": moe_layers}, *history,
+                  {"kind": "eval", "step": STEPS, **EVAL}], title=f"{Path(CONFIG).stem}, {STEPS} steps")
     plt.show()
 else:
     print(" step   loss  load max/mean (bias | no bias)")

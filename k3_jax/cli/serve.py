@@ -14,6 +14,7 @@ tokenizer is the checkpoint's ``tiktoken.model`` when present, else the bundled 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="HTTP request bodies over this many bytes get 413 before parsing (default: 4 MiB)")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random init (no checkpoint)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (checkpoint loading, long prefills)")
     return p.parse_args(argv)
 
 
@@ -113,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt is None and args.port is None:
         raise SystemExit("give --prompt TEXT (terminal) or --port N (HTTP server)")
     os.environ.setdefault("XLA_FLAGS", "")
+    from k3_jax import progress
+
+    progress.set_quiet(args.quiet)  # progress (checkpoint load, long prefills) goes to the log below
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("k3_jax").setLevel(logging.INFO)
     from k3_jax import compile_cache
 
     compile_cache.enable()

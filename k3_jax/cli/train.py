@@ -54,7 +54,12 @@ def build_train_config(argv: list[str] | None = None):
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --workdir")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--quiet", action="store_true", help="no progress bar / progress lines (metric lines stay)")
     args = p.parse_args(argv)
+    if args.quiet:
+        from k3_jax import progress
+
+        progress.set_quiet()
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     hints = typing.get_type_hints(TrainConfig)

@@ -19,6 +19,7 @@ import numpy as np
 from k3_jax.config import K3Config, config_path, load_config
 from k3_jax.convert import names as N
 from k3_jax.convert.hf import save_checkpoint
+from k3_jax.convert.outdir import check_output
 from k3_jax.convert.transforms import pack_mxfp4_np
 
 FP32_PARAMS = {r.param for r in N.TEXT_RULES if r.dtype == "F32"}
@@ -104,7 +105,10 @@ def write_fixture(
     max_shard_bytes: int = 4 << 20,
     overwrite: bool = False,
 ) -> tuple[K3Config, dict[str, Any]]:
-    """Write a random checkpoint of ``config`` (name, path or K3Config) and return ``(cfg, params)``."""
+    """Write a random checkpoint of ``config`` (name, path or K3Config) and return ``(cfg, params)``.
+
+    The output path is checked (and stale leftovers swept) before the parameters are drawn."""
+    check_output(out_dir, overwrite)
     cfg = config if isinstance(config, K3Config) else load_config(config_path(config))
     cfg = cfg.replace(expert_format=experts)
     params = random_params(cfg, seed, experts)

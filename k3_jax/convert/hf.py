@@ -27,20 +27,10 @@ import numpy as np
 
 from k3_jax.config import K3Config, config_from_dict
 from k3_jax.convert import names as N
+from k3_jax.convert.outdir import claim, publish_dir
 from k3_jax.convert.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, SafetensorsWriter, read_header
 from k3_jax.convert.transforms import pack_mxfp4_np, to_flax, to_hf, unpack_mxfp4_np
-
-
-def publish_dir(tmp: str, out_dir: str) -> None:
-    """Move the completed, verified directory ``tmp`` to ``out_dir`` (replacing an old one) by renames only, so
-    a reader never sees a half-written ``out_dir``."""
-    if os.path.exists(out_dir):
-        old = f"{out_dir}.old-{os.getpid()}"
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out_dir)
+from k3_jax.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -274,8 +264,11 @@ def _verify_files(idx: Index, cfg: K3Config, fmt: str, vsym, rep: VerifyReport, 
         by_file.setdefault(f, []).append(name)
     sym = N.dims(cfg)
     header_bytes = 0
-    for fname in sorted(by_file):
+    tensors = 0
+    prog = Progress("verify", idx.total_size, unit="B")
+    for i, fname in enumerate(sorted(by_file), 1):
         fpath = os.path.join(idx.root, fname)
+        tensors += len(by_file[fname])
         if not os.path.exists(fpath):
             err(f"{idx.source}: names file {fname!r} (tensor {by_file[fname][0]!r}, …) which does not exist")
             continue
@@ -284,6 +277,8 @@ def _verify_files(idx: Index, cfg: K3Config, fmt: str, vsym, rep: VerifyReport, 
         except SafetensorsError as e:
             err(str(e))
             continue
+        prog.update(sum(info.nbytes for info in infos.values()), shards=f"{i}/{len(by_file)}",
+                    tensors=f"{tensors}/{len(idx.weight_map)}", errors=len(rep.errors))
         rep.files_checked += 1
         listed = set(by_file[fname])
         for name in listed - set(infos):
@@ -302,6 +297,7 @@ def _verify_files(idx: Index, cfg: K3Config, fmt: str, vsym, rep: VerifyReport, 
                 continue  # already reported from the index
             if info.dtype != dt or info.shape != shape:
                 err(f"{fpath}: tensor {name!r}: expected {dt}{list(shape)}, header has {info.dtype}{list(info.shape)}")
+    prog.close()
     if idx.total_size is not None and header_bytes != idx.total_size and rep.files_checked == len(by_file):
         err(f"{idx.source}: shard headers hold {header_bytes} bytes, index declares total_size {idx.total_size}")
 
@@ -371,6 +367,8 @@ class ShardReader:
         self.idx = idx
         self._open: dict[str, SafetensorsFile] = {}
         self._canon = {canonical(n): n for n in idx.weight_map}
+        self.bytes_read = 0  # tensor bytes returned by get() so far (progress reports)
+        self.tensors_read = 0
 
     def get(self, canon_name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         name = self._canon.get(canon_name)
@@ -390,6 +388,8 @@ class ShardReader:
             raise CheckpointError(
                 f"{f.path}: tensor {name!r}: expected {dtype}{list(shape)}, got {info.dtype}{list(info.shape)}"
             )
+        self.bytes_read += info.nbytes
+        self.tensors_read += 1
         return f.get(name)
 
     def close(self) -> None:
@@ -482,8 +482,12 @@ def load_checkpoint(
     slots = layer_slots(cfg)
     params: dict[str, Any] = {}
     reader = ShardReader(idx)
+    sizes = _expected_sizes(cfg, fmt)
+    prog = Progress("load", sum(sizes.values()), unit="B")
     try:
         for layer, vals in iter_layer_values(reader, cfg, fmt, experts):
+            prog.set(reader.bytes_read, tensors=f"{reader.tensors_read}/{len(sizes)}",
+                     layer="top" if layer is None else f"{layer}/{cfg.num_hidden_layers}")
             for p, v in vals.items():
                 if layer is None:
                     _set(params, p, v)
@@ -496,6 +500,7 @@ def load_checkpoint(
                     buf = np.empty((reps, *v.shape), v.dtype)
                     _set(params, full, buf)
                 buf[r] = v
+        prog.close()
     finally:
         reader.close()
     return cfg, params
@@ -583,15 +588,10 @@ def save_checkpoint(
     to ``out_dir`` only when complete. ``source_dir`` supplies ``config.json`` extras (vision config …) and
     the tokenizer/processor files, copied verbatim. Returns ``out_dir``.
     """
-    out_dir = os.path.abspath(os.fspath(out_dir))
     fmt_out = experts or _params_expert_format(cfg, params)
     if fmt_out not in ("bf16", "mxfp4"):
         raise ValueError(f"experts must be 'bf16' or 'mxfp4', got {fmt_out!r}")
-    if os.path.exists(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
-    tmp = f"{out_dir}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    out_dir, tmp = claim(out_dir, overwrite)
     try:
         out_cfg = cfg.replace(expert_format=fmt_out)
         raw = out_cfg.to_hf_dict()
@@ -609,6 +609,7 @@ def save_checkpoint(
         shards = shard_plan(entries, sym, max_shard_bytes)
         weight_map: dict[str, str] = {}
         total = 0
+        prog = Progress("export", sum(_rule_bytes(r.rule, sym) for _, r in entries), unit="B")
         for i, shard in enumerate(shards, 1):
             fname = shard_name(i, len(shards))
             by_name = dict(shard)
@@ -616,9 +617,12 @@ def save_checkpoint(
             with SafetensorsWriter(os.path.join(tmp, fname), plan, {"format": "pt"}) as w:
                 for n, _, _ in w.order:
                     w.write(n, produce(by_name[n]))
-            for n, r in shard:
-                weight_map[n] = fname
+                    prog.update(_rule_bytes(by_name[n].rule, sym), tensors=f"{len(weight_map) + 1}/{len(entries)}",
+                                shard=f"{i}/{len(shards)}", layer=_layer_field(by_name[n]))
+                    weight_map[n] = fname
+            for _, r in shard:
                 total += _rule_bytes(r.rule, sym)
+        prog.close()
         with open(os.path.join(tmp, INDEX_NAME), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         rep = verify(tmp)
@@ -629,6 +633,10 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _layer_field(res: N.Resolved) -> str:
+    return "top" if res.layer is None else str(res.layer)
 
 
 def _merge_source_config(src: dict[str, Any], ours: dict[str, Any], fmt_out: str) -> dict[str, Any]:

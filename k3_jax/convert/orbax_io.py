@@ -8,7 +8,9 @@ one chunk per layer slot (per expert for expert leaves) and filled slot by slot 
 finishes a layer, so peak memory is one layer's output plus one tensor — never a shard, never the model.
 
 Atomicity: everything goes to ``<out>.partial-<pid>``; after the last write the store is re-opened and
-every array's shape/dtype and the tensor count are checked, then the directory is renamed to ``out``.
+every array's shape/dtype and the tensor count are checked, then the directory is renamed to ``out``. The
+output path is checked before the input is read, and leftovers of killed runs are swept first
+(:mod:`k3_jax.convert.outdir`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import numpy as np
 
 from k3_jax.convert.hf import (
     ShardReader,
+    _expected_sizes,
     _prepare,
     iter_layer_values,
     layer_slots,
     param_shapes,
-    publish_dir,
 )
+from k3_jax.convert.outdir import check_output, claim, publish_dir
+from k3_jax.progress import Progress
 
 
 def _zarr_dtype(dt: np.dtype) -> str:
@@ -56,21 +60,21 @@ def convert_to_orbax(
     import tensorstore as ts
 
     t0 = time.perf_counter()
+    if experts not in (None, "bf16", "mxfp4"):
+        raise ValueError(f"experts must be 'bf16' or 'mxfp4', got {experts!r}")
+    out_dir = check_output(out_dir, overwrite)  # before the input is read
     idx, raw, cfg, fmt = _prepare(hf_dir)
     experts = experts or fmt
     cfg = cfg.replace(expert_format=experts)
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
-    tmp = f"{out_dir}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    out_dir, tmp = claim(out_dir, overwrite)
     shapes = param_shapes(cfg, experts)
     slots = layer_slots(cfg)
     reader = ShardReader(idx)
     ctx = ts.Context({"file_io_concurrency": {"limit": 8}})
     kvstore = {"driver": "ocdbt", "base": f"file://{tmp}"}
     arrays: dict[tuple[str, ...], Any] = {}
+    sizes = _expected_sizes(cfg, fmt)
+    prog = Progress("convert", sum(sizes.values()), unit="B")
     try:
         for path, sds in _walk(shapes):
             shape = tuple(sds.shape)
@@ -103,7 +107,10 @@ def convert_to_orbax(
                     seg, lay, r, _ = slots[layer]
                     arrays[("model", seg, lay, *p)][r].write(v).result()
                 written += 1
+            prog.set(reader.bytes_read, tensors=f"{reader.tensors_read}/{len(sizes)}",
+                     layer="top" if layer is None else f"{layer}/{cfg.num_hidden_layers}")
             del vals
+        prog.close()
         _write_metadata(tmp, shapes)
         # re-open and check before publishing
         for path, sds in _walk(shapes):

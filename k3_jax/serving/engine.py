@@ -45,6 +45,7 @@ import numpy as np
 from k3_jax.cache import init_cache
 from k3_jax.config import K3Config
 from k3_jax.model import K3ForCausalLM, check_token_ids
+from k3_jax.progress import prefill_progress
 from k3_jax.serving.chat import IncrementalDetokenizer
 from k3_jax.serving.paged_cache import PageAllocator, PagedCacheSpec, gather_latent, write_latent
 from k3_jax.serving.sampling import SamplingArrays, SamplingParams, StopStrings, sample
@@ -470,13 +471,18 @@ class Engine:
         self.cache = self._reset(self.cache, slot_arr)
         pos = 0
         logits = None
+        prog = prefill_progress(len(req.prompt), req.id)  # None unless the prompt is long
         for n in _prefill_pieces(len(req.prompt), self.prefill_chunk, self.prefill_mode):
             toks = jnp.asarray(prompt[None, pos : pos + n])
             logits, self.cache = self._prefill(self.variables, self.cache, slot_arr, toks, self._table)
             pos += n
+            if prog is not None:
+                prog.update(n, wait=logits)
         self.stats["prefill_tokens"] += len(req.prompt)
         samp = SamplingArrays.from_params([p], [0])
         out = jax.device_get(self._sample(logits[None], samp, num_top_logprobs=self.max_logprobs))
+        if prog is not None:
+            prog.close()
         return [self._emit(req, int(out.tokens[0]), out, 0)]
 
     def _block_size(self) -> int:

@@ -279,7 +279,9 @@ class Trainer:
         logger.log(start, {"event": "start", "resumed": start > 0, "devices": jax.device_count(),
                            "mesh": None if self.mesh is None else dict(self.mesh.shape),
                            "params": self.param_groups, "flops_per_token": self.flops["total"],
-                           "optimizer_flops_per_step": self.optimizer_flops}, kind="meta")
+                           "optimizer_flops_per_step": self.optimizer_flops,
+                           "moe_layer_ids": [i for i in range(self.cfg.num_hidden_layers)  # *_per_layer rows
+                                             if self.cfg.ffn_kind(i) == "moe"]}, kind="meta")
         train_step, eval_step = self.compiled_steps(state)
         flag = PreemptionFlag()
         losses: dict[int, float] = {}

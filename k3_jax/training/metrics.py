@@ -1,4 +1,4 @@
-"""Training metrics: FLOPs per token from the config, MFU, and the loggers (progress bar, JSONL, TensorBoard).
+"""Training metrics: FLOPs per token from the config, MFU, and the loggers (progress, JSONL, TensorBoard).
 
 FLOPs per trained token (:func:`flops_per_token`) = 3 × forward FLOPs (backward ≈ 2 × forward), where the
 forward counts multiply-adds as 2 FLOPs and has
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import jax
 
 from k3_jax.config import K3Config, count_params
+from k3_jax.progress import Progress
 from k3_jax.training.optim import block_shape, muon_heads
 
 # bf16 dense peak TFLOP/s per device
@@ -85,28 +85,24 @@ def peak_flops_per_device(override_tflops: float | None = None) -> float | None:
 
 
 class MetricsLogger:
-    """JSONL always; a progress bar when stdout is a terminal (else a line every ``print_every`` steps);
-    TensorBoard when ``tensorboardX`` (or ``torch.utils.tensorboard``) is installed. Only process 0 writes."""
+    """JSONL always; progress through :class:`k3_jax.progress.Progress` (a tqdm bar on a terminal, else plain
+    ``train: …`` lines every ``K3_PROGRESS_INTERVAL_S`` seconds with steps, step/s, ETA and tokens/s) plus a
+    metrics line every ``print_every`` steps; TensorBoard when ``tensorboardX`` (or ``torch.utils.tensorboard``)
+    is installed. Only process 0 writes."""
 
     def __init__(self, workdir: str | os.PathLike, total_steps: int, *, print_every: int = 10,
                  tensorboard: bool = True, start_step: int = 0):
         self.enabled = jax.process_index() == 0
         self.total = total_steps
         self.print_every = max(1, print_every)
-        self._bar = None
+        self._progress = None
         self._tb = None
         self._jsonl = None
         if not self.enabled:
             return
         Path(workdir).mkdir(parents=True, exist_ok=True)
         self._jsonl = open(Path(workdir) / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        if sys.stdout.isatty():
-            try:
-                from tqdm.auto import tqdm
-
-                self._bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True)
-            except ImportError:
-                self._bar = _LineBar(total_steps, start_step)
+        self._progress = Progress("train", total_steps, unit="step", initial=start_step)
         if tensorboard:
             self._tb = _tensorboard_writer(Path(workdir) / "tb")
 
@@ -122,50 +118,24 @@ class MetricsLogger:
                 if isinstance(v, int | float) and k not in ("step", "time"):
                     self._tb.add_scalar(f"{kind}/{k}", v, step)
         short = _short(row)
-        if self._bar is not None:
-            if kind == "train":
-                self._bar.n = step
-                self._bar.set_postfix_str(short, refresh=False)
-                self._bar.refresh()
-            else:
-                self._bar.write(f"[{kind} {step}] {short}")
+        if kind == "train":
+            self._progress.set(step, **{k: row[k] for k in _PROGRESS_KEYS if row.get(k) is not None})
+        if self._progress.mode == "bar":
+            if kind != "train":
+                self._progress.write(f"[{kind} {step}] {short}")
         elif kind != "train" or step % self.print_every == 0 or step == self.total:
             print(f"[{kind} {step}/{self.total}] {short}", flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        if self._progress is not None:
+            self._progress.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
 
 
-class _LineBar:
-    """Minimal terminal progress bar (used when tqdm is not installed): one line redrawn with ``\\r``."""
-
-    def __init__(self, total: int, initial: int = 0):
-        self.total, self.n, self._t0, self._n0, self._post = total, initial, time.time(), initial, ""
-
-    def set_postfix_str(self, s: str, refresh: bool = False) -> None:
-        self._post = s
-
-    def refresh(self) -> None:
-        frac = self.n / max(self.total, 1)
-        done = int(30 * frac)
-        rate = (self.n - self._n0) / max(time.time() - self._t0, 1e-9)
-        eta = (self.total - self.n) / rate if rate > 0 else float("nan")
-        sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] {self.n}/{self.total} "
-                         f"{rate:.2f} it/s eta {eta:.0f}s {self._post}\x1b[K")
-        sys.stdout.flush()
-
-    def write(self, s: str) -> None:
-        sys.stdout.write("\r\x1b[K" + s + "\n")
-        self.refresh()
-
-    def close(self) -> None:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+_PROGRESS_KEYS = ("loss", "tokens_per_s", "mfu")
 
 
 def _tensorboard_writer(path: Path):
@@ -179,6 +149,8 @@ def _tensorboard_writer(path: Path):
 
 
 def _py(v: Any) -> Any:
+    if hasattr(v, "tolist") and getattr(v, "ndim", 0) > 0:  # per-layer vectors -> JSON lists
+        return [_py(x) for x in v.tolist()]
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float):

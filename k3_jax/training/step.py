@@ -14,7 +14,8 @@ One :func:`train_step` on a batch ``{"tokens": [B, T+1] i32, "segment_ids": [B, 
      :func:`~k3_jax.training.optim.clip_weights`;
   3. Quantile Balancing: for every MoE layer, the router scores of all micro-batches and the bias that routed
      them give the new ``e_score_correction_bias`` (used from the next step). Expert loads under the bias in
-     effect this step are returned as metrics (max/mean load over layers, dead experts), plus
+     effect this step are returned as metrics (max/mean load over layers, dead experts; per MoE layer in
+     model layer order: ``load_max_mean_per_layer`` f32[L_moe], ``dead_experts_per_layer`` i32[L_moe]), plus
      ``load_max_mean_nobias``: the same scores routed without any bias (what an unbalanced router does).
 :func:`eval_step` computes the loss only; the bias stays frozen.
 """
@@ -88,6 +89,14 @@ def router_scores(intermediates: Any) -> dict[tuple[str, ...], jax.Array]:
         s = s[0] if isinstance(s, tuple | list) else s
         out[path] = s if s.ndim == 3 else s[None]
     return out
+
+
+def moe_layer_indices(cfg: Any, moe_path: tuple[str, ...], repeats: int) -> list[int]:
+    """Model layer index of each scan repeat of the MoE block at ``(..., "segment_S", "layer_J", _MOE)``."""
+    from k3_jax.model import layer_plan
+
+    seg = layer_plan(cfg)[int(moe_path[-3].removeprefix("segment_"))]
+    return [seg.layer(r, int(moe_path[-2].removeprefix("layer_"))) for r in range(repeats)]
 
 
 def _bias_path(moe_path: tuple[str, ...]) -> tuple[str, ...]:
@@ -165,6 +174,7 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
         metrics = {"loss": loss_sum / denom, "accuracy": correct / denom, "tokens": n,
                    "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(new_params)}
         max_mean, max_mean_nobias, dead, n_layers = [], [], jnp.zeros((), jnp.int32), 0
+        dead_per, layer_ids = [], []  # per MoE layer, and each entry's model layer index
         for path, s in scores.items():  # s: [accum, R, N, E]
             s = jnp.swapaxes(s, 0, 1).reshape(s.shape[1], -1, s.shape[-1])  # [R, accum*N, E]
             bias = _get(params, _bias_path(path))  # [R, E], the bias that routed this step
@@ -173,6 +183,8 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
             raw = jax.vmap(lambda sc: qb.expert_loads(sc, jnp.zeros(sc.shape[-1]), k))(s).astype(jnp.float32)
             max_mean_nobias.append(jnp.max(raw, -1) / jnp.maximum(jnp.mean(raw, -1), 1e-9))
             dead = dead + jnp.sum(loads == 0).astype(jnp.int32)
+            dead_per.append(jnp.sum(loads == 0, -1).astype(jnp.int32))
+            layer_ids += moe_layer_indices(cfg, path, s.shape[0])
             n_layers += s.shape[0]
             if step_cfg.qb:
                 upd = jax.vmap(lambda sc, b: qb.qb_bias_update(sc, b, k, method=step_cfg.qb_method,
@@ -183,6 +195,9 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
             metrics.update({"load_max_mean": jnp.max(mm), "load_max_mean_avg": jnp.mean(mm),
                             "load_max_mean_nobias": jnp.max(jnp.concatenate(max_mean_nobias)),
                             "dead_experts": dead, "moe_layers": jnp.asarray(n_layers)})
+            order = jnp.asarray(sorted(range(len(layer_ids)), key=layer_ids.__getitem__))  # model layer order
+            metrics.update({"load_max_mean_per_layer": mm[order],
+                            "dead_experts_per_layer": jnp.concatenate(dead_per)[order]})
         rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state,
                      "rng": jax.random.key_data(rng)}
