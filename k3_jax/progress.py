@@ -8,8 +8,10 @@
       convert: pct=41.7 done=5.86GB total=14.05GB rate=0.32GB/s eta=26s tensors=63/152 layer=4
 
   i.e. ``JOB: key=value ...`` with no spaces inside a value, so :func:`parse_line` (or a ``grep``) reads a log
-  file back. Byte amounts are printed with SI units (``GB``), other units as plain numbers
-  (``done=120 total=1000 rate=3.51step/s``); ``eta`` is in seconds (``eta=?`` while no rate is known);
+  file back. Byte amounts are printed with SI units (``GB``, ``MB`` below 0.1 GB), other units as plain
+  numbers (``done=120 total=1000 rate=3.51step/s``); ``rate`` is over the time since the previous line (a slow
+  first step, e.g. a compile, drops out), ``eta`` is in seconds at that rate (``eta=?`` while none is known);
+  the final line has ``elapsed=`` and the whole job's rate instead;
 * nothing when :func:`set_quiet` was called (the CLIs' ``--quiet``).
 
 The line interval defaults to 10 s and is read from ``K3_PROGRESS_INTERVAL_S`` (``0``: a line per update,
@@ -92,6 +94,7 @@ class Progress:
         self._write = write
         self.interval_s = _interval_from_env() if interval_s is None else interval_s
         self._t0 = self._last = time.monotonic()
+        self._mark = (self._t0, self.n)  # (time, done) at the previous line: the rate's window
         self._bar = None
         self._closed = False
         if _QUIET or mode == "off":
@@ -127,8 +130,9 @@ class Progress:
             if now - self._last >= self.interval_s:
                 if wait is not None and hasattr(wait, "block_until_ready"):
                     wait.block_until_ready()
-                self._last = time.monotonic()
                 self._emit(self.line())
+                self._last = time.monotonic()
+                self._mark = (self._last, self.n)
 
     def set(self, n: float | None = None, **fields: Any) -> None:
         """Set the done count to ``n`` (e.g. the step a trainer reached) and/or the fields."""
@@ -154,6 +158,7 @@ class Progress:
         if self.mode == "bar":
             self._bar.close()
         elif self.mode == "lines":
+            self._mark = (self._t0, self._n0)  # the final line reports the whole run's rate
             self._emit(self.line(final=True))
 
     def __enter__(self) -> Progress:
@@ -164,8 +169,13 @@ class Progress:
 
     # ------------------------------------------------------------------ lines
     def rate(self) -> float | None:
-        dt = time.monotonic() - self._t0
-        done = self.n - self._n0
+        """Units per second since the previous line (so a slow first step, e.g. a compile, stops counting once
+        it is a line behind), or since the start for the first line and the final one."""
+        now = time.monotonic()
+        t, n = self._mark
+        if now - t <= 0 or self.n - n <= 0:
+            t, n = self._t0, self._n0
+        done, dt = self.n - n, now - t
         return done / dt if dt > 0 and done > 0 else None
 
     def line(self, final: bool = False) -> str:

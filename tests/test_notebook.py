@@ -8,6 +8,7 @@ with ``K3_NOTEBOOK_CONFIG=tiny`` and a handful of steps, and fails on the first 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import resource
 import sys
@@ -105,7 +106,7 @@ def test_notebook_executes_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("XLA_FLAGS", "")  # one host device (conftest asks for 8 for the sharding tests)
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")  # plots render as in Jupyter
     monkeypatch.setenv("K3_NOTEBOOK_OUT", str(tmp_path / "out"))
     for k, v in TEST_ENV.items():
         monkeypatch.setenv(k, v)
@@ -117,6 +118,9 @@ def test_notebook_executes_on_cpu(tmp_path, monkeypatch):
     wall, cpu1 = time.time() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     kernel_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    images = [c for c in nb.cells if any("image/png" in o.get("data", {}) for o in c.get("outputs", []))]
+    if importlib.util.find_spec("matplotlib") is not None:  # the run's figure and the expert-load heatmaps
+        assert len(images) >= 2, f"{len(images)} cells rendered a plot"
     assert summary["config"] == "k3-tiny.json" and summary["steps"] == int(TEST_ENV["K3_NOTEBOOK_STEPS"])
     losses = list(summary["loss_curve"].values())
     assert all(0.0 < x < 20.0 for x in losses), losses

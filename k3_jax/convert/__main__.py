@@ -153,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         log.addHandler(h)
         log.setLevel(logging.INFO)
     from k3_jax import progress
-
-    progress.set_quiet(a.quiet)
     from k3_jax.convert.hf import CheckpointError
     from k3_jax.convert.safetensors_io import SafetensorsError
 
+    was_quiet = progress.is_quiet()
+    progress.set_quiet(a.quiet or was_quiet)
     try:
         return _run(a)
     except (CheckpointError, SafetensorsError, OSError, ValueError) as exc:
@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in rest:
             print(f"  {line.strip()}", file=sys.stderr)
         return 2
+    finally:
+        progress.set_quiet(was_quiet)  # main() called in-process leaves the setting as it found it
 
 
 if __name__ == "__main__":

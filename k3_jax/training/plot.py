@@ -123,15 +123,14 @@ def figure(rows: list[dict[str, Any]], title: str | None = None):
         _note(ax_tp, "no throughput logged")
     ax_tp.set(xlabel="step", ylabel="tokens/s", title="throughput (after the compiling step)")
     mx, my = _series(train[1:], "mfu")
-    ax_mfu = ax_tp.twinx()
     if mx:
+        ax_mfu = ax_tp.twinx()
         ax_mfu.plot(mx, [100 * v for v in my], lw=1.0, color="tab:purple")
         ax_mfu.set_ylim(0, max(100 * v for v in my) * 1.15)
+        ax_mfu.set_ylabel("MFU (%)", color="tab:purple")
     else:
-        ax_mfu.set_yticks([])
-        ax_tp.text(0.98, 0.04, "MFU n/a (unknown peak, e.g. CPU)", ha="right", transform=ax_tp.transAxes,
+        ax_tp.text(0.98, 0.04, "MFU n/a (unknown peak FLOP/s, e.g. CPU)", ha="right", transform=ax_tp.transAxes,
                    color="tab:purple", fontsize=8)
-    ax_mfu.set_ylabel("MFU (%)", color="tab:purple")
 
     plotted = False
     for key, label, style in (("load_max_mean", "worst layer, with QB bias", "-"),
@@ -150,7 +149,7 @@ def figure(rows: list[dict[str, Any]], title: str | None = None):
 
     layer_ids = metas[-1]["moe_layer_ids"] if metas else None
     for ax, key, label, cmap in ((ax_load, "load_max_mean_per_layer", "max / mean expert load", "magma"),
-                                 (ax_dead, "dead_experts_per_layer", "dead experts (no token)", "Reds")):
+                                 (ax_dead, "dead_experts_per_layer", "dead experts (no token routed)", "Reds")):
         got = _layer_matrix(train, key)
         ax.set(xlabel="step", title=f"{label} per MoE layer")
         if got is None:
@@ -165,6 +164,8 @@ def figure(rows: list[dict[str, Any]], title: str | None = None):
         ax.set_yticks(ticks, [str(names[i]) for i in ticks])
         ax.set_ylabel("layer" if layer_ids else "MoE layer #")
         fig.colorbar(im, ax=ax, fraction=0.04, pad=0.01)
+        if "dead" in key and not np.nanmax(mat) > 0:
+            _note(ax, "no dead experts in any layer at any step")
     if title:
         fig.suptitle(title)
     return fig
