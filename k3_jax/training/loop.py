@@ -359,7 +359,7 @@ class Trainer:
             ckpt.close()
             flag.restore_handlers()
             logger.close()
-        if last_saved > start:  # the last save of this run is committed on disk (else CheckpointError)
+        if last_saved > start and jax.process_index() == 0:  # the last save is on disk (else CheckpointError)
             ckpt.confirm_written(last_saved)
         return {"losses": losses, "eval": evals, "final_step": step, "wall_s": time.time() - t_start,
                 "compile_s": compile_s, "state": state}
