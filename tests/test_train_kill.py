@@ -38,9 +38,9 @@ def env(tmp_path_factory):
 
 
 def _start(workdir: Path, env: dict) -> subprocess.Popen:
-    log = open(workdir.parent / f"{workdir.name}.log", "ab")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), "--workdir", str(workdir), *ARGS],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(workdir.parent / f"{workdir.name}.log", "ab") as log:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, str(REPO / "train.py"), "--workdir", str(workdir), *ARGS],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _rows(workdir: Path) -> list[dict]:

@@ -203,6 +203,24 @@ def test_no_resume_refuses_a_workdir_with_checkpoints(trainer, saved_3_6, tmp_pa
     assert "moved checkpoints of steps [3, 6]" in capsys.readouterr().err
 
 
+def test_train_py_no_resume_into_a_run_exits_2_naming_it(saved_3_6, tmp_path, capsys, monkeypatch):
+    """The issue's repro: ``train.py --no-resume`` into a workdir with checkpoints used to exit 0 having saved
+    nothing; it now exits 2 before any compile, naming the directory, the steps and the ways on."""
+    from train import main
+
+    monkeypatch.setenv("K3_COMPILATION_CACHE", "off")
+    monkeypatch.setenv("K3_XLA_DEFAULTS", "off")
+    work = _copy(saved_3_6, tmp_path / "run")
+    sets = [a for k, v in MICRO.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    argv = ["--workdir", work, "--no-resume", "--mesh", "none", "--seq-len", "32", "--steps", "6", *sets,
+            "--set", "tensorboard=false"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --no-resume: ") and f"{work}/checkpoints" in err and "[3, 6]" in err, err
+    assert "--start-over" in err and "--workdir" in err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["3", "6"]
+
+
 def _truncate_largest_array_file(step_dir):
     files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "ocdbt.process" not in str(p)]
     big = max(files, key=lambda p: p.stat().st_size)

@@ -276,21 +276,23 @@ class Trainer:
         n = max(tot["tokens"], 1.0)
         return {"eval_loss": tot["loss_sum"] / n, "eval_accuracy": tot["correct"] / n}
 
-    def _resume_or_start(self, ckpt: Checkpointer, state: dict, it: DataIterator) -> tuple[dict, int, list[str]]:
-        """``(state, start step, notes)``: the checked resume of ``ckpt`` (``tc.resume``), or a new run's
-        check that ``ckpt`` holds no steps (see ``resume.py``); closes ``ckpt`` when it raises."""
+    def _resume_or_start(self, ckpt: Checkpointer, it: DataIterator) -> tuple[dict, int, list[str]]:
+        """``(state, start step, notes)``: the checked resume of ``ckpt`` (``tc.resume``), or a fresh state
+        after a new run's check that ``ckpt`` holds no steps (see ``resume.py``; refusals come before any
+        compile); closes ``ckpt`` when it raises."""
         tc = self.tc
         ckpt.run_config = run_config(tc, self.cfg, muon_dtype=self.optim_cfg.muon_dtype)
         try:
             if not tc.resume:
                 if tc.resume_step is not None:
                     raise ResumeError(f"resume_step={tc.resume_step} asks to resume, but resume=False")
-                return state, 0, start_new_run(ckpt, start_over=tc.start_over, say=_say)
+                notes = start_new_run(ckpt, start_over=tc.start_over, say=_say)
+                return self.init_state(), 0, notes
             if not ckpt.all_steps():
                 if tc.resume_step is not None:
                     raise ResumeError(f"--resume-step {tc.resume_step}: {ckpt.directory} holds no checkpoints")
-                return state, 0, []
-            state, data_state, start, notes = resume(ckpt, state, ckpt.run_config, step=tc.resume_step,
+                return self.init_state(), 0, []
+            state, data_state, start, notes = resume(ckpt, self.init_state(), ckpt.run_config, step=tc.resume_step,
                                                      allow_config_change=tc.allow_config_change, say=_say)
             it.set_state(select_data_state(data_state))
             return state, start, notes
@@ -302,11 +304,10 @@ class Trainer:
         """Train to ``stop_at`` or ``steps``; returns ``{"losses": {step: loss}, "eval": [...], ...}``."""
         tc = self.tc
         t_start = time.time()
-        state = self.init_state()
         it = self.data_iterator("train")
         ckpt = Checkpointer(Path(tc.workdir) / "checkpoints", keep=tc.keep, save_every=tc.save_every,
                             async_save=tc.async_checkpoint)
-        state, start, notes = self._resume_or_start(ckpt, state, it)
+        state, start, notes = self._resume_or_start(ckpt, it)
         end = min(tc.steps, tc.stop_at) if tc.stop_at is not None else tc.steps
         logger = MetricsLogger(tc.workdir, tc.steps, print_every=tc.log_every, tensorboard=tc.tensorboard,
                                start_step=start)
