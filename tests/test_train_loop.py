@@ -1,7 +1,13 @@
 """Training loop: exact resume (straight N vs N/2 + restore + N/2), QB balances a skewed router in the step,
-loss falls, CLI parsing. Uses a 2-layer micro K3 (one KDA+dense, one MLA+MoE) so one compile serves all."""
+loss falls, CLI parsing. Uses a 2-layer micro K3 (one KDA+dense, one MLA+MoE) so one compile serves all.
+
+Training state never lies (the second half): a new run refuses a workdir with checkpoints (or moves them
+aside), resume falls back past a damaged latest checkpoint (saying which) or takes the step it is given, and a
+config change that breaks exact resume is refused naming the fields (a changed shape names the parameter)."""
 
 import dataclasses
+import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +15,7 @@ import numpy as np
 import pytest
 
 from k3_jax.training.loop import TrainConfig, Trainer
+from k3_jax.training.resume import ResumeError, run_config
 
 MICRO = {
     "hidden_size": 64, "num_hidden_layers": 2, "kda_layers": [0], "mla_layers": [1],
@@ -149,3 +156,166 @@ def test_sigterm_sets_preemption_flag():
     finally:
         flag.restore_handlers()
     assert signal.getsignal(signal.SIGTERM) is not flag._handle
+
+
+# ----------------------------------------------------------------- resume hardening
+@pytest.fixture(scope="module")
+def saved_3_6(trainer):
+    """A workdir holding the straight run's checkpoints of steps 3 and 6 (save_every=3)."""
+    tr = trainer
+    out = _run(tr, workdir=str(tr.tmp / "saved_3_6"), save_every=3)
+    assert out["losses"] == tr.straight["losses"]
+    assert sorted(p.name for p in (tr.tmp / "saved_3_6" / "checkpoints").iterdir()) == ["3", "6"]
+    return tr.tmp / "saved_3_6"
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _run(tr, **kw):
+    tr.tc = dataclasses.replace(_tc(tr.tmp), **kw)
+    return tr.run()
+
+
+def _set_aside(workdir):
+    """{folder name: sorted entries} of ``<workdir>/set-aside``."""
+    root = workdir / "set-aside"
+    return {d.name: sorted(p.name for p in d.iterdir()) for d in root.iterdir()} if root.exists() else {}
+
+
+def test_no_resume_refuses_a_workdir_with_checkpoints(trainer, saved_3_6, tmp_path, capsys):
+    tr = trainer
+    work = _copy(saved_3_6, tmp_path / "run")
+    with pytest.raises(ResumeError) as e:
+        _run(tr, workdir=work, resume=False)
+    msg = str(e.value)
+    assert f"{work}/checkpoints" in msg and "[3, 6]" in msg and "--workdir" in msg and "--start-over" in msg
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["3", "6"]  # untouched
+
+    # --start-over: the old run is moved aside (not deleted) and the new run's own checkpoint is written
+    out = _run(tr, workdir=work, resume=False, start_over=True)
+    assert out["losses"] == tr.straight["losses"]
+    (name, entries), = _set_aside(tmp_path / "run").items()
+    assert name.endswith("-start-over") and entries == ["3", "6", "metrics.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["6"]
+    assert "moved checkpoints of steps [3, 6]" in capsys.readouterr().err
+
+
+def test_train_py_no_resume_into_a_run_exits_2_naming_it(saved_3_6, tmp_path, capsys, monkeypatch):
+    """The issue's repro: ``train.py --no-resume`` into a workdir with checkpoints used to exit 0 having saved
+    nothing; it now exits 2 before any compile, naming the directory, the steps and the ways on."""
+    from train import main
+
+    monkeypatch.setenv("K3_COMPILATION_CACHE", "off")
+    monkeypatch.setenv("K3_XLA_DEFAULTS", "off")
+    work = _copy(saved_3_6, tmp_path / "run")
+    sets = [a for k, v in MICRO.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    argv = ["--workdir", work, "--no-resume", "--mesh", "none", "--seq-len", "32", "--steps", "6", *sets,
+            "--set", "tensorboard=false"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --no-resume: ") and f"{work}/checkpoints" in err and "[3, 6]" in err, err
+    assert "--start-over" in err and "--workdir" in err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["3", "6"]
+
+
+def _truncate_largest_array_file(step_dir):
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "ocdbt.process" not in str(p)]
+    big = max(files, key=lambda p: p.stat().st_size)
+    big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])
+
+
+def _empty(step_dir):
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+
+
+@pytest.mark.parametrize("damage", [_truncate_largest_array_file, _empty], ids=["truncated", "empty"])
+def test_resume_falls_back_past_a_damaged_latest_checkpoint(trainer, saved_3_6, tmp_path, capsys,
+                                                             damage):
+    tr = trainer
+    work = _copy(saved_3_6, tmp_path / "run")
+    damage(tmp_path / "run" / "checkpoints" / "6")
+    out = _run(tr, workdir=work)
+    assert sorted(out["losses"]) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert out["losses"][s] == tr.straight["losses"][s]
+    err = capsys.readouterr().err
+    assert f"checkpoint step 6 in {work}/checkpoints/6 is damaged" in err, err
+    (name, entries), = _set_aside(tmp_path / "run").items()
+    assert name.endswith("-after-step-3") and entries == ["6"]
+    meta = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("is damaged" in n for row in meta if row.get("event") == "start" for n in row["notes"])
+
+
+def test_all_checkpoints_damaged_names_each(trainer, saved_3_6, tmp_path):
+    work = _copy(saved_3_6, tmp_path / "run")
+    for s in ("3", "6"):
+        _empty(tmp_path / "run" / "checkpoints" / s)
+    with pytest.raises(ResumeError, match=r"(?s)can be restored.*step 6.*step 3.*--start-over"):
+        _run(trainer, workdir=work)
+    assert not (tmp_path / "run" / "set-aside").exists()  # nothing moved when nothing could be restored
+
+
+def test_resume_step_picks_a_checkpoint(trainer, saved_3_6, tmp_path):
+    tr = trainer
+    work = _copy(saved_3_6, tmp_path / "run")
+    with pytest.raises(ResumeError, match=r"--resume-step 5: no checkpoint .* \(steps there: \[3, 6\]\)"):
+        _run(tr, workdir=work, resume_step=5)
+    out = _run(tr, workdir=work, resume_step=3)
+    assert {s: out["losses"][s] for s in (4, 5, 6)} == {s: tr.straight["losses"][s] for s in (4, 5, 6)}
+    assert list(_set_aside(tmp_path / "run").values()) == [["6"]]
+
+
+def test_changed_training_options_are_refused_naming_them(trainer, saved_3_6, tmp_path, capsys):
+    tr = trainer
+    work = _copy(saved_3_6, tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
+    with pytest.raises(ResumeError) as e:
+        _run(tr, workdir=work, lr=2e-2, batch_size=4, steps=9)
+    msg = str(e.value)
+    for change in ("train.lr: 0.01 -> 0.02", "train.batch_size: 8 -> 4", "train.steps: 6 -> 9",
+                   "--allow-config-change", f"{work}/checkpoints"):
+        assert change in msg, msg
+    # allowed: resumes, says so, and the next checkpoint stores the new config
+    out = _run(tr, workdir=work, lr=2e-2, allow_config_change=True)
+    assert sorted(out["losses"]) == [4, 5, 6]
+    assert "train.lr: 0.01 -> 0.02" in capsys.readouterr().err
+    stored = json.loads((tmp_path / "run" / "checkpoints" / "6" / "run" / "metadata").read_text())
+    assert stored["train"]["lr"] == 2e-2 and stored["model"]["hidden_size"] == 64
+
+
+def test_changed_model_shape_names_the_parameter_and_shapes(trainer, tmp_path):
+    """A checkpoint of a model with intermediate_size 96 (its state and stored run config), resumed by the
+    trainer of intermediate_size 128: refused, naming the parameter paths, both shapes and the config field."""
+    from k3_jax.training.checkpoint import Checkpointer
+
+    tr = trainer
+    state = jax.eval_shape(tr.init_state)
+    mlp = state["params"]["model"]["segment_0"]["layer_0"]["mlp"]
+    mlp["gate_proj"]["kernel"] = jax.ShapeDtypeStruct((1, 64, 96), jnp.float32)
+    state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state)
+    run_cfg = run_config(_tc(tr.tmp), tr.cfg.replace(intermediate_size=96), muon_dtype=tr.optim_cfg.muon_dtype)
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", async_save=False)
+    ckpt.run_config = run_cfg
+    ckpt.save(3, state, {})
+    ckpt.close()
+    with pytest.raises(ResumeError) as e:
+        _run(tr, workdir=str(tmp_path / "run"))
+    msg = str(e.value)
+    assert "params/model/segment_0/layer_0/mlp/gate_proj/kernel: checkpoint (1, 64, 96), model (1, 64, 128)" in msg
+    assert "model.intermediate_size: 96 -> 128" in msg and "checkpoint step 3" in msg, msg
+
+
+def test_cli_resume_flags():
+    from train import build_train_config
+
+    tc = build_train_config(["--resume-step", "3", "--allow-config-change"])
+    assert tc.resume and tc.resume_step == 3 and tc.allow_config_change and not tc.start_over
+    tc = build_train_config(["--start-over"])
+    assert not tc.resume and tc.start_over
+    assert not build_train_config(["--no-resume"]).resume and not build_train_config(["--no-resume"]).start_over
+    with pytest.raises(SystemExit):
+        build_train_config(["--no-resume", "--resume-step", "3"])

@@ -14,6 +14,14 @@ The same command runs on one CPU, one GPU, a multi-GPU host or a TPU pod: on sev
 the documents, and checkpoints are written by all processes into one orbax directory.
 Re-running with the same ``--workdir`` resumes from the latest checkpoint (exact same loss trajectory);
 SIGTERM saves a checkpoint and exits. Metrics: ``<workdir>/metrics.jsonl`` (+ TensorBoard if installed).
+
+Resume is checked: each checkpoint stores the run's config (model config + the training options the loss
+trajectory depends on); a resume with a changed value is refused, naming each field with its old and new
+value, unless ``--allow-config-change``; a changed model shape names the parameter and both shapes. A damaged
+latest checkpoint is reported and the previous one used; ``--resume-step N`` picks a step. Checkpoints after
+the resumed step are moved to ``<workdir>/set-aside/`` (never deleted). ``--no-resume`` starts a new run and
+refuses a --workdir that holds checkpoints; ``--start-over`` moves them (and the metrics) to
+``<workdir>/set-aside/`` first.
 """
 
 from __future__ import annotations
@@ -52,14 +60,27 @@ def build_train_config(argv: list[str] | None = None):
     p.add_argument("--preset", default=None, help="sharding preset (train, long-context, or a json name)")
     p.add_argument("--save-every", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=None)
-    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --workdir")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start a new run; refused if --workdir already holds checkpoints (see --start-over)")
+    p.add_argument("--start-over", action="store_true",
+                   help="start a new run at step 0 in --workdir, first moving its checkpoints and metrics to "
+                        "<workdir>/set-aside/<time>-start-over/ (implies --no-resume)")
+    p.add_argument("--resume-step", type=int, default=None, metavar="N",
+                   help="resume checkpoint step N instead of the latest good one (later steps are moved aside)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume although the checkpoint's stored run config differs (the changes are printed)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar / progress lines (metric lines stay)")
     args = p.parse_args(argv)
+<<<<<<< integ
     if args.quiet:
         from k3_jax import progress
 
         progress.set_quiet()
+=======
+    if args.resume_step is not None and (args.no_resume or args.start_over):
+        p.error("--resume-step resumes a run; it cannot go with --no-resume or --start-over")
+>>>>>>> train-harden
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     hints = typing.get_type_hints(TrainConfig)
@@ -82,8 +103,14 @@ def build_train_config(argv: list[str] | None = None):
               "save_every": args.save_every, "eval_every": args.eval_every, "seed": args.seed,
               "data": tuple(args.data) if args.data else None}
     train_kw.update({k: v for k, v in direct.items() if v is not None})
-    if args.no_resume:
+    if args.no_resume or args.start_over:
         train_kw["resume"] = False
+    if args.start_over:
+        train_kw["start_over"] = True
+    if args.resume_step is not None:
+        train_kw["resume_step"] = args.resume_step
+    if args.allow_config_change:
+        train_kw["allow_config_change"] = True
     if "workdir" not in train_kw and "config" in train_kw:
         from pathlib import Path
 
@@ -107,10 +134,17 @@ def main(argv: list[str] | None = None) -> int:
 
     compile_cache.enable()
 
+    from k3_jax.training.checkpoint import CheckpointError
+    from k3_jax.training.resume import ResumeError
+
     trainer = Trainer(tc)
     print(f"k3-jax train: {tc.config} | steps {tc.steps} | batch {tc.batch_size}x{tc.seq_len} | "
           f"optimizer {tc.optimizer} | params {trainer.param_groups} | workdir {tc.workdir}", flush=True)
-    out = trainer.run()
+    try:
+        out = trainer.run()
+    except (ResumeError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     losses = out["losses"]
     if losses:
         steps = sorted(losses)

@@ -1,7 +1,10 @@
 """The training loop: builds model, optimizer, data, mesh and checkpoints from a :class:`TrainConfig`, and runs.
 
 ``Trainer(TrainConfig(...)).run()`` trains, evaluates, logs and checkpoints; it resumes from the latest
-checkpoint in ``workdir`` when one exists (``resume=True``), continuing the exact loss trajectory.
+good checkpoint in ``workdir`` when one exists (``resume=True``; ``resume_step`` picks one), continuing the
+exact loss trajectory, and refuses a checkpoint of another config unless ``allow_config_change``
+(``k3_jax/training/resume.py``). ``resume=False`` refuses a workdir that holds checkpoints unless
+``start_over`` (which moves them aside).
 ``stop_at`` ends a run early at that step (saving a checkpoint) without changing the LR schedule, which is
 what a preempted-then-resumed run looks like.
 """
@@ -25,6 +28,7 @@ from k3_jax.training.checkpoint import Checkpointer, PreemptionFlag
 from k3_jax.training.data import DataConfig, DataIterator, make_dataset
 from k3_jax.training.metrics import MetricsLogger, flops_per_token, muon_flops_per_step, peak_flops_per_device
 from k3_jax.training.optim import OptimConfig, build_optimizer, count_groups, lr_schedule, param_labels
+from k3_jax.training.resume import ResumeError, resume, run_config, start_new_run
 from k3_jax.training.step import StepConfig, make_eval_step, make_train_step
 
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -75,6 +79,14 @@ def resolve_muon_dtype(name: str) -> str:
     return name
 
 
+def _say(text: str) -> None:
+    """A resume decision, on stderr (process 0)."""
+    if jax.process_index() == 0:
+        import sys
+
+        print(f"k3-jax train: {text}", file=sys.stderr, flush=True)
+
+
 def _any_process(flag: bool) -> bool:
     """True on every process if ``flag`` is True on any (so all processes save the same step)."""
     if jax.process_count() == 1:
@@ -121,7 +133,10 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end / on SIGTERM
     keep: int = 3
     async_checkpoint: bool = True
-    resume: bool = True
+    resume: bool = True  # False: a new run; refused if workdir holds checkpoints, unless start_over
+    start_over: bool = False  # with resume=False: move workdir's checkpoints and metrics aside, start at step 0
+    resume_step: int | None = None  # resume this step instead of the latest good one
+    allow_config_change: bool = False  # resume although the stored run config differs (fields are named)
     tensorboard: bool = True
     peak_tflops: float | None = None
     # parallelism
@@ -261,22 +276,42 @@ class Trainer:
         n = max(tot["tokens"], 1.0)
         return {"eval_loss": tot["loss_sum"] / n, "eval_accuracy": tot["correct"] / n}
 
+    def _resume_or_start(self, ckpt: Checkpointer, it: DataIterator) -> tuple[dict, int, list[str]]:
+        """``(state, start step, notes)``: the checked resume of ``ckpt`` (``tc.resume``), or a fresh state
+        after a new run's check that ``ckpt`` holds no steps (see ``resume.py``; refusals come before any
+        compile); closes ``ckpt`` when it raises."""
+        tc = self.tc
+        ckpt.run_config = run_config(tc, self.cfg, muon_dtype=self.optim_cfg.muon_dtype)
+        try:
+            if not tc.resume:
+                if tc.resume_step is not None:
+                    raise ResumeError(f"resume_step={tc.resume_step} asks to resume, but resume=False")
+                notes = start_new_run(ckpt, start_over=tc.start_over, say=_say)
+                return self.init_state(), 0, notes
+            if not ckpt.all_steps():
+                if tc.resume_step is not None:
+                    raise ResumeError(f"--resume-step {tc.resume_step}: {ckpt.directory} holds no checkpoints")
+                return self.init_state(), 0, []
+            state, data_state, start, notes = resume(ckpt, self.init_state(), ckpt.run_config, step=tc.resume_step,
+                                                     allow_config_change=tc.allow_config_change, say=_say)
+            it.set_state(select_data_state(data_state))
+            return state, start, notes
+        except BaseException:
+            ckpt.close()
+            raise
+
     def run(self) -> dict[str, Any]:
         """Train to ``stop_at`` or ``steps``; returns ``{"losses": {step: loss}, "eval": [...], ...}``."""
         tc = self.tc
         t_start = time.time()
-        state = self.init_state()
         it = self.data_iterator("train")
         ckpt = Checkpointer(Path(tc.workdir) / "checkpoints", keep=tc.keep, save_every=tc.save_every,
                             async_save=tc.async_checkpoint)
-        start = 0
-        if tc.resume and ckpt.latest_step() is not None:
-            state, data_state, start = ckpt.restore(state)
-            it.set_state(select_data_state(data_state))
+        state, start, notes = self._resume_or_start(ckpt, it)
         end = min(tc.steps, tc.stop_at) if tc.stop_at is not None else tc.steps
         logger = MetricsLogger(tc.workdir, tc.steps, print_every=tc.log_every, tensorboard=tc.tensorboard,
                                start_step=start)
-        logger.log(start, {"event": "start", "resumed": start > 0, "devices": jax.device_count(),
+        logger.log(start, {"event": "start", "resumed": start > 0, "notes": notes, "devices": jax.device_count(),
                            "mesh": None if self.mesh is None else dict(self.mesh.shape),
                            "params": self.param_groups, "flops_per_token": self.flops["total"],
                            "optimizer_flops_per_step": self.optimizer_flops,
@@ -322,9 +357,12 @@ class Trainer:
                         break
             if last_saved != step and (step > start or ckpt.latest_step() is None):
                 ckpt.save(step, state, gather_data_state(it.get_state()), force=True)
+                last_saved = step
         finally:
             ckpt.close()
             flag.restore_handlers()
             logger.close()
+        if last_saved > start and jax.process_index() == 0:  # the last save is on disk (else CheckpointError)
+            ckpt.confirm_written(last_saved)
         return {"losses": losses, "eval": evals, "final_step": step, "wall_s": time.time() - t_start,
                 "compile_s": compile_s, "state": state}
