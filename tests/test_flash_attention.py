@@ -36,7 +36,7 @@ def test_choice_falls_back_or_fails_clearly_off_gpu():
     out = causal_attention(cfg, q, k, v, 0.3, None)  # auto -> the blocked XLA path here
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   np.asarray(blocked_causal_attention(q, k, v, 0.3, None), np.float32))
-    with pytest.raises(ValueError, match="mla_attention_implementation='cudnn' needs"):
+    with pytest.raises(ValueError, match="mla.attention: implementation='cudnn' cannot run this call: needs"):
         causal_attention(cfg.replace(mla_attention_implementation="cudnn"), q, k, v, 0.3, None)
     with pytest.raises(ConfigError, match="mla_attention_implementation"):
         load_config(REPO / "configs" / "k3-tiny.json", mla_attention_implementation="flash")
