@@ -31,7 +31,7 @@ from k3_jax.training.data import (
     to_global_batch,
 )
 from k3_jax.training.metrics import MetricsLogger, flops_per_token, muon_flops_per_step, peak_flops_per_device
-from k3_jax.training.multihost import synced_when_multiprocess
+from k3_jax.training.multihost import allgather_text, replicated, synced_when_multiprocess
 from k3_jax.training.optim import OptimConfig, build_optimizer, count_groups, lr_schedule, param_labels
 from k3_jax.training.step import StepConfig, make_eval_step, make_train_step
 
@@ -42,19 +42,11 @@ def gather_data_state(state: dict) -> dict:
     """All processes' data-iterator states merged into one ``{"rows": {row: state}}`` (JSON-able).
 
     Each process reads the rows of the global batch it owns, so each holds those rows' iterator states; orbax
-    writes JSON items from one process only, so the states are all-gathered first (as fixed-size byte arrays)
-    and merged. Keyed by row, the merged state resumes under any process count (see ``training/data.py``).
+    writes JSON items from one process only, so the states are all-gathered first (through the coordination
+    service's key-value store) and merged. Keyed by row, the merged state resumes under any process count
+    (see ``training/data.py``).
     """
-    if jax.process_count() == 1:
-        return merge_row_states([state])
-    from jax.experimental import multihost_utils
-
-    raw = json.dumps(state).encode()
-    size = int(np.max(multihost_utils.process_allgather(np.int32(len(raw)))))
-    buf = np.zeros(size, np.uint8)
-    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-    everyone = multihost_utils.process_allgather(buf)  # [P, size]
-    return merge_row_states([json.loads(bytes(row).rstrip(b"\0").decode()) for row in np.asarray(everyone)])
+    return merge_row_states([json.loads(t) for t in allgather_text("data_state", json.dumps(state))])
 
 
 def select_data_state(saved: dict) -> dict:
@@ -82,9 +74,7 @@ def _any_process(flag: bool) -> bool:
     """True on every process if ``flag`` is True on any (so all processes save the same step)."""
     if jax.process_count() == 1:
         return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+    return "1" in allgather_text("preempted", str(int(flag)))
 
 
 @dataclasses.dataclass
@@ -213,7 +203,7 @@ class Trainer:
                 sh = getattr(x, "sharding", None)
                 if isinstance(sh, NamedSharding) and sh.mesh == self.mesh:
                     return x
-                return jax.device_put(x, rep)
+                return replicated(x, rep)
 
             state = jax.tree.map(place, state)
         return state
