@@ -230,6 +230,26 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
     return res
 
 
+def process_layout(sizes: dict[str, int], processes: int, batch: int, per_device_total: float) -> dict[str, Any]:
+    """How a mesh of ``sizes`` falls on ``processes`` hosts (equal devices each, process-major device order as in
+    ``jax.devices()`` and :func:`sharding.mesh.make_mesh`): devices and bytes per process, the training batch
+    rows each process feeds, and the mesh axes whose groups cross processes (their collectives leave the host).
+    """
+    devices = math.prod(sizes.values())
+    if processes < 1 or devices % processes:
+        raise ValueError(f"{devices} devices do not split over {processes} processes")
+    per_process = devices // processes
+    crossing, inner = [], 1
+    for axis in reversed(list(sizes)):  # innermost axis first: it varies fastest over the device order
+        if sizes[axis] > 1 and inner * sizes[axis] > per_process:
+            crossing.append(axis)
+        inner *= sizes[axis]
+    rows = batch // processes if batch % processes == 0 else None
+    return {"processes": processes, "devices_per_process": per_process,
+            "per_process_bytes": per_device_total * per_process, "batch_rows_per_process": rows,
+            "axes_across_processes": crossing[::-1]}
+
+
 def aot_memory(cfg: K3Config, preset: str, mesh: str | dict[str, int], topology: str, tokens: int = 64,
                batch: int = 1) -> dict[str, Any]:
     """Compile the jitted forward (``[batch, tokens]`` → logits) ahead of time for a TPU ``topology`` (e.g.
@@ -300,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also AOT-compile the forward for a TPU topology (e.g. v5p:8x8x4 = v5p-512; needs libtpu) "
                          "and print the compiler's per-device memory beside ours (minutes)")
     ap.add_argument("--aot-tokens", type=int, default=64)
+    ap.add_argument("--processes", type=int, default=1,
+                    help="hosts (JAX processes) the devices are spread over: per-host bytes and batch rows")
     a = ap.parse_args(argv)
     over: dict[str, Any] = {"param_dtype": a.param_dtype, "dtype": "bfloat16"}
     if a.experts != "config":
@@ -316,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"arguments {comp['argument_bytes'] / GB:.3f} GB vs our params "
                          f"{res.per_device['params'] / GB:.3f} GB per device; temporaries "
                          f"{comp['temp_bytes'] / GB:.3f} GB")
+    if a.processes > 1:
+        lay = process_layout(res.mesh, a.processes, a.batch, res.total)
+        res.whole.update({"per_process_bytes": lay["per_process_bytes"]})
+        res.notes.append(f"{a.processes} processes x {lay['devices_per_process']} devices: "
+                         f"{lay['per_process_bytes'] / GB:.3f} GB per process, batch rows per process "
+                         f"{lay['batch_rows_per_process']}, axes across processes {lay['axes_across_processes']}")
     if a.json:
         print(json.dumps(res.as_dict()))
     else:

@@ -27,7 +27,8 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
                        muon_dtype: str = "bfloat16", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Lower and compile ``train_step(state, batch)`` for ``topology`` (e.g. ``"v5p:2x2x1"``) on ``mesh``.
 
-    Returns ``{"topology", "devices", "mesh", "argument_bytes", "temp_bytes", "output_bytes",
+    Returns ``{"topology", "devices", "mesh", "processes" (hosts of the slice: each runs ``train.py``),
+    "batch_rows_per_process", "argument_bytes", "temp_bytes", "output_bytes",
     "mosaic_kernels", "lower_s", "compile_s"}`` (bytes per device).
     """
     import jax
@@ -70,7 +71,11 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
         compiled = lowered.compile()
         t2 = time.perf_counter()
     ma = compiled.memory_analysis()
+    processes = len({getattr(d, "process_index", 0) for d in topo.devices})
+    if batch_size % processes:
+        raise ValueError(f"batch_size {batch_size} does not split over the {processes} hosts of {topology}")
     return {"config": config, "topology": topology, "devices": len(topo.devices), "mesh": dict(m.shape),
+            "processes": processes, "batch_rows_per_process": batch_size // processes,
             "batch": batch_size, "seq_len": seq_len, "implementation": implementation,
             "argument_bytes": ma.argument_size_in_bytes, "temp_bytes": ma.temp_size_in_bytes,
             "output_bytes": ma.output_size_in_bytes,
