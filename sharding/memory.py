@@ -220,3 +220,23 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
     res.whole["attn_res_bank_per_chunk"] = bank * max(sizes["sequence"], 1)
     res.notes.append("not included: communication buffers, GEMM workspaces, allocator fragmentation")
     return res
+
+
+def process_layout(sizes: dict[str, int], processes: int, batch: int, per_device_total: float) -> dict[str, Any]:
+    """How a mesh of ``sizes`` falls on ``processes`` hosts (equal devices each, process-major device order as in
+    ``jax.devices()`` and :func:`sharding.mesh.make_mesh`): devices and bytes per process, the training batch
+    rows each process feeds, and the mesh axes whose groups cross processes (their collectives leave the host).
+    """
+    devices = math.prod(sizes.values())
+    if processes < 1 or devices % processes:
+        raise ValueError(f"{devices} devices do not split over {processes} processes")
+    per_process = devices // processes
+    crossing, inner = [], 1
+    for axis in reversed(list(sizes)):  # innermost axis first: it varies fastest over the device order
+        if sizes[axis] > 1 and inner * sizes[axis] > per_process:
+            crossing.append(axis)
+        inner *= sizes[axis]
+    rows = batch // processes if batch % processes == 0 else None
+    return {"processes": processes, "devices_per_process": per_process,
+            "per_process_bytes": per_device_total * per_process, "batch_rows_per_process": rows,
+            "axes_across_processes": crossing[::-1]}

@@ -27,7 +27,7 @@ import pallas_kernels.moe.reference as moe_ref
 from k3_jax.config import K3Config, load_config
 from k3_jax.model import K3ForCausalLM
 from sharding import rules
-from sharding.memory import GB, plan
+from sharding.memory import GB, plan, process_layout
 from sharding.mesh import make_mesh
 
 
@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also AOT-compile the forward for a TPU topology (e.g. v5p:8x8x4 = v5p-512; needs libtpu) "
                          "and print the compiler's per-device memory beside ours (minutes)")
     ap.add_argument("--aot-tokens", type=int, default=64)
+    ap.add_argument("--processes", type=int, default=1,
+                    help="hosts (JAX processes) the devices are spread over: per-host bytes and batch rows")
     a = ap.parse_args(argv)
     over: dict[str, Any] = {"param_dtype": a.param_dtype, "dtype": "bfloat16"}
     if a.experts != "config":
@@ -116,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"arguments {comp['argument_bytes'] / GB:.3f} GB vs our params "
                          f"{res.per_device['params'] / GB:.3f} GB per device; temporaries "
                          f"{comp['temp_bytes'] / GB:.3f} GB")
+    if a.processes > 1:
+        lay = process_layout(res.mesh, a.processes, a.batch, res.total)
+        res.whole.update({"per_process_bytes": lay["per_process_bytes"]})
+        res.notes.append(f"{a.processes} processes x {lay['devices_per_process']} devices: "
+                         f"{lay['per_process_bytes'] / GB:.3f} GB per process, batch rows per process "
+                         f"{lay['batch_rows_per_process']}, axes across processes {lay['axes_across_processes']}")
     if a.json:
         print(json.dumps(res.as_dict()))
     else:

@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.prompt is None and args.port is None:
         raise SystemExit("give --prompt TEXT (terminal) or --port N (HTTP server)")
+    if int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
+        raise SystemExit("serve.py runs in one process on one device; a mesh spanning processes is not supported "
+                         "for serving (README: Run on several hosts)")
     os.environ.setdefault("XLA_FLAGS", "")
     from k3_jax import progress
 

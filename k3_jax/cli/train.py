@@ -10,8 +10,9 @@ Examples::
 
 The same command runs on one CPU, one GPU, a multi-GPU host or a TPU pod: on several processes
 ``jax.distributed`` is initialised from the launcher's environment (TPU pod metadata, SLURM, Open MPI, or
-``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``), each process reads its own slice of
-the documents, and checkpoints are written by all processes into one orbax directory.
+``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``; locally: ``python -m k3_jax.launch``),
+each process reads the rows of the global batch its devices hold, and checkpoints are written by all processes
+into one orbax directory.
 Re-running with the same ``--workdir`` resumes from the latest checkpoint (exact same loss trajectory);
 SIGTERM saves a checkpoint and exits. Metrics: ``<workdir>/metrics.jsonl`` (+ TensorBoard if installed).
 
@@ -72,15 +73,12 @@ def build_train_config(argv: list[str] | None = None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar / progress lines (metric lines stay)")
     args = p.parse_args(argv)
-<<<<<<< integ
     if args.quiet:
         from k3_jax import progress
 
         progress.set_quiet()
-=======
     if args.resume_step is not None and (args.no_resume or args.start_over):
         p.error("--resume-step resumes a run; it cannot go with --no-resume or --start-over")
->>>>>>> train-harden
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     hints = typing.get_type_hints(TrainConfig)

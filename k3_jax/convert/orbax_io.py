@@ -174,3 +174,37 @@ def restore_params(path: str | os.PathLike[str], target: Any | None = None) -> A
     if target is None:
         return ckptr.restore(os.path.abspath(os.fspath(path)))
     return ckptr.restore(os.path.abspath(os.fspath(path)), target)
+
+
+def restore_params_on_mesh(path: str | os.PathLike[str], mesh: Any, preset: str = "serve",
+                           **overrides: Any) -> tuple[Any, Any]:
+    """``(cfg, params)`` of a converted checkpoint, every array read straight onto ``mesh`` per ``preset``
+    (``mesh=None``: the default device, as :func:`restore_params`).
+
+    ``cfg`` comes from the checkpoint's ``k3_config.json`` (``overrides``: config fields such as ``dtype``).
+    The target shardings are the model's logical axes under the preset's rules, so on a mesh that spans several
+    processes (``jax.distributed``) each process reads only the shards its devices hold; the result is the
+    same global arrays a single-process restore onto the same mesh gives.
+    """
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from k3_jax.config import config_from_dict
+    from k3_jax.model import K3ForCausalLM
+    from sharding.rules import param_shardings
+
+    cfg_file = os.path.join(os.fspath(path), "k3_config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{cfg_file} not found: {path} is not a checkpoint written by convert_to_orbax")
+    with open(cfg_file) as f:
+        cfg = config_from_dict(json.load(f))
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    if mesh is None:
+        return cfg, restore_params(path)
+    boxed = jax.eval_shape(K3ForCausalLM(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    shardings = param_shardings(boxed, mesh, preset)
+    target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), nn.unbox(boxed),
+                          shardings)
+    return cfg, restore_params(path, target)

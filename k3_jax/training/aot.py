@@ -31,9 +31,10 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
     """Lower and compile ``train_step(state, batch)`` for ``topology`` (e.g. ``"v5p:2x2x1"``) on ``mesh``.
 
     ``implementation``: ``kda_implementation`` and ``moe_implementation`` (``"auto"``, ``"mosaic_tpu"`` or
-    ``"xla"``). Returns ``{"topology", "devices", "mesh", "argument_bytes", "temp_bytes", "output_bytes",
-    "mosaic_kernels", "dots", "lower_s", "compile_s"}`` (bytes per device; ``dots``: count of lowered
-    ``dot_general`` s per ``"lhs x rhs -> out"`` element types, e.g. ``"bf16 x bf16 -> f32"``).
+    ``"xla"``). Returns ``{"topology", "devices", "mesh", "processes" (hosts of the slice: each runs
+    ``train.py``), "batch_rows_per_process", "argument_bytes", "temp_bytes", "output_bytes", "mosaic_kernels",
+    "dots", "lower_s", "compile_s"}`` (bytes per device; ``dots``: count of lowered ``dot_general`` s per
+    ``"lhs x rhs -> out"`` element types, e.g. ``"bf16 x bf16 -> f32"``).
     """
     import jax
     import jax.numpy as jnp
@@ -76,7 +77,11 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
         compiled = lowered.compile()
         t2 = time.perf_counter()
     ma = compiled.memory_analysis()
+    processes = len({getattr(d, "process_index", 0) for d in topo.devices})
+    if batch_size % processes:
+        raise ValueError(f"batch_size {batch_size} does not split over the {processes} hosts of {topology}")
     return {"config": config, "topology": topology, "devices": len(topo.devices), "mesh": dict(m.shape),
+            "processes": processes, "batch_rows_per_process": batch_size // processes,
             "batch": batch_size, "seq_len": seq_len, "implementation": implementation,
             "argument_bytes": ma.argument_size_in_bytes, "temp_bytes": ma.temp_size_in_bytes,
             "output_bytes": ma.output_size_in_bytes,

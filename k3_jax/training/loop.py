@@ -25,8 +25,16 @@ import numpy as np
 from k3_jax.config import K3Config, load_config
 from k3_jax.model import K3ForCausalLM
 from k3_jax.training.checkpoint import Checkpointer, PreemptionFlag
-from k3_jax.training.data import DataConfig, DataIterator, make_dataset
+from k3_jax.training.data import (
+    DataConfig,
+    DataIterator,
+    make_dataset,
+    merge_row_states,
+    process_rows,
+    to_global_batch,
+)
 from k3_jax.training.metrics import MetricsLogger, flops_per_token, muon_flops_per_step, peak_flops_per_device
+from k3_jax.training.multihost import allgather_text, replicated, synced_when_multiprocess
 from k3_jax.training.optim import OptimConfig, build_optimizer, count_groups, lr_schedule, param_labels
 from k3_jax.training.resume import ResumeError, resume, run_config, start_new_run
 from k3_jax.training.step import StepConfig, make_eval_step, make_train_step
@@ -35,32 +43,19 @@ BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def gather_data_state(state: dict) -> dict:
-    """All processes' data-iterator states as ``{"processes": [state_0, state_1, ...]}`` (JSON-able).
+    """All processes' data-iterator states merged into one ``{"rows": {row: state}}`` (JSON-able).
 
-    Each process reads its own slice of the documents, so each has its own iterator state; orbax writes JSON
-    items from one process only, so the states are all-gathered first (as fixed-size byte arrays).
+    Each process reads the rows of the global batch it owns, so each holds those rows' iterator states; orbax
+    writes JSON items from one process only, so the states are all-gathered first (through the coordination
+    service's key-value store) and merged. Keyed by row, the merged state resumes under any process count
+    (see ``training/data.py``).
     """
-    if jax.process_count() == 1:
-        return {"processes": [state]}
-    from jax.experimental import multihost_utils
-
-    raw = json.dumps(state).encode()
-    size = int(np.max(multihost_utils.process_allgather(np.int32(len(raw)))))
-    buf = np.zeros(size, np.uint8)
-    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-    everyone = multihost_utils.process_allgather(buf)  # [P, size]
-    return {"processes": [json.loads(bytes(row).rstrip(b"\0").decode()) for row in np.asarray(everyone)]}
+    return merge_row_states([json.loads(t) for t in allgather_text("data_state", json.dumps(state))])
 
 
 def select_data_state(saved: dict) -> dict:
-    """This process's iterator state from :func:`gather_data_state`'s output."""
-    states = saved.get("processes")
-    if states is None:
-        return saved
-    if len(states) != jax.process_count():
-        raise ValueError(f"checkpoint has data states of {len(states)} processes, running {jax.process_count()}"
-                         " (resume with the same number of processes)")
-    return states[jax.process_index()]
+    """The state to give this process's iterator (it takes its own rows from the merged state)."""
+    return saved
 
 
 def batch_sharding(mesh):
@@ -91,9 +86,7 @@ def _any_process(flag: bool) -> bool:
     """True on every process if ``flag`` is True on any (so all processes save the same step)."""
     if jax.process_count() == 1:
         return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+    return "1" in allgather_text("preempted", str(int(flag)))
 
 
 @dataclasses.dataclass
@@ -225,7 +218,7 @@ class Trainer:
                 sh = getattr(x, "sharding", None)
                 if isinstance(sh, NamedSharding) and sh.mesh == self.mesh:
                     return x
-                return jax.device_put(x, rep)
+                return replicated(x, rep)
 
             state = jax.tree.map(place, state)
         return state
@@ -234,18 +227,16 @@ class Trainer:
         return None if self.mesh is None else batch_sharding(self.mesh)
 
     def _to_global(self, batch: dict) -> dict:
-        sh = self._batch_sharding()
-        if sh is None:
-            return jax.tree.map(jnp.asarray, batch)
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sh, x), batch)
+        return to_global_batch(batch, process_rows(self._batch_sharding(), self.tc.batch_size),
+                               self._batch_sharding(), self.tc.batch_size)
 
     def data_iterator(self, split: str = "train") -> DataIterator:
         tc, cfg = self.tc, self.cfg
         dc = DataConfig(paths=tuple(tc.data), seq_len=tc.seq_len, batch_size=tc.batch_size, seed=tc.seed,
                         bos_id=cfg.bos_token_id if cfg.bos_token_id is not None else 1,
                         eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else 2)
-        return DataIterator(make_dataset(dc, split=split, process_index=jax.process_index(),
-                                         process_count=jax.process_count()))
+        return DataIterator(make_dataset(dc, split=split,
+                                         rows=process_rows(self._batch_sharding(), tc.batch_size)))
 
     def compiled_steps(self, state: dict):
         """(train_step, eval_step) jitted with the state's shardings; cached on the trainer."""
@@ -260,9 +251,9 @@ class Trainer:
         if shardings is None:
             return jax.jit(train, donate_argnums=0), jax.jit(evals)
         bs = self._batch_sharding()
-        return (jax.jit(train, in_shardings=(shardings, bs), out_shardings=(shardings, None),
-                        donate_argnums=0),
-                jax.jit(evals, in_shardings=(shardings["params"], bs)))
+        return (synced_when_multiprocess(jax.jit(train, in_shardings=(shardings, bs),
+                                                 out_shardings=(shardings, None), donate_argnums=0), "train"),
+                synced_when_multiprocess(jax.jit(evals, in_shardings=(shardings["params"], bs)), "eval"))
 
     # ------------------------------------------------------------------ run
     def evaluate(self, eval_step, params) -> dict[str, float]:
