@@ -419,6 +419,29 @@ def test_held_back_stop_prefix_is_flushed_over_http(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_health_is_degraded_only_while_the_engine_cannot_step(server, monkeypatch):
+    """A failed decode call fails the requests in it (500 server_error) and /health answers 503 "degraded"
+    until a decode step succeeds again; the process keeps serving."""
+    client, _, engine, runner = server
+    real, calls = engine._decode, {"n": 0}
+
+    def fails_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected device failure")
+        return real(*args)
+
+    monkeypatch.setattr(engine, "_decode", fails_once)
+    body = {"prompt": [5, 6, 9], "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    _assert_openai_error(client.post("/v1/completions", json=body), 500, type_="server_error", words="injected")
+    h = client.get("/health")
+    assert h.status_code == 503 and h.json()["status"] == "degraded", h.text
+    _assert_openai_error(h, 503, type_="server_error", words="decode step failed")
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    _idle(client, engine, runner)
+
+
 def _sse_events(resp):
     datas = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert datas and datas[-1] == "[DONE]", datas[-3:]
@@ -493,7 +516,7 @@ def test_load_and_fault(server, monkeypatch):
         return datas[-1] == "[DONE]" and last["error"]["type"] == "server_error"
 
     jobs = [ref_stream] * 4 + [lambda i=i: chat_stream(i) for i in range(4)] + [plain_chat] * 2
-    jobs += [lambda e=e: bad_field(e) for e in BAD_FIELDS[:6]]
+    jobs += [lambda e=e: bad_field(e) for e in BAD_FIELDS]
     jobs += [oversized, lambda: invalid_bytes(b'{"messages": [\xff]}'), lambda: invalid_bytes(b"{nope")]
     jobs += [lambda: drop(True), lambda: drop(False), lambda: drop(False), lambda: fault(True), lambda: fault(False)]
     order = np.random.RandomState(0).permutation(len(jobs))
