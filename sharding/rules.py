@@ -46,7 +46,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 
 LOGICAL_AXES: tuple[str, ...] = (
     "vocab", "embed", "layers", "kda_heads", "heads", "head_dim", "q_lora", "kv_lora", "experts",
-    "expert_mlp", "latent", "mlp", "conv", "batch", "length", "norm",
+    "expert_mlp", "latent", "mlp", "conv", "batch", "length", "norm", "vision_embed", "vision",
 )
 
 _TRAIN: Rules = (
@@ -76,6 +76,8 @@ _TRAIN: Rules = (
     ("head_dim", None),
     ("conv", None),
     ("norm", None),
+    ("vision_embed", "fsdp"),  # the vision tower: FSDP in training, never expert- or tensor-sharded
+    ("vision", None),
 )
 
 _SERVE: Rules = (
@@ -95,6 +97,8 @@ _SERVE: Rules = (
     ("head_dim", None),
     ("conv", None),
     ("norm", None),
+    ("vision_embed", None),  # the vision tower is replicated for serving (data-parallel encoder)
+    ("vision", None),
 )
 
 _LONG_CONTEXT: Rules = (
@@ -120,6 +124,8 @@ _LONG_CONTEXT: Rules = (
     ("head_dim", None),
     ("conv", None),
     ("norm", None),
+    ("vision_embed", "fsdp"),
+    ("vision", None),
 )
 
 _PRESETS: dict[str, Rules] = {"train": _TRAIN, "serve": _SERVE, "long-context": _LONG_CONTEXT}
@@ -438,5 +444,5 @@ def replicated_params(params_boxed: Any, mesh: Mesh | Mapping[str, int], preset:
 #: replication saves a collective per token in decode. Checked by tests; extend with :func:`register_preset`.
 REPLICATED_OK: dict[str, tuple[str, ...]] = {
     "serve": ("block_sparse_moe/gate/kernel", "self_attn/q_a_proj", "self_attn/kv_a_proj_with_mqa",
-              "self_attn/f_a_proj"),
+              "self_attn/f_a_proj", "vision_tower/", "mm_projector/"),
 }
