@@ -193,6 +193,7 @@ class K3Config:
         }
         if self.vision is not None:
             out["vision_config"] = self.vision.to_hf_dict()
+        if self.media_placeholder_token_id is not None:
             out["media_placeholder_token_id"] = self.media_placeholder_token_id
         return out
 

@@ -165,7 +165,7 @@ class K3Model(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                 cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+                 cache: dict | None = None, embeds_hook: Any = None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         dt = compute_dtype(cfg)
         b, t = tokens.shape
@@ -176,6 +176,8 @@ class K3Model(nn.Module):
             e = vocab_parallel_embed(tokens, embedding["embedding"]).astype(dt)
         else:
             e = jnp.take(embedding["embedding"], tokens, axis=0).astype(dt)
+        if embeds_hook is not None:  # [B, T, D] -> [B, T, D], e.g. media embeddings spliced in (k3_jax.multimodal)
+            e = embeds_hook(e).astype(dt)
         sources = jnp.zeros((num_sources(cfg), b, t, cfg.hidden_size), dt).at[0].set(e)
         sources = constrain(sources, (None, "batch", "length", "embed"))
         lengths = None if cache is None else cache["lengths"]
@@ -222,13 +224,14 @@ class K3ForCausalLM(nn.Module):
     ``return_hidden=True`` returns the final normalised hidden ``[B, T, D]`` instead (for chunked losses);
     with ``cache=`` (see :mod:`k3_jax.cache`) returns ``(logits_or_hidden, new_cache)``.
     ``segment_ids`` [B, T] marks packed documents: KDA state, short convs and MLA attention never cross them.
+    ``embeds_hook`` (optional) maps the token embeddings ``[B, T, D]`` before the first layer.
     """
 
     cfg: K3Config
 
     @nn.compact
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, cache: dict | None = None,
-                 return_hidden: bool = False) -> Any:
+                 return_hidden: bool = False, embeds_hook: Any = None) -> Any:
         cfg = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] int, got shape {tokens.shape}")
@@ -236,7 +239,7 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids are not supported together with a decode cache")
-        hidden, new_cache = K3Model(cfg, name="model")(tokens, segment_ids, cache)
+        hidden, new_cache = K3Model(cfg, name="model")(tokens, segment_ids, cache, embeds_hook)
         if return_hidden:
             out = hidden
         else:
@@ -249,3 +252,11 @@ class K3ForCausalLM(nn.Module):
         if cache is not None:
             return out, new_cache
         return out
+
+
+def __getattr__(name: str) -> Any:  # K3ForConditionalGeneration (text + vision) lives in k3_jax.multimodal
+    if name == "K3ForConditionalGeneration":
+        from k3_jax.multimodal import K3ForConditionalGeneration  # noqa: PLC0415
+
+        return K3ForConditionalGeneration
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

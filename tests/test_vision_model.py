@@ -1,0 +1,126 @@
+"""K3ForConditionalGeneration (text + vision): media splice vs the release's merge, the call forms, parameter
+trees and counts (the release tower ~401M + projector ~46M, analytic and from eval_shape)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3_jax.config import load_config
+from k3_jax.convert.vision import vision_param_shapes
+from k3_jax.model import K3ForCausalLM, K3ForConditionalGeneration
+from k3_jax.multimodal import splice_media
+from k3_jax.vision.config import VisionConfig, count_vision_params, vision_config_from_dict
+from k3_jax.vision.plan import build_plan
+from k3_jax.vision.processor import expand_media_pads
+from k3_jax.vision.tower import MediaEncoder
+from tests._model_fixtures import REPO, tiny_config
+from tests.test_vision_golden import golden  # noqa: F401  (module-scoped fixture)
+
+SHARED = Path(os.environ.get("K3_SHARED", REPO.parent / "shared"))
+PAD = 7  # the tiny config's media placeholder id (any id of the bundled 1024-token vocabulary)
+SMALL_VISION = VisionConfig(init_pos_emb_height=6, init_pos_emb_width=6, vt_hidden_size=32, vt_intermediate_size=64,
+                            vt_num_attention_heads=2, vt_num_hidden_layers=2, qkv_hidden_size=32, mm_hidden_size=32,
+                            text_hidden_size=64)
+MICRO = {  # a 2-layer micro K3 text model (one KDA + dense, one MLA + MoE): one cheap compile
+    "hidden_size": 64, "num_hidden_layers": 2, "kda_layers": (0,), "mla_layers": (1,),
+    "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 16, "kda_num_heads": 2, "kda_head_dim": 16,
+    "intermediate_size": 128, "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1,
+    "moe_intermediate_size": 32, "routed_expert_hidden_size": 32, "attn_res_block_size": 2, "kda_chunk_size": 16,
+}
+
+
+def _shapes(tree):
+    return jax.tree_util.tree_map(lambda x: tuple(x.shape), tree)
+
+
+def test_splice_matches_release_merge(golden):  # noqa: F811
+    """The release grows the prompt inside forward; we expand the ids first and splice: same embeddings."""
+    ids, text = golden["merge/input_ids"][0], golden["merge/inputs_embeds"][0]
+    pad = 163605
+    counts = [(h // 2) * (w // 2) for _, h, w in golden["tower/grid_thws"]]
+    expanded = expand_media_pads(ids, counts, pad)
+    embeds = np.zeros((1, len(expanded), text.shape[1]), np.float32)  # media rows: any value, replaced
+    embeds[0, expanded != pad] = text[ids != pad]
+    out = splice_media(jnp.asarray(embeds), jnp.asarray(expanded == pad)[None], golden["tower/encode_media"])
+    np.testing.assert_array_equal(np.asarray(out), golden["merge/embeds"])
+
+
+@pytest.fixture(scope="module")
+def mm():
+    cfg = tiny_config(**MICRO, vision=SMALL_VISION, media_placeholder_token_id=PAD)
+    model = K3ForConditionalGeneration(cfg)
+    # parameters from the init's shapes (no init compile): norms / AttnRes weights 1, everything else N(0, 0.05)
+    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+    rng = np.random.default_rng(0)
+
+    def fill(path, s):
+        names = [getattr(k, "key", "") for k in path]
+        if names[-1] == "weight" and "pos_emb" not in names:
+            return jnp.ones(s.shape, s.dtype)
+        return jnp.asarray(0.05 * rng.standard_normal(s.shape), s.dtype)
+
+    params = jax.tree_util.tree_map_with_path(fill, shapes)
+    grid = np.array([[1, 2, 4], [2, 4, 2]])  # an image and a 2-frame video
+    plan = build_plan(grid, SMALL_VISION)
+    px = jax.random.normal(jax.random.PRNGKey(3), (plan.num_patches, 3, 14, 14))
+    return cfg, model, params, grid, plan, px
+
+
+def test_init_tree_matches_converter_table(mm):
+    cfg, model, params, grid, plan, px = mm
+    assert set(params) == {"language_model", "vision_tower", "mm_projector"}  # a text-only init creates the tower
+    table = vision_param_shapes(SMALL_VISION)
+    assert {k: _shapes(params[k]) for k in table} == table
+    text = jax.eval_shape(K3ForCausalLM(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    assert _shapes(nn.unbox(text)["params"]) == _shapes(params["language_model"])
+
+
+def test_logits_with_media(mm):
+    cfg, model, params, grid, plan, px = mm
+    counts = plan.tokens_per_item  # (2, 2)
+    release_ids = np.array([[1, 40, 41, PAD, 42, 43, PAD, 44, 45]])  # one pad per item, as the release takes
+    fwd = jax.jit(lambda p, x: model.apply({"params": p}, release_ids, x, grid))
+    logits = fwd(params, px)
+    other = fwd(params, px[::-1])
+    expanded = expand_media_pads(release_ids[0], counts, PAD)
+    assert logits.shape == (1, expanded.shape[0], cfg.vocab_size)
+    first = int(np.flatnonzero(expanded == PAD)[0])
+    np.testing.assert_array_equal(np.asarray(logits[:, :first]), np.asarray(other[:, :first]))  # causal prefix
+    assert float(jnp.max(jnp.abs(logits[:, first:] - other[:, first:]))) > 1e-4  # the pixels reach the logits
+    enc = model.apply({"params": params}, px, grid, method="encode_media")
+    assert enc.shape == (sum(counts), cfg.hidden_size)
+
+
+def test_bad_media_calls(mm):
+    cfg, model, params, grid, plan, px = mm
+    with pytest.raises(ValueError, match="expected one per media item"):
+        model.apply({"params": params}, np.array([[1, PAD, 2]]), px, grid)
+    with pytest.raises(ValueError, match="needs a config with a vision_config"):
+        K3ForConditionalGeneration(tiny_config()).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+
+
+def test_release_vision_param_count():
+    v = VisionConfig()  # the defaults are the release's vision_config
+    counts = count_vision_params(v)
+    assert counts == {"tower": 401_214_464, "projector": 46_144_512, "total": 447_358_976}
+    cfg = tiny_config(vision=v)
+    plan = build_plan(np.array([[1, 2, 2]]), v)
+    shapes = jax.eval_shape(MediaEncoder(cfg).init, jax.random.PRNGKey(0),
+                            jnp.zeros((4, 3, 14, 14)), plan.arrays())["params"]
+    sizes = {k: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nn.unbox(shapes[k])))
+             for k in ("vision_tower", "mm_projector")}
+    assert sizes == {"vision_tower": counts["tower"], "mm_projector": counts["projector"]}
+    ref = SHARED / "reference" / "config.json"
+    if not ref.exists():
+        pytest.skip(f"release config not found at {ref} (shared/ absent); defaults checked only")
+    assert vision_config_from_dict(json.loads(ref.read_text())["vision_config"]) == v
+    assert load_config(ref).vision == v
