@@ -17,8 +17,9 @@ As in the release, when media are present the embeddings at ``pad_token_id`` pos
 (padded for bucketed compiles) instead, and ``media_embeds=`` precomputed ``encode_media`` output (serving encodes
 each item once). ``apply(variables, pixel_values, grid_thws, method="encode_media") -> [N_tokens, hidden]``.
 
-Parameter tree: ``{"language_model": <K3ForCausalLM params>, "vision_tower": ..., "mm_projector": ...}``
-(the checkpoint's three prefixes).
+Parameter tree: the text model's (``model``, ``lm_head``: exactly :class:`~k3_jax.model.K3ForCausalLM`'s, which
+ignores the rest) plus ``vision_tower`` and ``mm_projector`` at the root — the checkpoint's names without the
+``language_model.`` prefix, as for the text model. One loaded tree serves both classes.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class K3ForConditionalGeneration(nn.Module):
         if cfg.media_placeholder_token_id is None:
             raise ValueError("config has no media_placeholder_token_id (the <|media_pad|> id)")
         self.language_model = K3ForCausalLM(cfg)
+        nn.share_scope(self, self.language_model)  # its params at the root: {"model", "lm_head", ...}
         self.vision_tower = MoonViT3d(cfg)
         self.mm_projector = PatchMergerMLPV2(cfg)
 

@@ -77,11 +77,11 @@ def mm():
 
 def test_init_tree_matches_converter_table(mm):
     cfg, model, params, grid, plan, px = mm
-    assert set(params) == {"language_model", "vision_tower", "mm_projector"}  # a text-only init creates the tower
+    assert set(params) == {"model", "lm_head", "vision_tower", "mm_projector"}  # a text-only init creates the tower
     table = vision_param_shapes(SMALL_VISION)
     assert {k: _shapes(params[k]) for k in table} == table
     text = jax.eval_shape(K3ForCausalLM(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-    assert _shapes(nn.unbox(text)["params"]) == _shapes(params["language_model"])
+    assert _shapes(nn.unbox(text)["params"]) == {k: _shapes(params[k]) for k in ("model", "lm_head")}
 
 
 def test_logits_with_media(mm):

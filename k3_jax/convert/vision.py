@@ -103,3 +103,9 @@ def vision_param_shapes(v: VisionConfig) -> dict[str, Any]:
             flax = (v.vt_num_hidden_layers, *flax)
         _set(out, _param_path(rule, layer), tuple(flax))
     return out
+
+
+def vision_tensor_specs(v: VisionConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Checkpoint name -> (safetensors dtype, HF shape) of every vision tensor ``v`` implies."""
+    sym = vision_symbols(v)
+    return {name: (rule.dtype, N.hf_shape(rule, sym, layer)) for name, rule, layer in expected_vision_names(v)}
