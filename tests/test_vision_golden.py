@@ -11,6 +11,7 @@ from pathlib import Path
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -90,3 +91,32 @@ def test_vision_weights_round_trip(golden):
     assert len(back) == sum(k.startswith("w/") for k in golden)
     for name, x in back.items():
         np.testing.assert_array_equal(x, _bf16_bits_to_f32(golden[f"w/{name}"]), err_msg=name)
+
+
+def test_padded_plan_keeps_real_rows(golden):
+    """Bucketed shapes: padding patches / tokens (a plan for a fixed compiled size) leaves the real rows alone."""
+    v = golden_vision_config(golden)
+    cfg = tiny_config(vision=v)
+    params = golden_params(golden, v)
+    pixels = golden_pixels(golden)
+    plan = build_plan(golden["tower/grid_thws"], v, pad_patches_to=160, pad_tokens_to=32)
+    padded = np.concatenate([pixels, np.ones((160 - pixels.shape[0], *pixels.shape[1:]), np.float32)])
+    _, enc = jax.jit(_TowerAndProjector(cfg).apply)({"params": params}, padded, plan.arrays())
+    enc = np.asarray(enc)
+    assert_close(enc[: plan.num_tokens], golden["tower/encode_media"], "encode_media (padded plan)")
+    assert not np.any(enc[plan.num_tokens:])
+
+
+def test_blocked_attention_equals_one_block():
+    from k3_jax.vision.attention import packed_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((40, 2, 8)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(np.repeat([0, 1, 2, -1], [7, 20, 9, 4]))
+    full = packed_attention(q, k, v, seg, block=64)
+    np.testing.assert_allclose(np.asarray(packed_attention(q, k, v, seg, block=16)), np.asarray(full), atol=1e-6)
+    # a query only sees its own item: changing item 1's keys leaves items 0 and 2 unchanged
+    k2 = k.at[7:27].set(0.0)
+    other = packed_attention(q, k2, v, seg, block=64)
+    np.testing.assert_array_equal(np.asarray(other[:7]), np.asarray(full[:7]))
+    np.testing.assert_array_equal(np.asarray(other[27:36]), np.asarray(full[27:36]))
