@@ -107,16 +107,25 @@ def test_padded_plan_keeps_real_rows(golden):
     assert not np.any(enc[plan.num_tokens:])
 
 
-def test_blocked_attention_equals_one_block():
-    from k3_jax.vision.attention import packed_attention
+def test_windowed_attention_is_block_diagonal():
+    from k3_jax.vision.attention import attention_choice, attention_windows, packed_attention
 
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((40, 2, 8)), jnp.float32) for _ in range(3))
-    seg = jnp.asarray(np.repeat([0, 1, 2, -1], [7, 20, 9, 4]))
-    full = packed_attention(q, k, v, seg, block=64)
-    np.testing.assert_allclose(np.asarray(packed_attention(q, k, v, seg, block=16)), np.asarray(full), atol=1e-6)
-    # a query only sees its own item: changing item 1's keys leaves items 0 and 2 unchanged
-    k2 = k.at[7:27].set(0.0)
-    other = packed_attention(q, k2, v, seg, block=64)
-    np.testing.assert_array_equal(np.asarray(other[:7]), np.asarray(full[:7]))
-    np.testing.assert_array_equal(np.asarray(other[27:36]), np.asarray(full[27:36]))
+    seg_np = np.repeat([0, 1, 2, 3, -1], [7, 150, 9, 30, 4]).astype(np.int32)  # 200 rows, padding last
+    n = seg_np.shape[0]
+    q, k, v = (jnp.asarray(rng.standard_normal((n, 2, 8)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(seg_np)
+    same = seg_np[:, None] == seg_np[None, :]  # dense reference
+    s = np.einsum("qhd,khd->hqk", np.asarray(q), np.asarray(k)) / np.sqrt(8.0)
+    s = np.where(same[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), np.asarray(v))
+    for block in (16, 64, 256):
+        kv_start, bq, w = attention_windows(seg_np, block, align=8)
+        assert w < n or block == 256  # small blocks: windows narrower than the sequence
+        out = packed_attention(q, k, v, seg, jnp.asarray(kv_start), jnp.arange(bq), jnp.arange(w), "xla")
+        real = seg_np >= 0  # padding rows (segment -1) are don't-care
+        np.testing.assert_allclose(np.asarray(out)[real], ref[real], atol=2e-6, err_msg=f"block {block}")
+    assert attention_choice("auto", jnp.float32, n, w)[0] == "xla"  # fp32 / CPU: the reference, with a reason
+    with pytest.raises(ValueError, match="cannot run"):
+        attention_choice("cudnn", jnp.float32, n, w)

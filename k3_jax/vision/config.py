@@ -48,6 +48,8 @@ class VisionConfig:
     rope_max_height: int = 512  # Rope2DPosEmbRepeated(head_dim, 512, 512) in the release
     rope_max_width: int = 512
     rope_theta: float = 10000.0
+    # runtime (not in the checkpoint): the tower's attention, "auto" | "xla" | "cudnn" (k3_jax.vision.attention)
+    attention: str = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -80,11 +82,12 @@ class VisionConfig:
         check(self.mm_hidden_size == self.vt_hidden_size, "mm_hidden_size",
               f"== vt_hidden_size ({self.vt_hidden_size})", self.mm_hidden_size)
         check(self.projector_ln_eps > 0, "projector_ln_eps", "> 0", self.projector_ln_eps)
+        check(self.attention in ("auto", "xla", "cudnn"), "attention", "'auto', 'xla' or 'cudnn'", self.attention)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The published ``vision_config`` block."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                               if not f.name.startswith("rope_")}
+                               if not f.name.startswith("rope_") and f.name != "attention"}
         out["merge_kernel_size"] = list(self.merge_kernel_size)
         out.update(_FIXED)
         return out
@@ -100,7 +103,7 @@ def vision_config_from_dict(raw: Mapping[str, Any]) -> VisionConfig:
                               f"got {raw[key]!r}")
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(VisionConfig):
-        if f.name in raw:
+        if f.name in raw and f.name != "attention":
             v = raw[f.name]
             kw[f.name] = tuple(v) if f.name == "merge_kernel_size" else v
     if "mm_hidden_size" not in kw and "vt_hidden_size" in kw:

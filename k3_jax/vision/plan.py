@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from k3_jax.vision.attention import QUERY_BLOCK, attention_windows
 from k3_jax.vision.config import VisionConfig
 
 
@@ -49,6 +50,9 @@ class MediaPlan:
     rope_pos: np.ndarray  # i32 [Np, 2]: (row, column) of the patch in its item's grid
     merge_index: np.ndarray  # i32 [Nt, K, F]: patch index of sub-patch k of token n in frame f
     merge_weight: np.ndarray  # f32 [Nt, F]: 1/t for the item's frames, 0 otherwise / for padding
+    kv_start: np.ndarray  # i32 [nb]: first key of each query block's attention window (see vision.attention)
+    q_offsets: np.ndarray  # i32 [Bq]: arange(Bq), the query block (its length is the static block size)
+    kv_offsets: np.ndarray  # i32 [W]: arange(W), the key window (its length is the static window size)
 
     @property
     def tokens_per_item(self) -> tuple[int, ...]:
@@ -57,7 +61,8 @@ class MediaPlan:
     def arrays(self) -> dict[str, np.ndarray]:
         """The arrays the tower consumes (a dict pytree; its shapes decide the compiled program)."""
         return {k: getattr(self, k) for k in ("segment_ids", "pos_index", "pos_weight", "frame_index",
-                                              "rope_pos", "merge_index", "merge_weight")}
+                                              "rope_pos", "merge_index", "merge_weight", "kv_start", "q_offsets",
+                                              "kv_offsets")}
 
 
 def as_grid_thws(grid_thws: np.ndarray | Sequence[Sequence[int]]) -> tuple[tuple[int, int, int], ...]:
@@ -109,8 +114,12 @@ def _bilinear_1d(out_size: int, in_size: int) -> tuple[np.ndarray, np.ndarray, n
 
 
 def build_plan(grid_thws: np.ndarray | Sequence[Sequence[int]], cfg: VisionConfig, *,
-               pad_patches_to: int | None = None, pad_tokens_to: int | None = None) -> MediaPlan:
-    """The :class:`MediaPlan` of a packed batch (see the module docstring for layout and padding)."""
+               pad_patches_to: int | None = None, pad_tokens_to: int | None = None,
+               attn_block: int = QUERY_BLOCK) -> MediaPlan:
+    """The :class:`MediaPlan` of a packed batch (see the module docstring for layout and padding).
+
+    ``attn_block``: query rows per attention block (the key window of each block is computed here).
+    """
     grid = as_grid_thws(grid_thws)
     if not grid:
         raise MediaError("grid_thws is empty: no media to encode")
@@ -171,8 +180,10 @@ def build_plan(grid_thws: np.ndarray | Sequence[Sequence[int]], cfg: VisionConfi
         p0 += n
         n0 += nt
 
+    kv_start, block, window = attention_windows(seg, attn_block)
     return MediaPlan(grid, (kh, kw), n_real, t_real, seg, pos_index, pos_weight, frame_index, rope,
-                     merge_index, merge_weight)
+                     merge_index, merge_weight, kv_start, np.arange(block, dtype=np.int32),
+                     np.arange(window, dtype=np.int32))
 
 
 def bucket(n: int, minimum: int = 256) -> int:

@@ -163,7 +163,8 @@ class EncoderBlock(nn.Module):
         qkv = qkv.reshape(n, 3, h, dh)
         q = rope_2d(qkv[:, 0], plan["rope_pos"], v.rope_theta)
         k = rope_2d(qkv[:, 1], plan["rope_pos"], v.rope_theta)
-        a = packed_attention(q, k, qkv[:, 2], plan["segment_ids"])
+        a = packed_attention(q, k, qkv[:, 2], plan["segment_ids"], plan["kv_start"], plan["q_offsets"],
+                             plan["kv_offsets"], v.attention)
         x = x + VLinear(v.vt_hidden_size, ("vision", "vision_embed"), self.cfg, name="wo")(a.reshape(n, h * dh))
         y = VNorm(TOWER_NORM_EPS, cfg=self.cfg, name="norm1")(x)
         y = _Mlp2(self.cfg, name="mlp")(y)
