@@ -14,8 +14,9 @@ in order (row-major over the batch). Two prompt forms are accepted:
 
 As in the release, when media are present the embeddings at ``pad_token_id`` positions are zeroed.
 ``grid_thws`` must be host data (it decides shapes); ``plan=`` takes a prebuilt :class:`~k3_jax.vision.plan.MediaPlan`
-(padded for bucketed compiles) instead, and ``media_embeds=`` precomputed ``encode_media`` output (serving encodes
-each item once). ``apply(variables, pixel_values, grid_thws, method="encode_media") -> [N_tokens, hidden]``.
+(padded for bucketed compiles) or its ``arrays()`` dict (traced inputs of a jitted step; ids must be expanded), and
+``media_embeds=`` precomputed ``encode_media`` output (serving encodes each item once).
+``apply(variables, pixel_values, grid_thws, method="encode_media") -> [N_tokens, hidden]``.
 
 Parameter tree: the text model's (``model``, ``lm_head``: exactly :class:`~k3_jax.model.K3ForCausalLM`'s, which
 ignores the rest) plus ``vision_tower`` and ``mm_projector`` at the root — the checkpoint's names without the
@@ -78,23 +79,26 @@ class K3ForConditionalGeneration(nn.Module):
         self.vision_tower = MoonViT3d(cfg)
         self.mm_projector = PatchMergerMLPV2(cfg)
 
-    def _plan(self, grid_thws: Any, plan: MediaPlan | None) -> MediaPlan:
+    def _plan(self, grid_thws: Any, plan: MediaPlan | dict | None) -> MediaPlan | dict:
         if plan is not None:
             return plan
         if grid_thws is None:
             raise ValueError("pixel_values given without grid_thws (or plan=)")
         return build_plan(grid_thws, self.cfg.vision)
 
-    def encode_media(self, pixel_values: jax.Array, grid_thws: Any = None, plan: MediaPlan | None = None) -> jax.Array:
-        """``pixel_values [Np, 3, P, P]`` + ``grid_thws`` (or ``plan``) -> projected media tokens ``[Nt, D]``."""
+    def encode_media(self, pixel_values: jax.Array, grid_thws: Any = None,
+                     plan: MediaPlan | dict | None = None) -> jax.Array:
+        """``pixel_values [Np, 3, P, P]`` + ``grid_thws`` (or ``plan``: a MediaPlan, or its ``arrays()`` as traced
+        inputs, e.g. in a train step) -> projected media tokens ``[Nt, D]``."""
         p = self._plan(grid_thws, plan)
-        if pixel_values.shape[0] != p.segment_ids.shape[0]:
+        arrays = p if isinstance(p, dict) else p.arrays()
+        if pixel_values.shape[0] != arrays["segment_ids"].shape[0]:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thws / plan describe "
-                             f"{p.segment_ids.shape[0]}")
-        return self.mm_projector(self.vision_tower(pixel_values, p.arrays()))
+                             f"{arrays['segment_ids'].shape[0]}")
+        return self.mm_projector(self.vision_tower(pixel_values, arrays))
 
     def __call__(self, input_ids: jax.Array, pixel_values: jax.Array | None = None, grid_thws: Any = None,
-                 segment_ids: jax.Array | None = None, *, plan: MediaPlan | None = None,
+                 segment_ids: jax.Array | None = None, *, plan: MediaPlan | dict | None = None,
                  media_embeds: jax.Array | None = None, cache: dict | None = None,
                  return_hidden: bool = False) -> Any:
         cfg = self.cfg
@@ -108,7 +112,7 @@ class K3ForConditionalGeneration(nn.Module):
             counts: tuple[int, ...] | None = None
             if media_embeds is None:
                 p = self._plan(grid_thws, plan)
-                counts = p.tokens_per_item
+                counts = None if isinstance(p, dict) else p.tokens_per_item  # plan arrays: ids pre-expanded
                 media_embeds = self.encode_media(pixel_values, plan=p)
             input_ids = self._maybe_expand(input_ids, counts, segment_ids)
             pad_id, tok_pad = cfg.media_placeholder_token_id, cfg.pad_token_id
