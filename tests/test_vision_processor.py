@@ -115,3 +115,29 @@ def test_expand_media_pads():
     assert ids.tolist() == [5, 9, 9, 9, 7, 9, 8]
     with pytest.raises(ValueError, match="2 media placeholder tokens"):
         expand_media_pads([9, 9], [1], pad_id=9)
+
+
+def test_chat_content_parts():
+    from k3_jax.vision.content import message_pieces
+
+    png = _png(Image.new("RGB", (40, 30), (1, 2, 3)))
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "what is "},
+                                         {"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "?"}]}]
+    pieces, media = message_pieces(msgs)
+    assert pieces[0] == [(False, "be brief")]
+    assert pieces[1] == [(False, "what is "), (True, "<|media_begin|>"), (False, "image 40x30"),
+                         (True, "<|media_content|>"), (True, "<|media_pad|>"), (True, "<|media_end|>"), (False, "?")]
+    assert media.grid_thws.tolist() == [[1, 4, 4]] and media.num_tokens == (4,)
+    bad = [
+        ({"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, "remote image URLs are not fetched"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "not an image"),
+        ({"type": "audio", "audio": "x"}, "unsupported content part type"),
+    ]
+    for part, message in bad:
+        with pytest.raises(ImageError, match=r"messages\[0\]\.content\[0\]: .*" + message):
+            message_pieces([{"role": "user", "content": [part]}])
+    with pytest.raises(ImageError, match="user messages only"):
+        message_pieces([{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
