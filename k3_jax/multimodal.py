@@ -12,7 +12,9 @@ in order (row-major over the batch). Two prompt forms are accepted:
   it is chosen when the pad count equals the number of items and differs from the total token count
   (``T' = T + sum(num_tokens) - n_items``). ``segment_ids`` must then be omitted.
 
-As in the release, when media are present the embeddings at ``pad_token_id`` positions are zeroed.
+As in the release, when media are present the embeddings at ``pad_token_id`` positions are zeroed. Media rows are
+consumed from the first: with a decode cache (chunked prefill), pass each chunk the rows of its own
+``<|media_pad|>`` positions as ``media_embeds``.
 ``grid_thws`` must be host data (it decides shapes); ``plan=`` takes a prebuilt :class:`~k3_jax.vision.plan.MediaPlan`
 (padded for bucketed compiles) or its ``arrays()`` dict (traced inputs of a jitted step; ids must be expanded), and
 ``media_embeds=`` precomputed ``encode_media`` output (serving encodes each item once).
