@@ -116,7 +116,7 @@ def peer_worker(tmp: str, release_dir: Path, iters: int, device: str) -> None:
     data = np.load(os.path.join(tmp, "in.npz"))
     with open(os.path.join(tmp, "cfg.json")) as f:
         vcfg_raw = json.load(f)
-    mods = load_release(release_dir)
+    mods = load_release(release_dir, ("configuration_kimi_k3", "modeling_kimi_k3"))
     cfgmod, mm = mods["configuration_kimi_k3"], mods["modeling_kimi_k3"]
     try:
         import flash_attn  # noqa: F401, PLC0415
