@@ -46,7 +46,8 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 
 LOGICAL_AXES: tuple[str, ...] = (
     "vocab", "embed", "layers", "kda_heads", "heads", "head_dim", "q_lora", "kv_lora", "experts",
-    "expert_mlp", "latent", "mlp", "conv", "batch", "length", "norm", "vision_embed", "vision",
+    "expert_mlp", "latent", "mlp", "conv", "batch", "length", "norm", "vision_embed", "vision_mlp",
+    "vision_in", "vision_out", "vision_pos_h", "vision_pos_w",
 )
 
 _TRAIN: Rules = (
@@ -76,8 +77,9 @@ _TRAIN: Rules = (
     ("head_dim", None),
     ("conv", None),
     ("norm", None),
-    ("vision_embed", "fsdp"),  # the vision tower: FSDP in training, never expert- or tensor-sharded
-    ("vision", None),
+    # the vision tower: its width FSDP-sharded in training, everything else replicated; never expert-sharded
+    ("vision_embed", "fsdp"),
+    *((n, None) for n in ("vision_mlp", "vision_in", "vision_out", "vision_pos_h", "vision_pos_w")),
 )
 
 _SERVE: Rules = (
@@ -97,8 +99,8 @@ _SERVE: Rules = (
     ("head_dim", None),
     ("conv", None),
     ("norm", None),
-    ("vision_embed", None),  # the vision tower is replicated for serving (data-parallel encoder)
-    ("vision", None),
+    # the vision tower is replicated for serving (a data-parallel encoder)
+    *((n, None) for n in ("vision_embed", "vision_mlp", "vision_in", "vision_out", "vision_pos_h", "vision_pos_w")),
 )
 
 _LONG_CONTEXT: Rules = (
@@ -125,7 +127,7 @@ _LONG_CONTEXT: Rules = (
     ("conv", None),
     ("norm", None),
     ("vision_embed", "fsdp"),
-    ("vision", None),
+    *((n, None) for n in ("vision_mlp", "vision_in", "vision_out", "vision_pos_h", "vision_pos_w")),
 )
 
 _PRESETS: dict[str, Rules] = {"train": _TRAIN, "serve": _SERVE, "long-context": _LONG_CONTEXT}

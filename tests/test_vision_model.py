@@ -29,11 +29,12 @@ PAD = 7  # the tiny config's media placeholder id (any id of the bundled 1024-to
 SMALL_VISION = VisionConfig(init_pos_emb_height=6, init_pos_emb_width=6, vt_hidden_size=32, vt_intermediate_size=64,
                             vt_num_attention_heads=2, vt_num_hidden_layers=2, qkv_hidden_size=32, mm_hidden_size=32,
                             text_hidden_size=64)
-MICRO = {  # a 2-layer micro K3 text model (one KDA, one MLA; dense FFNs: the MoE backward is compile-heavy)
-    "hidden_size": 64, "num_hidden_layers": 2, "kda_layers": (0,), "mla_layers": (1,),
+MICRO = {  # a 1-layer micro K3 text model (MLA, dense FFN: KDA's and the MoE's backward are compile-heavy, and
+    # are tested elsewhere; here the media path is under test)
+    "hidden_size": 64, "num_hidden_layers": 1, "kda_layers": (), "mla_layers": (0,),
     "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8, "v_head_dim": 16, "kda_num_heads": 2, "kda_head_dim": 16,
-    "intermediate_size": 128, "num_experts": 0, "attn_res_block_size": 2, "kda_chunk_size": 16,
+    "intermediate_size": 128, "num_experts": 0, "attn_res_block_size": 1, "kda_chunk_size": 16,
 }
 
 
@@ -114,6 +115,17 @@ def test_release_vision_param_count():
     sizes = {k: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nn.unbox(shapes[k])))
              for k in ("vision_tower", "mm_projector")}
     assert sizes == {"vision_tower": counts["tower"], "mm_projector": counts["projector"]}
+    # sharding: the tower's width FSDP-sharded in training, nothing on expert / tensor; replicated for serving
+    from sharding.rules import logical_to_pspec
+
+    names = jax.tree_util.tree_leaves(nn.get_partition_spec(shapes), is_leaf=lambda x: isinstance(x, tuple))
+    leaves = jax.tree_util.tree_leaves(nn.unbox(shapes))
+    mesh = {"data": 1, "fsdp": 4, "expert": 2, "tensor": 2}
+    train = [logical_to_pspec(n, "train", mesh, x.shape) for n, x in zip(names, leaves, strict=True)]
+    serve = [logical_to_pspec(n, "serve", mesh, x.shape) for n, x in zip(names, leaves, strict=True)]
+    assert all(a in (None, "fsdp") for spec in train for a in spec)
+    assert sum("fsdp" in tuple(spec) for spec in train) >= 8  # every kernel / norm of the tower
+    assert all(all(a is None for a in spec) for spec in serve)
     ref = SHARED / "reference" / "config.json"
     if not ref.exists():
         pytest.skip(f"release config not found at {ref} (shared/ absent); defaults checked only")

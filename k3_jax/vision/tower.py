@@ -27,8 +27,10 @@ Parameter tree (names follow the checkpoint; ``blocks`` are scanned, leading axi
     vision_tower/encoder/final_layernorm/weight [D]
     mm_projector/proj_0/kernel [4D, 4D], mm_projector/proj_2/kernel [4D, TD], mm_projector/post_norm/weight [TD]
 
-Logical axis names: ``vision_embed`` (the tower width, FSDP-sharded in training, replicated for serving) and
-``vision`` (every other dimension, replicated) — see ``sharding/rules.py``; never ``experts``.
+Logical axis names (``sharding/rules.py``): ``vision_embed`` (the tower width: FSDP-sharded in training, replicated
+for serving); replicated everywhere: ``vision_mlp`` (MLP / attention / projector hidden widths), ``vision_in``
+(flattened patch, merged token), ``vision_out`` (projector output = text width), ``vision_pos_h`` /
+``vision_pos_w`` (the learned position grid). Never ``experts``.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"pixel_values must be [N_patches, 3, {p}, {p}], got {pixel_values.shape}")
         dt = jnp.dtype(self.cfg.dtype)
         x = pixel_values.reshape(pixel_values.shape[0], 3 * p * p)
-        x = VLinear(d, ("vision", "vision_embed"), self.cfg, name="proj")(x)
+        x = VLinear(d, ("vision_in", "vision_embed"), self.cfg, name="proj")(x)
         grid = self.param("pos_emb", _pos_emb_init(self.cfg), v)["weight"]
         table = grid.reshape(-1, d).astype(jnp.float32)
         pos = jnp.einsum("nk,nkd->nd", plan["pos_weight"], jnp.take(table, plan["pos_index"], axis=0),
@@ -142,7 +144,7 @@ class PatchEmbed(nn.Module):
 def _pos_emb_init(cfg: K3Config):
     def init(key: jax.Array, v: VisionConfig) -> dict:
         shape = (v.init_pos_emb_height, v.init_pos_emb_width, v.vt_hidden_size)
-        return {"weight": logical(nn.initializers.normal(1.0), ("vision", "vision", "vision_embed"))(
+        return {"weight": logical(nn.initializers.normal(1.0), ("vision_pos_h", "vision_pos_w", "vision_embed"))(
             key, shape, param_dtype(cfg))}
 
     return init
@@ -159,13 +161,13 @@ class EncoderBlock(nn.Module):
         h, dh = v.vt_num_attention_heads, v.head_dim
         n = x.shape[0]
         y = VNorm(TOWER_NORM_EPS, cfg=self.cfg, name="norm0")(x)
-        qkv = VLinear(3 * v.qkv_hidden_size, ("vision_embed", "vision"), self.cfg, name="wqkv")(y)
+        qkv = VLinear(3 * v.qkv_hidden_size, ("vision_embed", "vision_mlp"), self.cfg, name="wqkv")(y)
         qkv = qkv.reshape(n, 3, h, dh)
         q = rope_2d(qkv[:, 0], plan["rope_pos"], v.rope_theta)
         k = rope_2d(qkv[:, 1], plan["rope_pos"], v.rope_theta)
         a = packed_attention(q, k, qkv[:, 2], plan["segment_ids"], plan["kv_start"], plan["q_offsets"],
                              plan["kv_offsets"], v.attention)
-        x = x + VLinear(v.vt_hidden_size, ("vision", "vision_embed"), self.cfg, name="wo")(a.reshape(n, h * dh))
+        x = x + VLinear(v.vt_hidden_size, ("vision_mlp", "vision_embed"), self.cfg, name="wo")(a.reshape(n, h * dh))
         y = VNorm(TOWER_NORM_EPS, cfg=self.cfg, name="norm1")(x)
         y = _Mlp2(self.cfg, name="mlp")(y)
         return (x + y).astype(x.dtype), None
@@ -177,9 +179,9 @@ class _Mlp2(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         v = _vcfg(self.cfg)
-        y = VLinear(v.vt_intermediate_size, ("vision_embed", "vision"), self.cfg, name="fc0")(x)
+        y = VLinear(v.vt_intermediate_size, ("vision_embed", "vision_mlp"), self.cfg, name="fc0")(x)
         y = jax.nn.gelu(y.astype(jnp.float32), approximate=True).astype(y.dtype)
-        return VLinear(v.vt_hidden_size, ("vision", "vision_embed"), self.cfg, name="fc1")(y)
+        return VLinear(v.vt_hidden_size, ("vision_mlp", "vision_embed"), self.cfg, name="fc1")(y)
 
 
 class Encoder(nn.Module):
@@ -233,10 +235,10 @@ class PatchMergerMLPV2(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         v = _vcfg(self.cfg)
-        y = VLinear(v.merged_size, ("vision", "vision"), self.cfg, name="proj_0")(x)
+        y = VLinear(v.merged_size, ("vision_in", "vision_mlp"), self.cfg, name="proj_0")(x)
         y = jax.nn.gelu(y.astype(jnp.float32), approximate=False).astype(y.dtype)
-        y = VLinear(v.text_hidden_size, ("vision", "vision"), self.cfg, name="proj_2")(y)
-        return VNorm(v.projector_ln_eps, ("vision",), cfg=self.cfg, name="post_norm")(y)
+        y = VLinear(v.text_hidden_size, ("vision_mlp", "vision_out"), self.cfg, name="proj_2")(y)
+        return VNorm(v.projector_ln_eps, ("vision_out",), cfg=self.cfg, name="post_norm")(y)
 
 
 class MediaEncoder(nn.Module):
