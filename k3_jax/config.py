@@ -21,6 +21,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from k3_jax.vision.config import VisionConfig, vision_config_from_dict
+
 MixerKind = Literal["kda", "mla"]
 FfnKind = Literal["dense", "moe"]
 
@@ -81,6 +83,9 @@ class K3Config:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     expert_format: Literal["bf16", "mxfp4"] = "bf16"  # how routed-expert weights are held as parameters
+    # --- vision (the published top-level vision_config / media_placeholder_token_id; None = text only)
+    vision: VisionConfig | None = None
+    media_placeholder_token_id: int | None = None
     # --- runtime (not part of the checkpoint)
     dtype: str = "bfloat16"  # activation / matmul compute dtype
     param_dtype: str = "float32"  # dtype at init of the parameters the release does not store in fp32
@@ -193,7 +198,7 @@ class K3Config:
         }
         if self.expert_format == "mxfp4":
             text["quantization_config"] = MXFP4_QUANTIZATION_CONFIG
-        return {
+        out = {
             "model_type": "kimi_k3",
             "architectures": ["KimiK3ForConditionalGeneration"],
             "bos_token_id": self.bos_token_id,
@@ -202,6 +207,11 @@ class K3Config:
             "tie_word_embeddings": self.tie_word_embeddings,
             "text_config": text,
         }
+        if self.vision is not None:
+            out["vision_config"] = self.vision.to_hf_dict()
+        if self.media_placeholder_token_id is not None:
+            out["media_placeholder_token_id"] = self.media_placeholder_token_id
+        return out
 
 
 MXFP4_QUANTIZATION_CONFIG: dict[str, Any] = {
@@ -535,6 +545,8 @@ def _from_dict(raw: Mapping[str, Any], source: str | None, overrides: Mapping[st
         eos_token_id=top("eos_token_id"),
         pad_token_id=top("pad_token_id"),
         expert_format=expert_format,
+        vision=vision_config_from_dict(raw["vision_config"]) if raw.get("vision_config") else None,
+        media_placeholder_token_id=raw.get("media_placeholder_token_id"),
     )
     runtime = raw.get("k3_jax", {})  # optional block of runtime defaults in our own configs
     if not isinstance(runtime, Mapping):

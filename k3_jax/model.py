@@ -168,7 +168,7 @@ class K3Model(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                 cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+                 cache: dict | None = None, embeds_hook: Any = None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         dt = compute_dtype(cfg)
         b, t = tokens.shape
@@ -178,6 +178,8 @@ class K3Model(nn.Module):
         else:  # ids outside [0, V) (negative ones too, which take would wrap) embed as NaN: see K3ForCausalLM
             safe = jnp.where(tokens < 0, cfg.vocab_size, tokens)
             e = jnp.take(embedding["embedding"], safe, axis=0, mode="fill", fill_value=jnp.nan).astype(dt)
+        if embeds_hook is not None:  # [B, T, D] -> [B, T, D], e.g. media embeddings spliced in (k3_jax.multimodal)
+            e = embeds_hook(e).astype(dt)
         sources = jnp.zeros((num_sources(cfg), b, t, cfg.hidden_size), dt).at[0].set(e)
         sources = constrain(sources, (None, "batch", "length", "embed"))
         lengths = None if cache is None else cache["lengths"]
@@ -258,13 +260,14 @@ class K3ForCausalLM(nn.Module):
     without a host sync: an out-of-range id (negative ones included) embeds as NaN, which makes the logits of its
     row NaN (attention multiplies masked positions by zero, so earlier positions too), never a silently wrapped
     or clamped row; callers that take untrusted ids check them first, as the serving engine does.
+    ``embeds_hook`` (optional) maps the token embeddings ``[B, T, D]`` before the first layer.
     """
 
     cfg: K3Config
 
     @nn.compact
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, cache: dict | None = None,
-                 return_hidden: bool = False) -> Any:
+                 return_hidden: bool = False, embeds_hook: Any = None) -> Any:
         cfg = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] int, got shape {tokens.shape}")
@@ -273,7 +276,7 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids are not supported together with a decode cache")
-        hidden, new_cache = K3Model(cfg, name="model")(tokens, segment_ids, cache)
+        hidden, new_cache = K3Model(cfg, name="model")(tokens, segment_ids, cache, embeds_hook)
         if return_hidden:
             out = hidden
         else:
@@ -286,3 +289,11 @@ class K3ForCausalLM(nn.Module):
         if cache is not None:
             return out, new_cache
         return out
+
+
+def __getattr__(name: str) -> Any:  # K3ForConditionalGeneration (text + vision) lives in k3_jax.multimodal
+    if name == "K3ForConditionalGeneration":
+        from k3_jax.multimodal import K3ForConditionalGeneration  # noqa: PLC0415
+
+        return K3ForConditionalGeneration
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

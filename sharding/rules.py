@@ -63,6 +63,12 @@ LOGICAL_AXES: tuple[str, ...] = (
     "batch",           # activation rows
     "length",          # activation tokens
     "norm",            # norm scales
+    "vision_embed",    # vision tower width
+    "vision_mlp",      # vision tower MLP intermediate size
+    "vision_in",       # projector input (merged 2x2 patches)
+    "vision_out",      # projector output (= text hidden size)
+    "vision_pos_h",    # learned position grid rows
+    "vision_pos_w",    # learned position grid columns
 )
 
 _TRAIN: Rules = (
@@ -95,6 +101,9 @@ _TRAIN: Rules = (
     ("head_dim", None),
     ("conv", None),
     ("norm", None),
+    # the vision tower: its width FSDP-sharded in training, everything else replicated; never expert-sharded
+    ("vision_embed", "fsdp"),
+    *((n, None) for n in ("vision_mlp", "vision_in", "vision_out", "vision_pos_h", "vision_pos_w")),
 )
 
 _SERVE: Rules = (
@@ -116,6 +125,8 @@ _SERVE: Rules = (
     ("head_dim", None),
     ("conv", None),
     ("norm", None),
+    # the vision tower is replicated for serving (a data-parallel encoder)
+    *((n, None) for n in ("vision_embed", "vision_mlp", "vision_in", "vision_out", "vision_pos_h", "vision_pos_w")),
 )
 
 _LONG_CONTEXT: Rules = (
@@ -144,6 +155,8 @@ _LONG_CONTEXT: Rules = (
     ("head_dim", None),
     ("conv", None),
     ("norm", None),
+    ("vision_embed", "fsdp"),
+    *((n, None) for n in ("vision_mlp", "vision_in", "vision_out", "vision_pos_h", "vision_pos_w")),
 )
 
 _PRESETS: dict[str, Rules] = {"train": _TRAIN, "serve": _SERVE, "long-context": _LONG_CONTEXT}
@@ -462,5 +475,5 @@ def replicated_params(params_boxed: Any, mesh: Mesh | Mapping[str, int], preset:
 #: replication saves a collective per token in decode. Checked by tests; extend with :func:`register_preset`.
 REPLICATED_OK: dict[str, tuple[str, ...]] = {
     "serve": ("block_sparse_moe/gate/kernel", "self_attn/q_a_proj", "self_attn/kv_a_proj_with_mqa",
-              "self_attn/f_a_proj"),
+              "self_attn/f_a_proj", "vision_tower/", "mm_projector/"),
 }

@@ -21,6 +21,7 @@ from k3_jax.convert import names as N
 from k3_jax.convert.hf import save_checkpoint
 from k3_jax.convert.outdir import check_output
 from k3_jax.convert.transforms import pack_mxfp4_np
+from k3_jax.vision.config import VisionConfig
 
 FP32_PARAMS = {r.param for r in N.TEXT_RULES if r.dtype == "F32"}
 
@@ -96,6 +97,30 @@ def random_params(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict[s
     return params
 
 
+def random_vision_params(v: VisionConfig, seed: int = 0) -> dict[str, Any]:
+    """Random ``vision_tower`` / ``mm_projector`` params (bf16 numpy) of the tree the name table implies.
+
+    Norm gains 1 + noise, the learned position grid N(0, 1), kernels N(0, 1/fan_in).
+    """
+    from k3_jax.convert.vision import vision_param_shapes  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed + 1000)
+
+    def fill(path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
+        if path[-1] == "weight" and "pos_emb" not in path:
+            x = 1.0 + rng.normal(0.0, 0.05, shape)
+        elif "pos_emb" in path:
+            x = rng.standard_normal(shape)
+        else:
+            x = shape[-2] ** -0.5 * rng.standard_normal(shape)
+        return x.astype(ml_dtypes.bfloat16)
+
+    def walk(tree: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+        return {k: walk(v, (*path, k)) if isinstance(v, dict) else fill((*path, k), v) for k, v in tree.items()}
+
+    return walk(vision_param_shapes(v), ())
+
+
 def write_fixture(
     out_dir: str | os.PathLike[str],
     config: str | K3Config = "k3-tiny",
@@ -104,13 +129,24 @@ def write_fixture(
     seed: int = 0,
     max_shard_bytes: int = 4 << 20,
     overwrite: bool = False,
+    vision: VisionConfig | None = None,
+    media_placeholder_token_id: int = 7,
 ) -> tuple[K3Config, dict[str, Any]]:
     """Write a random checkpoint of ``config`` (name, path or K3Config) and return ``(cfg, params)``.
 
-    The output path is checked (and stale leftovers swept) before the parameters are drawn."""
+    ``vision`` adds a vision tower + projector of that config (``text_hidden_size`` must be the text width):
+    a multimodal checkpoint in the release's format (``vision_config`` and ``media_placeholder_token_id`` in
+    ``config.json``, the ``vision_tower.*`` / ``mm_projector.*`` tensors in the last shard).
+
+    The output path is checked (and stale leftovers swept) before the parameters are drawn.
+    """
     check_output(out_dir, overwrite)
     cfg = config if isinstance(config, K3Config) else load_config(config_path(config))
     cfg = cfg.replace(expert_format=experts)
+    if vision is not None:
+        cfg = cfg.replace(vision=vision, media_placeholder_token_id=media_placeholder_token_id)
     params = random_params(cfg, seed, experts)
+    if vision is not None:
+        params.update(random_vision_params(vision, seed))
     save_checkpoint(cfg, params, out_dir, experts=experts, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
     return cfg, params

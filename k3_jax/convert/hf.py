@@ -31,6 +31,7 @@ from k3_jax.convert.outdir import claim, publish_dir
 from k3_jax.convert.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, SafetensorsWriter, read_header
 from k3_jax.convert.transforms import pack_mxfp4_np, to_flax, to_hf, unpack_mxfp4_np
 from k3_jax.progress import Progress
+from k3_jax.convert.vision import vision_params_from_hf, vision_params_to_hf, vision_tensor_specs
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,9 @@ def verify(
             rep.errors.append("… (more errors suppressed)")
 
     expected = _expected_sizes(cfg, fmt)
+    if cfg.vision is not None:  # the config's vision tower: expected and mapped like the text tensors
+        expected.update({n: int(np.prod(sh, dtype=np.int64)) * DTYPES[dt].itemsize
+                         for n, (dt, sh) in vision_tensor_specs(cfg.vision).items()})
     seen: dict[str, str] = {}  # canonical -> original
     for name in idx.weight_map:
         c = canonical(name)
@@ -455,13 +459,13 @@ def _prepare(hf_dir) -> tuple[Index, dict[str, Any], K3Config, str]:
             f"{hf_dir}: checkpoint failed verification ({len(rep.errors)} problem(s)):\n  " + "\n  ".join(rep.errors)
         )
     if rep.vision:
-        log.warning("skipped %d vision tensors (the vision tower is not part of k3-jax yet)", rep.vision)
+        log.warning("ignored %d vision tensors: config.json has no vision_config", rep.vision)
     cfg = config_from_dict(raw)
     return idx, raw, cfg, checkpoint_format(raw)
 
 
 def load_checkpoint(
-    hf_dir: str | os.PathLike[str], *, experts: str | None = None, **config_overrides: Any
+    hf_dir: str | os.PathLike[str], *, experts: str | None = None, vision: bool = True, **config_overrides: Any
 ) -> tuple[K3Config, dict[str, Any]]:
     """Load an HF checkpoint directory into ``(cfg, params)`` ready for ``K3ForCausalLM(cfg).apply``.
 
@@ -470,6 +474,9 @@ def load_checkpoint(
         :class:`CheckpointError` naming file and tensor).
       experts: ``"bf16"`` (dequantize MXFP4 experts) or ``"mxfp4"`` (keep them packed: ``weight_packed`` /
         ``weight_scale`` u8 leaves); default = the checkpoint's own format.
+      vision: also load ``vision_tower`` / ``mm_projector`` (when the config has a ``vision_config``), as
+        top-level keys beside ``model`` / ``lm_head`` (the tree of ``K3ForConditionalGeneration``, which
+        ``K3ForCausalLM`` also takes); ``False`` loads the text model only and returns ``cfg.vision = None``.
       config_overrides: runtime fields for the returned config (``dtype=…``).
     Returns:
       ``cfg`` (with ``expert_format=experts``) and nested dicts of numpy arrays (checkpoint dtypes).
@@ -500,9 +507,14 @@ def load_checkpoint(
                     buf = np.empty((reps, *v.shape), v.dtype)
                     _set(params, full, buf)
                 buf[r] = v
+        if vision and cfg.vision is not None:
+            specs = vision_tensor_specs(cfg.vision)
+            params.update(vision_params_from_hf(lambda n: reader.get(n, *specs[n]), cfg.vision))
         prog.close()
     finally:
         reader.close()
+    if not vision:
+        cfg = cfg.replace(vision=None)
     return cfg, params
 
 
@@ -601,17 +613,21 @@ def save_checkpoint(
                 src = os.path.join(os.fspath(source_dir), f)
                 if os.path.exists(src):
                     shutil.copy2(src, os.path.join(tmp, f))
+        has_vision = cfg.vision is not None and "vision_tower" in params
+        if not has_vision:
+            raw.pop("vision_config", None)  # a text-only export: no tower tensors, so no vision_config
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(raw, f, indent=2)
         sym = N.dims(cfg)
         entries = list(N.expected_text_names(cfg, fmt_out))
         produce = hf_tensor_fn(cfg, params, fmt_out)
         shards = shard_plan(entries, sym, max_shard_bytes)
+        n_files = len(shards) + int(has_vision)
         weight_map: dict[str, str] = {}
         total = 0
         prog = Progress("export", sum(_rule_bytes(r.rule, sym) for _, r in entries), unit="B")
         for i, shard in enumerate(shards, 1):
-            fname = shard_name(i, len(shards))
+            fname = shard_name(i, n_files)
             by_name = dict(shard)
             plan = [(n, r.rule.dtype, N.hf_shape(r.rule, sym)) for n, r in shard]
             with SafetensorsWriter(os.path.join(tmp, fname), plan, {"format": "pt"}) as w:
@@ -622,6 +638,16 @@ def save_checkpoint(
                     weight_map[n] = fname
             for _, r in shard:
                 total += _rule_bytes(r.rule, sym)
+        if has_vision:  # the tower and projector in one last shard
+            fname = shard_name(n_files, n_files)
+            specs = vision_tensor_specs(cfg.vision)
+            tensors = dict(vision_params_to_hf(params, cfg.vision))
+            with SafetensorsWriter(os.path.join(tmp, fname), [(n, *specs[n]) for n in tensors], {"format": "pt"}) as w:
+                for n, _, _ in w.order:
+                    w.write(n, tensors[n].astype(DTYPES[specs[n][0]], copy=False))
+            for n, (dt, sh) in specs.items():
+                weight_map[n] = fname
+                total += int(np.prod(sh, dtype=np.int64)) * DTYPES[dt].itemsize
         prog.close()
         with open(os.path.join(tmp, INDEX_NAME), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)

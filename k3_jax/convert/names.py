@@ -17,7 +17,8 @@ Transforms (HF -> Flax; :mod:`k3_jax.convert.transforms` has both directions):
 - ``conv`` (depthwise ``[C, 1, W]`` -> ``[W, C]``, tap W-1 = current token);
 - ``a_log`` (stored ``[A]`` zero-padded to a multiple of 128 -> ``[:H]``);
 - ``expert_t`` (one bf16 expert ``[out, in]`` -> slot ``e`` of ``[E, in, out]``);
-- ``expert`` (one MXFP4 ``weight_packed``/``weight_scale`` -> slot ``e`` of ``[E, out, in/2 | in/32]``).
+- ``expert`` (one MXFP4 ``weight_packed``/``weight_scale`` -> slot ``e`` of ``[E, out, in/2 | in/32]``);
+- ``patch`` (the vision patch conv ``[D, 3, P, P]`` -> linear kernel ``[3*P*P, D]``, input flattened (c, y, x)).
 """
 
 from __future__ import annotations
@@ -146,20 +147,27 @@ TEXT_RULES: tuple[Rule, ...] = (
        "mxfp4"),
 )
 
-# MoonViT3d + PatchMergerMLPV2 (vision_tower.*, mm_projector.*)
-# recognised and sized, never loaded (no vision tower yet).
+# MoonViT3d + PatchMergerMLPV2 -> the multimodal parameter tree of k3_jax.vision.tower (paths from the
+# root of K3ForConditionalGeneration's params; ``blocks.{l}`` tensors stack into the scanned ``[L, ...]`` leaves,
+# ``proj_{l}`` takes the Sequential index 0 / 2). Scope ``vision`` / ``vision_block`` (one per encoder block).
+_V = "vision_tower.encoder.blocks.{l}."
+_VP = "vision_tower/encoder/blocks/"
 VISION_RULES: tuple[Rule, ...] = (
-    _r("vision_tower.patch_embed.proj.weight", "-", "skip", "VH,3,PS,PS", "BF16", "vision"),
-    _r("vision_tower.patch_embed.pos_emb.weight", "-", "skip", "PH,PW,VH", "BF16", "vision"),
-    _r("vision_tower.encoder.blocks.{l}.wqkv.weight", "-", "skip", "QKV3,VH", "BF16", "vision"),
-    _r("vision_tower.encoder.blocks.{l}.wo.weight", "-", "skip", "VH,QKV", "BF16", "vision"),
-    _r("vision_tower.encoder.blocks.{l}.mlp.fc0.weight", "-", "skip", "VI,VH", "BF16", "vision"),
-    _r("vision_tower.encoder.blocks.{l}.mlp.fc1.weight", "-", "skip", "VH,VI", "BF16", "vision"),
-    _r("vision_tower.encoder.blocks.{l}.norm0.weight", "-", "skip", "VH", "BF16", "vision"),
-    _r("vision_tower.encoder.blocks.{l}.norm1.weight", "-", "skip", "VH", "BF16", "vision"),
-    _r("vision_tower.encoder.final_layernorm.weight", "-", "skip", "VH", "BF16", "vision"),
-    _r("mm_projector.proj.{l}.weight", "-", "skip", "MMO,MM", "BF16", "vision"),  # proj.0 / proj.2
-    _r("mm_projector.post_norm.weight", "-", "skip", "TD", "BF16", "vision"),
+    _r("vision_tower.patch_embed.proj.weight", "vision_tower/patch_embed/proj/kernel", "patch", "VH,3,PS,PS",
+       "BF16", "vision"),
+    _r("vision_tower.patch_embed.pos_emb.weight", "vision_tower/patch_embed/pos_emb/weight", "identity",
+       "PH,PW,VH", "BF16", "vision"),
+    _r(_V + "wqkv.weight", _VP + "wqkv/kernel", "transpose", "QKV3,VH", "BF16", "vision_block"),
+    _r(_V + "wo.weight", _VP + "wo/kernel", "transpose", "VH,QKV", "BF16", "vision_block"),
+    _r(_V + "mlp.fc0.weight", _VP + "mlp/fc0/kernel", "transpose", "VI,VH", "BF16", "vision_block"),
+    _r(_V + "mlp.fc1.weight", _VP + "mlp/fc1/kernel", "transpose", "VH,VI", "BF16", "vision_block"),
+    _r(_V + "norm0.weight", _VP + "norm0/weight", "identity", "VH", "BF16", "vision_block"),
+    _r(_V + "norm1.weight", _VP + "norm1/weight", "identity", "VH", "BF16", "vision_block"),
+    _r("vision_tower.encoder.final_layernorm.weight", "vision_tower/encoder/final_layernorm/weight", "identity",
+       "VH", "BF16", "vision"),
+    _r("mm_projector.proj.{l}.weight", "mm_projector/proj_{l}/kernel", "transpose", "MMO,MM", "BF16",
+       "vision"),  # proj.0 [MM, MM] / proj.2 [TD, MM] (see hf_shape)
+    _r("mm_projector.post_norm.weight", "mm_projector/post_norm/weight", "identity", "TD", "BF16", "vision"),
 )
 # fmt: on
 
@@ -331,6 +339,8 @@ def flax_shape(rule: Rule, sym: Mapping[str, int]) -> tuple[int, ...]:
         return (sym["E"], *s[::-1])
     if t == "expert":
         return (sym["E"], *s)
+    if t == "patch":
+        return (s[1] * s[2] * s[3], s[0])
     raise ValueError(f"rule {rule.pattern!r}: no Flax shape for transform {t!r}")
 
 

@@ -40,6 +40,8 @@ def to_flax(rule: Rule, x: np.ndarray, sym: dict[str, int], name: str = "") -> n
                 stacklevel=2,
             )
         return np.ascontiguousarray(x[:h])
+    if t == "patch":  # vision patch conv [D, 3, P, P] -> linear kernel [3*P*P, D]
+        return np.ascontiguousarray(x.reshape(x.shape[0], -1).T)
     raise ValueError(f"{name}: unknown transform {t!r}")
 
 
@@ -58,6 +60,9 @@ def to_hf(rule: Rule, y: np.ndarray, sym: dict[str, int], name: str = "") -> np.
         out = np.zeros((sym["AP"],), y.dtype)
         out[: y.shape[0]] = y
         return out
+    if t == "patch":
+        p = sym["PS"]
+        return np.ascontiguousarray(y.T.reshape(y.shape[1], 3, p, p))
     raise ValueError(f"{name}: unknown transform {t!r}")
 
 
