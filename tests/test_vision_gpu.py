@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +39,7 @@ def test_tower_cudnn_matches_xla():
     px = jax.random.normal(jax.random.PRNGKey(0), (plan.num_patches, 3, 14, 14))
     outs = {}
     for impl in ("xla", "cudnn"):
-        cfg = tiny_config(dtype="bfloat16", vision=v.__class__(**{**v.__dict__, "attention": impl}))
+        cfg = tiny_config(dtype="bfloat16", vision=dataclasses.replace(v, attention=impl))
         model = MediaEncoder(cfg)
         params = jax.jit(model.init)(jax.random.PRNGKey(1), px, plan.arrays())
         outs[impl] = np.asarray(jax.jit(model.apply)(params, px, plan.arrays()), np.float32)
