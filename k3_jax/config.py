@@ -21,14 +21,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from k3_jax.errors import ConfigError
 from k3_jax.vision.config import VisionConfig, vision_config_from_dict
 
 MixerKind = Literal["kda", "mla"]
 FfnKind = Literal["dense", "moe"]
-
-
-class ConfigError(ValueError):
-    """A config file or value is invalid; the message names the key, the expected and the actual value."""
 
 
 class ConfigWarning(UserWarning):

@@ -6,14 +6,15 @@ functions and ``if TYPE_CHECKING:`` blocks, so a back edge cannot hide in a func
 | # | layer        | modules (a name covers its submodules; ``=name``: that module only)                |
 |---|--------------|-------------------------------------------------------------------------------------|
 | 0 | kernels      | ``pallas_kernels`` (references, Pallas kernels, dispatch, MXFP4/MXFP8 codecs)        |
-| 1 | leaves       | ``=k3_jax``, ``k3_jax.config``, ``.xla_flags``, ``.compile_cache``, ``.tokenizer``   |
+| 1 | leaves       | ``=k3_jax``, ``.errors``, ``.config`` (+ ``.vision.config``), ``.xla_flags``,         |
+|   |              | ``.compile_cache``, ``.tokenizer``, ``.progress``, ``.vision.processor``/``.content`` |
 | 2 | sharding     | ``sharding`` (mesh, logical-axis rules and presets, per-shard wrapper, memory plan)  |
 | 3 | quant        | ``k3_jax.quant`` (public names of the codecs)                                        |
 | 4 | parallel     | ``k3_jax.parallel`` (sequence-, expert- and vocab-parallel forms of the layers)      |
-| 5 | layers       | ``k3_jax.layers``                                                                    |
-| 6 | model        | ``k3_jax.model``, ``k3_jax.cache``                                                   |
-| 7 | programs     | ``k3_jax.training``, ``k3_jax.serving``, ``k3_jax.convert``                          |
-| 8 | entry points | ``k3_jax.cli``, ``sharding.plan`` (command line), ``train``, ``serve`` (scripts)     |
+| 5 | layers       | ``k3_jax.layers``, ``k3_jax.vision`` (tower, packed attention, media plan)            |
+| 6 | model        | ``k3_jax.model``, ``.cache``, ``.multimodal``, ``.kernels`` (what a config will run)  |
+| 7 | programs     | ``k3_jax.training``, ``k3_jax.serving``, ``k3_jax.convert``, ``k3_jax.vision.train``  |
+| 8 | entry points | ``k3_jax.cli``, ``k3_jax.launch``, ``sharding.plan``, ``train``, ``serve`` (scripts) |
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernels", ("pallas_kernels",)),
-    ("leaves", ("=k3_jax", "k3_jax.config", "k3_jax.xla_flags", "k3_jax.compile_cache", "k3_jax.tokenizer")),
+    ("leaves", ("=k3_jax", "k3_jax.errors", "k3_jax.vision.config", "k3_jax.config", "k3_jax.xla_flags",
+                "k3_jax.compile_cache", "k3_jax.tokenizer", "k3_jax.progress", "k3_jax.vision.processor",
+                "k3_jax.vision.content")),
     ("sharding", ("sharding",)),
     ("quant", ("k3_jax.quant",)),
     ("parallel", ("k3_jax.parallel",)),
-    ("layers", ("k3_jax.layers",)),
-    ("model", ("k3_jax.model", "k3_jax.cache")),
-    ("programs", ("k3_jax.training", "k3_jax.serving", "k3_jax.convert")),
-    ("entry points", ("k3_jax.cli", "sharding.plan", "train", "serve")),
+    ("layers", ("k3_jax.layers", "k3_jax.vision")),
+    ("model", ("k3_jax.model", "k3_jax.cache", "k3_jax.multimodal", "k3_jax.kernels")),
+    ("programs", ("k3_jax.training", "k3_jax.serving", "k3_jax.convert", "k3_jax.vision.train")),
+    ("entry points", ("k3_jax.cli", "k3_jax.launch", "sharding.plan", "train", "serve")),
 )
 PACKAGES = ("k3_jax", "sharding", "pallas_kernels")
 SCRIPTS = ("train.py", "serve.py")

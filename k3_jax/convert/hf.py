@@ -30,8 +30,8 @@ from k3_jax.convert import names as N
 from k3_jax.convert.outdir import claim, publish_dir
 from k3_jax.convert.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, SafetensorsWriter, read_header
 from k3_jax.convert.transforms import pack_mxfp4_np, to_flax, to_hf, unpack_mxfp4_np
-from k3_jax.progress import Progress
 from k3_jax.convert.vision import vision_params_from_hf, vision_params_to_hf, vision_tensor_specs
+from k3_jax.progress import Progress
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.layers.common import einsum_f32
-from k3_jax.layers.flash_attention import cudnn_attention_available
+from pallas_kernels.attention import cudnn_attention_available
 
 QUERY_BLOCK = 512
 WINDOW_ALIGN = 128

@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from k3_jax.errors import ConfigError
+
 #: ``vision_config`` keys whose value is fixed for the implemented variant (key -> the only accepted value).
 _FIXED: dict[str, Any] = {
     "norm_type": "rmsnorm",
@@ -61,8 +63,6 @@ class VisionConfig:
         return self.mm_hidden_size * self.merge_kernel_size[0] * self.merge_kernel_size[1]
 
     def __post_init__(self) -> None:
-        from k3_jax.config import ConfigError  # noqa: PLC0415  (k3_jax.config imports this module)
-
         def check(cond: bool, key: str, expected: str, actual: Any) -> None:
             if not cond:
                 raise ConfigError(f"config key 'vision_config.{key}': expected {expected}, got {actual!r}")
@@ -95,8 +95,6 @@ class VisionConfig:
 
 def vision_config_from_dict(raw: Mapping[str, Any]) -> VisionConfig:
     """Parse the published ``vision_config`` block; unknown keys are ignored (``_attn_implementation`` …)."""
-    from k3_jax.config import ConfigError  # noqa: PLC0415
-
     for key, expected in _FIXED.items():
         if key in raw and raw[key] != expected:
             raise ConfigError(f"config key 'vision_config.{key}': expected {expected!r} (the variant K3 ships), "
