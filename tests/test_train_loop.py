@@ -83,9 +83,9 @@ def test_qb_balances_skewed_router_in_train_step(trainer):
         state, m = train_step(state, batch)
         with_qb.append(float(m["load_max_mean"]))  # routed with the QB bias of the previous step
         without.append(float(m["load_max_mean_nobias"]))  # the same scores routed with no bias
-    # step 1: bias still 0, so both agree; busiest expert gets > 1.8x the mean load
-    assert with_qb[0] == without[0] > 1.8, (with_qb, without)
-    assert min(without) > 1.8, without  # the router itself stays skewed over these steps
+    # step 1: bias still 0, so both agree; busiest expert gets > 1.75x the mean load
+    assert with_qb[0] == without[0] > 1.75, (with_qb, without)
+    assert min(without) > 1.75, without  # the router itself stays skewed over these steps
     # from step 2 on the QB bias of the previous step routes the tokens: close to balanced
     assert max(with_qb[1:]) < 1.35 and max(with_qb[1:]) < 0.7 * min(without), (with_qb, without)
 
