@@ -124,6 +124,11 @@ def to_global_batch(local: dict[str, np.ndarray], rows: Sequence[int], sharding:
     return {k: make(v) for k, v in local.items()}
 
 
+# documents are read in the calling thread: a row needs a few documents per step, and grain's default (16
+# prefetch threads per iterator) would start 16 threads for every row stream
+_READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
 def _stream_seed(seed: int, row: int) -> int:
     return int(np.random.SeedSequence([seed, row]).generate_state(1)[0] >> 1)
 
@@ -161,7 +166,7 @@ def make_dataset(cfg: DataConfig, *, split: str = "train", rows: Sequence[int] |
             return {"tokens": np.concatenate([bos, docs[int(own[i])].astype(np.int32), eos])}
 
         ds = grain.MapDataset.range(len(own)).shuffle(seed=_stream_seed(cfg.seed, row)).repeat(None)
-        packed = ConcatThenSplitIterDataset(ds.map(to_example).to_iter_dataset(),
+        packed = ConcatThenSplitIterDataset(ds.map(to_example).to_iter_dataset(_READ),
                                             length_struct={"tokens": cfg.seq_len + 1})
         return packed.map(_rename)
 
