@@ -16,7 +16,7 @@ SHARED = REPO.parent / "shared"
 
 
 def tiny_config(**overrides) -> K3Config:
-    return load_config(REPO / "configs" / "k3-tiny.json", dtype="float32", **overrides)
+    return load_config(REPO / "configs" / "k3-tiny.json", **{"dtype": "float32", **overrides})
 
 
 @functools.cache
