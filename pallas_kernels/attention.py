@@ -9,9 +9,8 @@ statistics, bf16 operands) and takes ``Dqk != Dv`` on Hopper with cuDNN >= 9.10.
 Documents enter as cuDNN's additive bias: a same-document mask ``[B, 1, T, T]`` (bf16 0 / -large, broadcast
 over heads) on top of its causal mask, so any packing is exact. That mask costs ``2·B·T²`` bytes per MLA layer
 (kept for the backward): :data:`MAX_MASKED_LENGTH` bounds T, longer sequences take the blocked XLA path.
-cuDNN's packed-document layout (``q_offsets``/``q_seqlen``, no T² mask) crashed the GPU with an illegal memory
-access at these shapes (jax 0.11.2, H200), and a data-dependent ``lax.cond`` between the kernel and the XLA path
-cost a host synchronisation per call; neither is used.
+cuDNN's packed-document layout (``q_offsets``/``q_seqlen``) and a data-dependent ``lax.cond`` between the kernel
+and the XLA path are not used (the first faulted at these shapes, the second syncs with the host per call).
 
 Uses ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` (the kernel ``jax.nn`` wraps, called
 directly for its ``qkv_layout`` and mask-type arguments).

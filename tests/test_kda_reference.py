@@ -1,4 +1,4 @@
-"""Tests for the pure-JAX KDA reference (pallas_kernels/kda/reference.py), spec b.2."""
+"""Tests for the pure-JAX KDA reference (pallas_kernels/kda/reference.py): the delta rule with per-channel decay."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def make_inputs(B, T, H, K, V, seed=0, dtype=jnp.float32):
 
 
 def numpy_recurrent(q, k, v, g, beta, initial_state=None, segment_ids=None):
-    """Independent float64 numpy loop of the spec b.2 recurrence (scale K^-1/2)."""
+    """Independent float64 numpy loop of the KDA recurrence (scale K^-1/2):
+    ``S_t = (I - beta k k^T) diag(exp g) S_{t-1} + beta k v^T``."""
     q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
     B, T, H, K = q.shape
     S = np.zeros((B, H, K, v.shape[-1])) if initial_state is None else np.array(initial_state, np.float64)

@@ -111,9 +111,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float | None = 1.0
     weight_clip: float | None = 8.0
-    # Newton-Schulz dtype of Muon: "float32" (fp32 HIGHEST: on an H200 these GEMMs run on CUDA cores, 36% of
-    # the k3-small train step), "bfloat16" (tensor-core GEMMs, fp32 accumulation: that step 0.177 -> 0.123 s,
-    # benchmarks/RESULTS.md) or "auto" (bfloat16 on GPU/TPU, float32 on CPU)
+    # Newton-Schulz dtype of Muon: "float32" (fp32 HIGHEST), "bfloat16" (tensor-core GEMMs, fp32
+    # accumulation) or "auto" (bfloat16 on GPU/TPU, float32 on CPU)
     muon_dtype: str = "auto"
     # step
     loss_chunk: int = 1024

@@ -1,4 +1,4 @@
-"""MoonViT3d vision tower and the ``patchmergerv2`` projector (spec b.9), Flax linen.
+"""MoonViT3d vision tower and the ``patchmergerv2`` projector, Flax linen.
 
 Inputs are *packed*: ``pixel_values [Np, 3, P, P]`` holds the patches of every media item of the batch back
 to back (NaViT style, no padding to a square), and a :class:`~k3_jax.vision.plan.MediaPlan` (host-side

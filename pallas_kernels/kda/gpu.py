@@ -403,8 +403,8 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, block_v
                 interpret: bool = False, num_warps: int = 8):
     """One recurrent KDA step in place on a state pool (see :func:`pallas_kernels.kda.tpu.decode_step`).
 
-    ``block_v`` / ``num_warps``: V slice per program and its warps; the default (64, 8 warps) was the
-    fastest of the H200 sweep at B=64, H=96, K=V=128 (``benchmarks/kda.py --decode-configs``, RESULTS.md).
+    ``block_v`` / ``num_warps``: V slice per program and its warps; default 64 and 8 warps
+    (``benchmarks/kda.py --decode-configs`` sweeps others).
 
     ``q, k, g [B, H, K]``, ``v [B, H, V]``, ``beta [B, H]``, ``state_pool [P, H, K, V] f32``,
     ``state_slots [B] i32``. Returns ``(o [B, H, V], new_pool)``.

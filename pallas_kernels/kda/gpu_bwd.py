@@ -2,7 +2,7 @@
 
 The math is :mod:`pallas_kernels.kda.tpu_bwd`'s (see its docstring for the per-chunk formulas); here it is
 split into lean Triton kernels, none of which holds more than a few ``[C, 64]`` / ``[C, C]`` tiles at once
-(one program holding a whole chunk's tiles spilled registers and ran 20x slower in the forward). Inputs
+(so no program's tiles exceed the register file). Inputs
 are read and ``dq, dk, dv, dg, dbeta`` written in the caller's ``[B, T, H, D]`` layout (strided tiles);
 intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = Tp / C``). The first grid
 axis is the fastest, so a chunk's row-tile / K-block programs run together and share its tiles in L2:

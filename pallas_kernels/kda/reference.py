@@ -36,7 +36,7 @@ Implementation notes:
   sequence parallelism). Outputs follow as ``O = (q exp(G) - A_qk W) S_n + A_qk U``.
 * ``(I + diag(beta) A_kk)^-1`` is formed by blocked doubling (:func:`_unit_lower_inverse`): log2(C) levels
   of batched matmuls instead of a 64-step forward substitution.
-* exp-overflow (spec b.2): ``exp(G_i - G_j)`` is never factored as ``exp(G_i) exp(-G_j)`` over a chunk.
+* no exp overflow: ``exp(G_i - G_j)`` is never factored as ``exp(G_i) exp(-G_j)`` over a chunk.
   The chunk is split into sub-tiles of ``sub_chunk_size`` tokens. For ``i`` in tile ``a`` and ``j`` in any
   earlier tile, the factorisation is taken at ``r`` = ``G`` at the last token of tile ``a - 1``:
   ``exp(G_i - r) * exp(r - G_j)``, and both exponents are ``<= 0`` for any ``g <= 0`` (no lower bound

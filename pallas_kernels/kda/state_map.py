@@ -1,4 +1,4 @@
-"""Affine state maps of KDA token ranges, for sequence (context) parallelism (issue 6).
+"""Affine state maps of KDA token ranges, for sequence (context) parallelism.
 
 The KDA state update is affine in the incoming state: over any token range,
 ``S_out = M @ S_in + U`` with ``M [B, H, K, K]`` (acts on the key axis of the ``[K, V]`` state) and

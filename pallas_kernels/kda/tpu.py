@@ -2,7 +2,8 @@
 
 Chunked forward, grid ``(B*H, N)`` with the chunk axis ``"arbitrary"`` (sequential) and the fp32 state
 ``S^T [V, K]`` living in a VMEM scratch across chunks (it never goes back to HBM between chunks). Per chunk
-(``C = 64``, sub-tiles of 16 tokens), with ``G`` the in-chunk cumulative log-decay (spec b.2):
+(``C = 64``, sub-tiles of 16 tokens), with ``G`` the in-chunk cumulative log-decay (``exp(G_i - G_j)`` is
+never factored as ``exp(G_i) exp(-G_j)``):
 
 * ``A_kk``, ``A_qk`` are built as matmuls per 16-row tile ``a``: with the reference point ``m_a = G`` at
   the token just before tile ``a`` (0 for the first tile),

@@ -128,7 +128,7 @@ def _tgmm_call(lhs, dout, group_sizes, *, out_dtype, tiles, interpret):
     )(ends, lhs, dout)
 
 
-DEFAULT_TILES = (128, 64, 256, 8, 3)  # tm, tk, tn, num_warps, num_stages (best of 4 on the H200, RESULTS.md)
+DEFAULT_TILES = (128, 64, 256, 8, 3)  # tm, tk, tn, num_warps, num_stages (benchmarks/moe.py sweeps others)
 MXFP4_TILES = (16, 128, 64, 4, 4)  # tm, tkh (packed bytes of K per step), tn, num_warps, num_stages
 TGMM_TILES = (64, 128, 128, 8, 3)
 
@@ -253,7 +253,7 @@ def _decode(codes: jax.Array, factor: jax.Array, dtype) -> jax.Array:
 # f32 activations always use the f32 decode (the other variants produce bf16). Scales are broadcast from
 # [tn, tkh/16] to [tn, tkh] with broadcast_to + reshape, which Triton lowers to a register layout (no smem).
 MXFP4_VARIANTS = ("f32", "int", "bf16mul", "asm", "asm1")
-MXFP4_VARIANT = "asm"  # fastest exact-for-every-scale variant on the H200 (benchmarks/RESULTS.md)
+MXFP4_VARIANT = "asm"  # the default decode; benchmarks/moe.py times the others
 
 _BF16_NAN = 0x7FC0
 
