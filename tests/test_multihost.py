@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import pytest
 
-import train
+from k3_jax.cli import train
 from k3_jax.launch import free_port, process_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -206,7 +206,7 @@ def test_no_resume_refuses_a_workdir_with_checkpoints(trainer, saved_3_6, tmp_pa
 def test_train_py_no_resume_into_a_run_exits_2_naming_it(saved_3_6, tmp_path, capsys, monkeypatch):
     """The issue's repro: ``train.py --no-resume`` into a workdir with checkpoints used to exit 0 having saved
     nothing; it now exits 2 before any compile, naming the directory, the steps and the ways on."""
-    from train import main
+    from k3_jax.cli.train import main
 
     monkeypatch.setenv("K3_COMPILATION_CACHE", "off")
     monkeypatch.setenv("K3_XLA_DEFAULTS", "off")
@@ -310,7 +310,7 @@ def test_changed_model_shape_names_the_parameter_and_shapes(trainer, tmp_path):
 
 
 def test_cli_resume_flags():
-    from train import build_train_config
+    from k3_jax.cli.train import build_train_config
 
     tc = build_train_config(["--resume-step", "3", "--allow-config-change"])
     assert tc.resume and tc.resume_step == 3 and tc.allow_config_change and not tc.start_over

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import train  # noqa: E402
+from k3_jax.cli import train  # noqa: E402
 from k3_jax.training import metrics  # noqa: E402
 
 DIE_STEP = int(os.environ["K3_DIE_AFTER_STEP"])
