@@ -45,13 +45,6 @@ def save_lines(out_png: str | os.PathLike[str], series: Mapping[str, Sequence[tu
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no results to draw", ha="center", va="center", transform=ax.transAxes)
-    out = os.fspath(out_png)
-    tmp = f"{out}.partial-{os.getpid()}.png"
-    try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, out)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
+    from k3_jax.training.plot import save_figure
+
+    return save_figure(fig, out_png, dpi=100)

@@ -177,9 +177,14 @@ def save_png(rows: list[dict[str, Any]], out: str | os.PathLike[str], *, title: 
     import matplotlib
 
     matplotlib.use("Agg")
+    return save_figure(figure(rows, title=title), out, dpi)
+
+
+def save_figure(fig, out: str | os.PathLike[str], dpi: int = 100) -> str:
+    """Write ``fig`` as a PNG at ``out`` through a temp file and a rename (never a half-written ``out``);
+    closes the figure. Returns ``out``."""
     import matplotlib.pyplot as plt
 
-    fig = figure(rows, title=title)
     out = os.fspath(out)
     tmp = f"{out}.partial-{os.getpid()}.png"
     try:
