@@ -51,6 +51,8 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "data" / "tokenizer"
 BUNDLED_RANKS = "bundled.tiktoken"
 BUNDLED_SPECIALS = ("[PAD]", "[BOS]", "[EOS]", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
                     "<|im_middle|>", "<|im_end|>")
+#: with ``Tokenizer.bundled(media=True)``: the release's media markers at ids 1024.. (after the bundled 1024 ids)
+BUNDLED_MEDIA_SPECIALS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 
 
 class TokenizerError(ValueError):
@@ -122,10 +124,14 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- constructors
     @classmethod
-    def bundled(cls) -> Tokenizer:
-        """The bundled 1024-token BPE (package data), bos 1, eos 2, pad 0."""
+    def bundled(cls, media: bool = False) -> Tokenizer:
+        """The bundled 1024-token BPE (package data), bos 1, eos 2, pad 0. ``media=True`` adds
+        :data:`BUNDLED_MEDIA_SPECIALS` as ids 1024..1027 (``<|media_pad|>`` = 1027; vocabulary 1028)."""
         ranks = read_rank_file(BUNDLED_DIR / BUNDLED_RANKS)
         specials = {s: i for i, s in enumerate(BUNDLED_SPECIALS)}
+        if media:
+            base = max(ranks.values()) + 1
+            specials.update({s: base + i for i, s in enumerate(BUNDLED_MEDIA_SPECIALS)})
         return cls(ranks, specials, bos_id=1, eos_id=2, pad_id=0, name="k3-bundled")
 
     @classmethod

@@ -132,7 +132,8 @@ def test_chat_content_parts():
                          (True, "<|media_content|>"), (True, "<|media_pad|>"), (True, "<|media_end|>"), (False, "?")]
     assert media.grid_thws.tolist() == [[1, 4, 4]] and media.num_tokens == (4,)
     bad = [
-        ({"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, "remote image URLs are not fetched"),
+        ({"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, "remote fetch disabled"),
+        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "local image files are not read"),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "not an image"),
         ({"type": "audio", "audio": "x"}, "unsupported content part type"),
     ]

@@ -56,8 +56,10 @@ def _segments(
     add_generation_prompt: bool,
     default_system: str | None,
     thinking: bool,
+    content_pieces: Sequence[list[tuple[bool, str]] | None] | None = None,
 ) -> list[tuple[bool, str]]:
-    """The prompt as ``(is_special, text)`` pieces."""
+    """The prompt as ``(is_special, text)`` pieces; ``content_pieces[i]`` (when not None) replaces message ``i``'s
+    content (e.g. text with image placeholders, :func:`k3_jax.vision.content.message_pieces`)."""
     if not messages:
         raise ChatFormatError("messages must be a non-empty list")
     out: list[tuple[bool, str]] = []
@@ -76,9 +78,13 @@ def _segments(
         role = msg["role"]
         if role not in KNOWN_ROLES:
             raise ChatFormatError(f"messages[{i}].role must be one of {KNOWN_ROLES}, got {role!r}")
-        text = _content_text(msg, i)
+        pieces = content_pieces[i] if content_pieces is not None else None
+        text = _content_text(msg, i) if pieces is None else ""
         name = msg.get("name") or role
         out += [(True, ROLE_MARKER.get(role, SYSTEM_MARKER)), (False, str(name)), (True, MIDDLE)]
+        if pieces is not None:
+            out += [*pieces, (True, END)]
+            continue
         if role == "tool":
             text = f"## Return of {msg.get('tool_call_id', '')}\n{text}"
         if role == "assistant" and thinking:
@@ -107,10 +113,12 @@ def chat_prompt_ids(
     default_system: str | None = None,
     thinking: bool = False,
     add_bos: bool = False,
+    content_pieces: Sequence[list[tuple[bool, str]] | None] | None = None,
 ) -> list[int]:
-    """Token ids of the chat prompt; markers are special ids, content is plain text."""
+    """Token ids of the chat prompt; markers are special ids, content is plain text (``content_pieces``: see
+    ``_segments``)."""
     ids: list[int] = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
-    for special, text in _segments(messages, add_generation_prompt, default_system, thinking):
+    for special, text in _segments(messages, add_generation_prompt, default_system, thinking, content_pieces):
         ids += [tokenizer.special_id(text)] if special else tokenizer.encode(text)
     return ids
 

@@ -46,6 +46,7 @@ from k3_jax.cache import init_cache
 from k3_jax.config import K3Config
 from k3_jax.model import K3ForCausalLM, check_token_ids
 from k3_jax.progress import prefill_progress
+from k3_jax.serving import media as media_lib
 from k3_jax.serving.chat import IncrementalDetokenizer
 from k3_jax.serving.paged_cache import PageAllocator, PagedCacheSpec, gather_latent, write_latent
 from k3_jax.serving.sampling import SamplingArrays, SamplingParams, StopStrings, sample
@@ -90,6 +91,7 @@ class _Request:
     detok: IncrementalDetokenizer | None = None
     stops: StopStrings | None = None
     arrival: float = 0.0
+    media: media_lib.RequestMedia | None = None  # images of the prompt (k3_jax.serving.media)
 
 
 def _batch_axes(cfg: K3Config, max_len: int) -> Any:
@@ -211,6 +213,7 @@ class Engine:
             self._table = jnp.asarray(self.allocator.table)
             self.cache, self._axes = self._to_paged(self.cache, self._axes)
         self._build_fns()
+        self._media_encoder: media_lib.MediaEncoder | None = None  # built at the first request with media
         # host state
         self._slots: list[_Request | None] = [None] * max_batch
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -270,23 +273,25 @@ class Engine:
 
         paged, cdt = self.paged, self.compute_dtype
 
-        def run(variables, cache, tokens, table, valid):
+        def run(variables, cache, tokens, table, valid, hook=None):
             """model.apply on a (possibly paged) cache; ``valid [B]``: rows whose new tokens are kept."""
             if not paged:
-                return model.apply(variables, tokens, cache=cache)
+                return model.apply(variables, tokens, cache=cache, embeds_hook=hook)
             start = cache["lengths"]
-            logits, new = model.apply(variables, tokens, cache=_gather_view(cache, table, cdt))
+            logits, new = model.apply(variables, tokens, cache=_gather_view(cache, table, cdt), embeds_hook=hook)
             return logits, _absorb(cache, new, table, start, tokens.shape[1], valid)
 
         def reset(cache, slot):
             row = jax.tree.map(lambda x, ax: x if ax < 0 else jnp.zeros_like(x), take_row(cache, slot), axes)
             return put_row(cache, row, slot)
 
-        def prefill(variables, cache, slot, tokens, table):
-            """tokens [1, T] into slot ``slot``; returns (logits of the last token [V] f32, cache)."""
+        def prefill(variables, cache, slot, tokens, table, media=None):
+            """tokens [1, T] into slot ``slot`` (``media``: :func:`media_lib.chunk_media` rows + mask, or None);
+            returns (logits of the last token [V] f32, cache)."""
             row = take_row(cache, slot)
             row_table = None if table is None else jax.lax.dynamic_slice_in_dim(table, slot, 1, 0)
-            logits, row = run(variables, row, tokens, row_table, jnp.ones((1,), bool))
+            hook = media_lib.media_embeds_hook(media, tokens, self.cfg.pad_token_id)
+            logits, row = run(variables, row, tokens, row_table, jnp.ones((1,), bool), hook)
             return logits[0, -1].astype(jnp.float32), put_row(cache, row, slot)
 
         def decode(variables, cache, tokens, active, samp, num_top, table):
@@ -312,8 +317,10 @@ class Engine:
         self._sample = jax.jit(sample, static_argnames=("num_top_logprobs",))
 
     # ------------------------------------------------------------------ request management
-    def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Raise :class:`RequestError` naming what is wrong with a request."""
+    def validate(self, prompt: Sequence[int], params: SamplingParams,
+                 media: media_lib.RequestMedia | None = None) -> None:
+        """Raise :class:`RequestError` naming what is wrong with a request (``media``: its images, whose
+        ``<|media_pad|>`` positions the prompt holds, expanded)."""
         if len(prompt) == 0:
             raise RequestError("prompt is empty: at least one token is needed")
         if len(prompt) >= self.max_len:
@@ -337,13 +344,19 @@ class Engine:
                 raise RequestError(f"request needs {pages} cache pages; the pool has {self.page_spec.num_pages - 1}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need an engine with a tokenizer")
+        if media is not None:
+            try:
+                media_lib.check_request_media(prompt, media, self.cfg, "vision_tower" in self.variables["params"])
+            except ValueError as e:
+                raise RequestError(str(e)) from e
 
     def add_request(
-        self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+        media: media_lib.RequestMedia | None = None,
     ) -> str:
         """Queue a request; returns its id. ``max_tokens`` is capped at ``max_len - len(prompt)``."""
         params = params or SamplingParams()
-        self.validate(prompt, params)
+        self.validate(prompt, params, media)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._by_id:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -357,6 +370,7 @@ class Engine:
             max_tokens=min(params.max_tokens, self.max_len - len(prompt)),
             stop_ids=frozenset(stop_ids),
             arrival=time.perf_counter(),
+            media=media,
         )
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
@@ -471,10 +485,13 @@ class Engine:
         self.cache = self._reset(self.cache, slot_arr)
         pos = 0
         logits = None
+        embeds = self._encode_media(req.media)
         prog = prefill_progress(len(req.prompt), req.id)  # None unless the prompt is long
         for n in _prefill_pieces(len(req.prompt), self.prefill_chunk, self.prefill_mode):
             toks = jnp.asarray(prompt[None, pos : pos + n])
-            logits, self.cache = self._prefill(self.variables, self.cache, slot_arr, toks, self._table)
+            chunk = None if embeds is None else media_lib.chunk_media(
+                prompt, embeds, pos, n, self.cfg.media_placeholder_token_id)
+            logits, self.cache = self._prefill(self.variables, self.cache, slot_arr, toks, self._table, chunk)
             pos += n
             if prog is not None:
                 prog.update(n, wait=logits)
@@ -484,6 +501,16 @@ class Engine:
         if prog is not None:
             prog.close()
         return [self._emit(req, int(out.tokens[0]), out, 0)]
+
+    def _encode_media(self, media: media_lib.RequestMedia | None) -> np.ndarray | None:
+        """The request's media embeddings (the vision encoder runs once per request, at admission)."""
+        if media is None:
+            return None
+        if media.embeds is None:
+            if self._media_encoder is None:
+                self._media_encoder = media_lib.MediaEncoder(self.cfg, self.variables)
+            media.embeds = self._media_encoder(media)
+        return media.embeds
 
     def _block_size(self) -> int:
         """Decode steps of the next device call: ``decode_block`` when no admission is pending and every running

@@ -41,8 +41,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3_jax.serving.chat import ChatFormatError, chat_prompt_ids, chat_stop_ids
+from k3_jax.serving.chat import ChatFormatError, chat_stop_ids
 from k3_jax.serving.engine import Engine, RequestError, TokenEvent
+from k3_jax.serving.media import MediaServingConfig, RequestMedia, chat_request_ids, check_media_tokenizer
 from k3_jax.serving.sampling import (
     INT32_MAX,
     MAX_STOP_IDS,
@@ -51,6 +52,7 @@ from k3_jax.serving.sampling import (
     MAX_TEMPERATURE,
     SamplingParams,
 )
+from k3_jax.vision.processor import ImageError
 
 __all__ = ["AsyncEngine", "create_app", "DEFAULT_MAX_BODY_BYTES"]
 
@@ -114,21 +116,22 @@ class AsyncEngine:
             "open_streams": len(self._queues),
         }
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+    def submit(self, prompt: list[int], params: SamplingParams,
+               media: RequestMedia | None = None) -> tuple[str, asyncio.Queue]:
         """Queue an already validated request (see :meth:`Engine.validate`); events arrive on the queue."""
         if not self.alive:
             raise RuntimeError("the engine thread is not running")
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), q)
-        self._inbox.put(("add", rid, prompt, params))
+        self._inbox.put(("add", rid, prompt, params, media))
         self._wake.set()
         return rid, q
 
     def abort(self, rid: str) -> None:
         """Forget ``rid``'s queue and free its slot before the engine's next step."""
         self._queues.pop(rid, None)
-        self._inbox.put(("abort", rid, None, None))
+        self._inbox.put(("abort", rid, None, None, None))
         self._wake.set()
 
     def shutdown(self) -> None:
@@ -146,13 +149,13 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                op, rid, prompt, params = self._inbox.get_nowait()
+                op, rid, prompt, params, media = self._inbox.get_nowait()
             except queue.Empty:
                 return
             try:
                 if op == "add":
                     if rid in self._queues:  # else aborted while queued
-                        self.engine.add_request(prompt, params, request_id=rid)
+                        self.engine.add_request(prompt, params, request_id=rid, media=media)
                 else:
                     self.engine.abort(rid)
             except RequestError as e:
@@ -343,13 +346,19 @@ async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
 
 # ---------------------------------------------------------------------------------------------- app
 def create_app(
-    engine: Engine, tokenizer: Any, model_name: str = "k3", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    engine: Engine, tokenizer: Any, model_name: str = "k3", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    media: MediaServingConfig | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model id ``model_name``.
 
     The engine should have been built with the same ``tokenizer`` (text deltas and stop strings).
-    ``max_body_bytes``: larger request bodies get 413 before parsing.
+    ``max_body_bytes``: larger request bodies get 413 before parsing. With a vision model, chat messages may hold
+    image parts (:mod:`k3_jax.serving.media`; ``media``: the limits, default :class:`MediaServingConfig`); a
+    tokenizer without the media markers raises here.
     """
+    if engine.cfg.vision is not None:
+        check_media_tokenizer(tokenizer, engine.cfg)
+    media_cfg = media or MediaServingConfig()
     runner = AsyncEngine(engine)
 
     @contextlib.asynccontextmanager
@@ -451,22 +460,25 @@ def create_app(
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ")[0]) from e
 
-    async def submit(make_ids: Callable[[], list[int]], params: SamplingParams) -> tuple[list[int], str, asyncio.Queue]:
-        """Tokenize (``make_ids``) and validate in the executor, then queue: ``(ids, request id, queue)``."""
+    async def submit(make_ids: Callable[[], list[int] | tuple[list[int], RequestMedia | None]],
+                     params: SamplingParams) -> tuple[list[int], str, asyncio.Queue]:
+        """Tokenize (``make_ids``: ids, or ids and the request's media) and validate in the executor, then
+        queue: ``(ids, request id, queue)``."""
 
-        def prepare() -> list[int]:
-            ids = make_ids()
-            engine.validate(ids, params)
-            return ids
+        def prepare() -> tuple[list[int], RequestMedia | None]:
+            out = make_ids()
+            ids, media = out if isinstance(out, tuple) else (out, None)
+            engine.validate(ids, params, media)
+            return ids, media
 
         try:
-            ids = await asyncio.to_thread(prepare)
-        except ChatFormatError as e:
+            ids, media = await asyncio.to_thread(prepare)
+        except (ChatFormatError, ImageError) as e:
             raise APIError(400, str(e), param="messages") from e
         except RequestError as e:
             raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from e
         try:
-            rid, q = runner.submit(ids, params)
+            rid, q = runner.submit(ids, params, media)
         except RuntimeError as e:
             raise APIError(503, str(e), type_="server_error", code="engine_unavailable") from e
         return ids, rid, q
@@ -559,7 +571,9 @@ def create_app(
         params = sampling(req, () if req.ignore_eos else stop_chat, n_top if req.logprobs else None)
         messages = req.messages
         ids, rid, q = await submit(
-            lambda: chat_prompt_ids(tokenizer, [m.model_dump(exclude_none=True) for m in messages]), params
+            lambda: chat_request_ids(tokenizer, [m.model_dump(exclude_none=True) for m in messages], engine.cfg,
+                                     media_cfg),
+            params,
         )
 
         def lp_content(evs: list[TokenEvent]) -> dict | None:
