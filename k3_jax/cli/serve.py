@@ -4,6 +4,7 @@
     python serve.py --checkpoint DIR --prompt "Hi" --chat               # same, through the chat template
     python serve.py --checkpoint DIR --port 8000                        # /v1/completions, /v1/chat/completions
     python serve.py --config configs/k3-tiny.json --prompt "def f("     # RANDOM weights (demo only)
+    python serve.py --checkpoint DIR --chat --prompt "What is this?" --image cat.png   # a vision model
 
 ``--checkpoint`` accepts an HF checkpoint directory (``config.json`` + safetensors index, loaded with
 :func:`k3_jax.convert.load_checkpoint`; MXFP4 experts stay packed with ``--experts mxfp4``) or an orbax
@@ -33,6 +34,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt", help="generate for this prompt and stream it to stdout, then exit")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template as a user turn")
     p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="with --chat: an image file after the prompt's text (repeatable; needs a vision model)")
+    p.add_argument("--image-dir", default=None, metavar="DIR",
+                   help="HTTP server: also read image_url file:// URLs / paths under DIR (default: data URLs only)")
+    p.add_argument("--max-images", type=int, default=8, help="HTTP server: images per request")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -96,13 +102,17 @@ def load_model(args: argparse.Namespace):
         from k3_jax.convert.fixture import random_params
 
         params = random_params(cfg, seed=args.init_seed, experts=cfg.expert_format)
+        if cfg.vision is not None:
+            from k3_jax.convert.fixture import random_vision_params
+
+            params.update(random_vision_params(cfg.vision, seed=args.init_seed))
         name = f"{Path(cfg_path).stem}-random"
     if args.tokenizer:
         tok = Tokenizer.load(args.tokenizer)
     elif ckpt is not None and (ckpt / "tiktoken.model").exists():
         tok = Tokenizer.from_pretrained(ckpt)
     else:
-        tok = Tokenizer.bundled()
+        tok = Tokenizer.bundled(media=cfg.vision is not None)
         if ckpt is not None:
             _warn(f"{ckpt} has no tiktoken.model: using the bundled small tokenizer")
     if tok.vocab_size > cfg.vocab_size:
@@ -114,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.prompt is None and args.port is None:
         raise SystemExit("give --prompt TEXT (terminal) or --port N (HTTP server)")
+    if args.image and not (args.chat and args.prompt is not None):
+        raise SystemExit("--image goes with --chat --prompt TEXT")
     if int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
         raise SystemExit("serve.py runs in one process on one device; a mesh spanning processes is not supported "
                          "for serving (README: Run on several hosts)")
@@ -146,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.port is not None:
         import uvicorn
 
+        from k3_jax.serving.media import MediaServingConfig
         from k3_jax.serving.server import DEFAULT_MAX_BODY_BYTES, create_app
 
-        app = create_app(engine, tok, model_name=name, max_body_bytes=args.max_request_bytes or DEFAULT_MAX_BODY_BYTES)
+        media = MediaServingConfig(max_items=args.max_images, allow_dir=args.image_dir)
+        app = create_app(engine, tok, model_name=name, max_body_bytes=args.max_request_bytes or DEFAULT_MAX_BODY_BYTES,
+                         media=media)
         print(
             f"serving '{name}' on http://{args.host}:{args.port}/v1 (max_batch={args.max_batch}, "
             f"max_len={args.max_len})",
@@ -158,11 +173,28 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         return 0
 
+    media = None
     if args.chat:
+        content: str | list = args.prompt
+        if args.image:
+            from k3_jax.serving.media import chat_request_ids
+
+            if cfg.vision is None:
+                raise SystemExit("--image needs a vision model (a config with a vision_config)")
+            parts = [{"type": "text", "text": args.prompt}]
+            for path in args.image:
+                if not Path(path).is_file():
+                    raise SystemExit(f"--image {path}: no such file")
+                parts.append({"type": "image", "image": Path(path).read_bytes()})
+            content = parts
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}
+            {"role": "user", "content": content}
         ]
-        ids, stops = chat_prompt_ids(tok, messages), chat_stop_ids(tok)
+        if args.image:
+            ids, media = chat_request_ids(tok, messages, cfg)
+        else:
+            ids = chat_prompt_ids(tok, messages)
+        stops = chat_stop_ids(tok)
     else:
         ids, stops = tok.encode(args.prompt), eos
     params = SamplingParams(
@@ -173,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         stop_token_ids=tuple(stops),
     )
-    rid = engine.add_request(ids, params)
+    rid = engine.add_request(ids, params, media=media)
     t0, n, first = time.perf_counter(), 0, None
     while engine.has_work:
         for ev in engine.step():
