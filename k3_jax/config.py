@@ -550,6 +550,11 @@ def _from_dict(raw: Mapping[str, Any], source: str | None, overrides: Mapping[st
         raise ConfigError(f"config key 'k3_jax': expected an object, got {runtime!r}")
     fields.update(runtime)
     fields.update(overrides)
+    vision_attention = fields.pop("vision_attention", None)  # runtime key: the tower's VisionConfig.attention
+    if vision_attention is not None:
+        if fields.get("vision") is None:
+            raise ConfigError("'vision_attention' is set but the config has no vision_config")
+        fields["vision"] = dataclasses.replace(fields["vision"], attention=vision_attention)
     known = {f.name for f in dataclasses.fields(K3Config)}
     unknown = sorted(set(fields) - known)
     if unknown:

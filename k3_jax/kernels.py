@@ -3,7 +3,8 @@
     python -m k3_jax.kernels --config configs/k3.json [--platform tpu] [--seq-len 8192] [--compute-capability 9.0]
 
 :func:`explain` asks each op's registry (``pallas_kernels.kda.ops.CHUNK`` / ``DECODE``,
-``pallas_kernels.moe.ops.EXPERT_FFN``, ``pallas_kernels.attention.ATTENTION``) what ``cfg``'s implementation
+``pallas_kernels.moe.ops.EXPERT_FFN``, ``pallas_kernels.attention.ATTENTION``, the vision tower's
+``k3_jax.vision.attention.VISION_ATTENTION``) what ``cfg``'s implementation
 field selects for a call of the config's shapes, without running anything: the backend, or the reason an
 explicit choice cannot run, and why the backends ahead of it were passed over. At run time the same registries
 make the same choice per call (logged once per op, shape and choice on the ``pallas_kernels`` logger;
@@ -18,6 +19,7 @@ import json
 from typing import Any
 
 from k3_jax.config import K3Config, load_config
+from k3_jax.vision.attention import VISION_ATTENTION, VisionAttentionCall
 from pallas_kernels import attention
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.moe import ops as moe_ops
@@ -90,6 +92,11 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
             call = moe_ops.MoeCall(p, dt, (rows, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),
                                    cfg.num_experts, cfg.expert_format == "mxfp4")
             out.append(_choose("moe (routed experts)", moe_ops.EXPERT_FFN, cfg.moe_implementation, call))
+        if cfg.vision is not None:  # seq_len patches of one image (window = the whole item)
+            cc = compute_capability if compute_capability is not None else (
+                attention.visible_gpu_compute_capability() if p == "gpu" else None)
+            call = VisionAttentionCall(p, dt, seq_len, seq_len, cfg.vision.head_dim, cc)
+            out.append(_choose("vision tower", VISION_ATTENTION, cfg.vision.attention, call))
     return out
 
 

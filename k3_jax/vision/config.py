@@ -30,6 +30,10 @@ _FIXED: dict[str, Any] = {
 }
 
 
+#: accepted ``VisionConfig.attention`` values: "auto" + the backends of ``k3_jax.vision.attention.VISION_ATTENTION``
+ATTENTION_CHOICES = ("auto", "mosaic_tpu", "cudnn", "xla")
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
     """Architecture of the vision tower and projector (field names follow ``vision_config``)."""
@@ -50,7 +54,8 @@ class VisionConfig:
     rope_max_height: int = 512  # Rope2DPosEmbRepeated(head_dim, 512, 512) in the release
     rope_max_width: int = 512
     rope_theta: float = 10000.0
-    # runtime (not in the checkpoint): the tower's attention, "auto" | "xla" | "cudnn" (k3_jax.vision.attention)
+    # runtime (not in the checkpoint): the tower's attention, "auto" or a backend of
+    # k3_jax.vision.attention.VISION_ATTENTION (ATTENTION_CHOICES)
     attention: str = "auto"
 
     @property
@@ -82,7 +87,7 @@ class VisionConfig:
         check(self.mm_hidden_size == self.vt_hidden_size, "mm_hidden_size",
               f"== vt_hidden_size ({self.vt_hidden_size})", self.mm_hidden_size)
         check(self.projector_ln_eps > 0, "projector_ln_eps", "> 0", self.projector_ln_eps)
-        check(self.attention in ("auto", "xla", "cudnn"), "attention", "'auto', 'xla' or 'cudnn'", self.attention)
+        check(self.attention in ATTENTION_CHOICES, "attention", f"one of {ATTENTION_CHOICES}", self.attention)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The published ``vision_config`` block."""

@@ -166,7 +166,7 @@ class EncoderBlock(nn.Module):
         q = rope_2d(qkv[:, 0], plan["rope_pos"], v.rope_theta)
         k = rope_2d(qkv[:, 1], plan["rope_pos"], v.rope_theta)
         a = packed_attention(q, k, qkv[:, 2], plan["segment_ids"], plan["kv_start"], plan["q_offsets"],
-                             plan["kv_offsets"], v.attention)
+                             plan["kv_offsets"], v.attention, self.cfg.platform)
         x = x + VLinear(v.vt_hidden_size, ("vision_mlp", "vision_embed"), self.cfg, name="wo")(a.reshape(n, h * dh))
         y = VNorm(TOWER_NORM_EPS, cfg=self.cfg, name="norm1")(x)
         y = _Mlp2(self.cfg, name="mlp")(y)
