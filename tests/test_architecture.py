@@ -13,7 +13,8 @@ functions and ``if TYPE_CHECKING:`` blocks, so a back edge cannot hide in a func
 | 4 | parallel     | ``k3_jax.parallel`` (sequence-, expert- and vocab-parallel forms of the layers)      |
 | 5 | layers       | ``k3_jax.layers``, ``k3_jax.vision`` (tower, packed attention, media plan)            |
 | 6 | model        | ``k3_jax.model``, ``.cache``, ``.multimodal``, ``.kernels`` (what a config will run)  |
-| 7 | programs     | ``k3_jax.training``, ``k3_jax.serving``, ``k3_jax.convert``, ``k3_jax.vision.train``  |
+| 7 | programs     | ``k3_jax.training``, ``k3_jax.serving``, ``k3_jax.convert``, ``k3_jax.vision.train``, |
+|   |              | ``k3_jax.vision.shapes_data`` (the bundled image-text example)                        |
 | 8 | entry points | ``k3_jax.cli``, ``k3_jax.launch``, ``sharding.plan``, ``train``, ``serve`` (scripts) |
 """
 
@@ -34,7 +35,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("parallel", ("k3_jax.parallel",)),
     ("layers", ("k3_jax.layers", "k3_jax.vision")),
     ("model", ("k3_jax.model", "k3_jax.cache", "k3_jax.multimodal", "k3_jax.kernels")),
-    ("programs", ("k3_jax.training", "k3_jax.serving", "k3_jax.convert", "k3_jax.vision.train")),
+    ("programs", ("k3_jax.training", "k3_jax.serving", "k3_jax.convert", "k3_jax.vision.train",
+                  "k3_jax.vision.shapes_data")),
     ("entry points", ("k3_jax.cli", "k3_jax.launch", "sharding.plan", "train", "serve")),
 )
 PACKAGES = ("k3_jax", "sharding", "pallas_kernels")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.config import K3Config, load_config
-from k3_jax.model import K3ForCausalLM
+from k3_jax.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3_jax.training.checkpoint import Checkpointer, PreemptionFlag
 from k3_jax.training.data import (
     DataConfig,
@@ -144,8 +144,13 @@ class Trainer:
             raise ValueError(f"training needs expert_format='bf16' (MXFP4 codes are not trainable), "
                              f"got {cfg.expert_format!r}")
         self.cfg: K3Config = cfg
-        self.model = K3ForCausalLM(cfg)
+        self.image_text = cfg.vision is not None  # a vision config trains on the bundled image-text example
+        self.model = K3ForConditionalGeneration(cfg) if self.image_text else K3ForCausalLM(cfg)
         self.mesh = self._make_mesh()
+        if self.image_text and (tc.data or tc.accum != 1 or self.mesh is not None):
+            raise ValueError("a vision config trains on the bundled image-text example (k3_jax.vision.shapes_data) "
+                             "on one device: it needs no --data, accum=1 and a single device (--mesh none); got "
+                             f"data={tc.data}, accum={tc.accum}, mesh={tc.mesh}")
         self.rules_ctx = None
         abstract = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((1, tc.seq_len), jnp.int32))
         self.abstract_params_boxed = abstract["params"]  # shapes + logical axis names (for sharding elsewhere)
@@ -226,11 +231,18 @@ class Trainer:
         return None if self.mesh is None else batch_sharding(self.mesh)
 
     def _to_global(self, batch: dict) -> dict:
+        if self.image_text:
+            return jax.tree.map(jnp.asarray, batch)
         return to_global_batch(batch, process_rows(self._batch_sharding(), self.tc.batch_size),
                                self._batch_sharding(), self.tc.batch_size)
 
     def data_iterator(self, split: str = "train") -> DataIterator:
         tc, cfg = self.tc, self.cfg
+        if self.image_text:
+            from k3_jax.tokenizer import Tokenizer  # noqa: PLC0415
+            from k3_jax.vision.shapes_data import ShapesCaptions  # noqa: PLC0415
+
+            return ShapesCaptions(Tokenizer.bundled(media=True), cfg, tc.seq_len, tc.batch_size, tc.seed, split)
         dc = DataConfig(paths=tuple(tc.data), seq_len=tc.seq_len, batch_size=tc.batch_size, seed=tc.seed,
                         bos_id=cfg.bos_token_id if cfg.bos_token_id is not None else 1,
                         eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else 2)
@@ -245,8 +257,13 @@ class Trainer:
 
     def _compile(self, state: dict):
         shardings = jax.tree.map(lambda x: x.sharding, state) if self.mesh is not None else None
-        train = make_train_step(self.model, self.tx, self.labels, self.cfg, self.step_cfg)
-        evals = make_eval_step(self.model, self.step_cfg)
+        loss_fn = None
+        if self.image_text:
+            from k3_jax.vision.train import make_multimodal_loss_fn  # noqa: PLC0415
+
+            loss_fn = make_multimodal_loss_fn(self.model, self.step_cfg)
+        train = make_train_step(self.model, self.tx, self.labels, self.cfg, self.step_cfg, loss_fn)
+        evals = make_eval_step(self.model, self.step_cfg, loss_fn)
         if shardings is None:
             return jax.jit(train, donate_argnums=0), jax.jit(evals)
         bs = self._batch_sharding()

@@ -140,9 +140,10 @@ def _split_micro(batch: dict, accum: int) -> dict:
 
 
 def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, cfg: Any,
-                    step_cfg: StepConfig) -> Callable:
-    """``train_step(state, batch) -> (state, metrics)`` (pure; jit it with shardings)."""
-    loss_fn = make_loss_fn(model, step_cfg)
+                    step_cfg: StepConfig, loss_fn: Callable | None = None) -> Callable:
+    """``train_step(state, batch) -> (state, metrics)`` (pure; jit it with shardings). ``loss_fn``: default
+    :func:`make_loss_fn`'s (e.g. :func:`k3_jax.vision.train.make_multimodal_loss_fn` for image-text batches)."""
+    loss_fn = loss_fn or make_loss_fn(model, step_cfg)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     k = cfg.num_experts_per_token
 
@@ -206,9 +207,9 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
     return _on_input_mesh(train_step, step_cfg)
 
 
-def make_eval_step(model: Any, step_cfg: StepConfig) -> Callable:
+def make_eval_step(model: Any, step_cfg: StepConfig, loss_fn: Callable | None = None) -> Callable:
     """``eval_step(params, batch) -> {"loss_sum", "tokens", "correct"}`` (router bias frozen)."""
-    loss_fn = make_loss_fn(model, step_cfg)
+    loss_fn = loss_fn or make_loss_fn(model, step_cfg)
 
     def eval_step(params, batch):
         loss_sum, (n, correct, _) = loss_fn(params, batch)
