@@ -11,6 +11,9 @@ leaves it when it finishes; nothing recompiles when requests come and go:
 * decode is one jitted function over all ``max_batch`` slots with the cache donated; idle slots compute
   garbage that is discarded (their length is pinned to 0 and their row is zeroed when a request arrives);
 * sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`).
+* images (a vision model): a request's ``media`` (:class:`k3_jax.serving.media.RequestMedia`, its prompt holding
+  one ``<|media_pad|>`` per media token) is encoded once at admission, and each prefill chunk splices the
+  embeddings of its own pad positions into the token embeddings.
 
 Failure isolation: every request is validated when it is added (:meth:`Engine.validate`: prompt ids in the
 vocabulary, sampling values in their ranges). An unexpected exception while admitting or emitting one request
