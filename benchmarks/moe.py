@@ -13,7 +13,8 @@ Parts (``--parts``, in this order; each under its own wall-clock budget, one JSO
   experts that received rows (codes + scales) / time; ``pct_hbm`` = that / the copy bandwidth.
 - ``ffn``: the routed expert FFN ``w2(SiTU-GLU(x w1, x w3))`` at K3 shapes (L = 3584, I = 3072; 65,536 rows over 64
   local experts, balanced and skewed), forward and forward+backward (grads of x, w1, w3, w2), peers: ``ours``
-  (``expert_ffn(implementation="triton")``: two grouped matmuls + XLA SiTU-GLU, then w2), ``ours_unfused``
+  (``expert_ffn(implementation="triton")``: two grouped matmuls + XLA SiTU-GLU, then w2), ``mosaic_gpu`` (the same
+  with the Pallas Mosaic GPU grouped matmuls, ``implementation="mosaic_gpu"``), ``ours_unfused``
   (the same products through ``gpu.gmm`` directly, forward), ``tokamax``
   (``tokamax.ragged_dot(implementation="mosaic")`` for the three products), ``reference``
   (``jax.lax.ragged_dot``), ``dense`` (bf16 matmuls [M,L]x[L,I] x2 and [M,I]x[I,L]: the same FLOPs).
@@ -273,6 +274,7 @@ def part_ffn(a, budget: Budget) -> None:
         "dense": dense,
         "ours": lambda x, w1, w3, w2, g: ops.expert_ffn(x, g, w1, w3, w2, implementation="triton",
                                                         interpret=a.interpret),
+        "mosaic_gpu": lambda x, w1, w3, w2, g: ops.expert_ffn(x, g, w1, w3, w2, implementation="mosaic_gpu"),
         "ours_unfused": glu_ffn(lambda x, w, g: gpu.gmm(x, w, g, interpret=a.interpret)),
         "reference": lambda x, w1, w3, w2, g: ref.expert_ffn(x, g, w1, w3, w2),
     }
@@ -289,8 +291,9 @@ def part_ffn(a, budget: Budget) -> None:
         return g
 
     # (peer, pass) in priority order; each compiled once, then timed on both distributions.
-    plan = [("dense", "fwd"), ("ours", "fwd"), ("tokamax", "fwd"), ("dense", "fwdbwd"), ("ours", "fwdbwd"),
-            ("tokamax", "fwdbwd"), ("ours_unfused", "fwd"), ("reference", "fwd"), ("reference", "fwdbwd")]
+    plan = [("dense", "fwd"), ("ours", "fwd"), ("mosaic_gpu", "fwd"), ("dense", "fwdbwd"), ("ours", "fwdbwd"),
+            ("mosaic_gpu", "fwdbwd"), ("tokamax", "fwd"), ("tokamax", "fwdbwd"), ("reference", "fwd"),
+            ("reference", "fwdbwd"), ("ours_unfused", "fwd")]
     dense_tf: dict[str, float] = {}
     outs: dict[tuple[str, str, str], object] = {}
     for peer, pas in plan:
@@ -316,10 +319,11 @@ def part_ffn(a, budget: Budget) -> None:
                 rec["pct_dense"] = round(100 * tf / dense_tf[pas], 1)
             if "fwd" in dense_tf:
                 rec["pct_dense_fwd"] = round(100 * tf / dense_tf["fwd"], 1)
-            if peer in ("ours", "reference"):
+            if peer in ("ours", "mosaic_gpu", "reference"):
                 outs[(peer, pas, dist)] = out
-            if peer == "reference" and ("ours", pas, dist) in outs:
-                rec["rel_err_ours_vs_ref"] = rel_err(outs[("ours", pas, dist)], out)
+            for mine in ("ours", "mosaic_gpu"):
+                if peer == "reference" and (mine, pas, dist) in outs:
+                    rec[f"rel_err_{mine}_vs_ref"] = rel_err(outs[(mine, pas, dist)], out)
             emit(rec)
             del out
         gc.collect()
