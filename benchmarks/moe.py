@@ -4,9 +4,9 @@ Parts (``--parts``, in this order; each under its own wall-clock budget, one JSO
 
 - ``decode``: MXFP4 experts (packed E2M1 codes + E8M0 scales, HF layout) with <= 8 rows per expert. Measures an
   HBM copy (read + write bytes / s) first, then ``pallas_kernels.moe`` with ``implementation="triton"``
-  (Triton kernels decoding the codes in registers): one w1 grouped matmul swept over (decode variant, tiles)
-  combos (``--mx-variants``; each checked against the f32 XLA reference, ``rel_err_vs_ref``; the fastest
-  matching combo becomes ``gpu.MXFP4_VARIANT`` / ``gpu.MXFP4_TILES`` for the rest), the expert FFN (fused w1/w3
+  (Triton kernels decoding the codes in registers): one w1 grouped matmul swept over tiles (``--mx-tiles``; each
+  checked against the f32 XLA reference, ``rel_err_vs_ref``; the fastest matching one becomes ``gpu.MXFP4_TILES``
+  for the rest), the expert FFN (fused w1/w3
   + SiTU-GLU, then w2) on 64 local experts x 8 rows, the reference (dequantize to bf16 + ``jax.lax.ragged_dot``)
   on the same, and K3's decode routing
   (``--decode-tokens`` tokens, top-16 of 896 experts: dispatch + FFN + combine). ``gbps`` = weight bytes of the
@@ -137,12 +137,8 @@ def random_mxfp4(key, e: int, n: int, k: int) -> dict[str, jax.Array]:
     return {"weight_packed": codes, "weight_scale": scales}
 
 
-#: (decode variant, tiles) combos of the decode sweep: the first kernel's f32 decode as the baseline, each variant at
-#: the baseline tiles, then the single-multiply PTX decode with more bytes in flight (bigger K steps / N tiles).
-MX_VARIANTS = ";".join([
-    "f32:16,128,64,4,4", "bf16mul:16,128,64,4,4", "int:16,128,64,4,4", "asm:16,128,64,4,4", "asm1:16,128,64,4,4",
-    "asm1:16,128,128,4,4", "asm1:16,64,128,4,6", "asm1:16,256,64,4,3", "asm1:16,128,256,8,3", "asm1:16,256,128,8,3",
-])
+#: tiles (tm, tkh, tn, warps, stages) of the w1 sweep: the default first, then more bytes in flight per program.
+MX_TILES = "16,128,64,4,4;16,128,128,4,4;16,256,64,4,3;16,128,256,8,3"
 
 
 def mx_bytes(w: dict[str, jax.Array], live_experts: int) -> int:
@@ -184,24 +180,22 @@ def part_decode(a, budget: Budget) -> None:
     except Exception as exc:  # noqa: BLE001
         err_line(part, "reference_gmm_w1", exc, case=case)
         base = None
-    for combo in a.mx_variants.split(";"):
-        variant, cfg = combo.split(":") if ":" in combo else ("f32", combo)
+    for cfg in a.mx_tiles.split(";"):
         tiles = tuple(int(v) for v in cfg.split(","))
         try:
-            f = jax.jit(lambda x, c, s, g, t=tiles, v=variant: gpu.gmm_mxfp4(x, [(c, s)], g, tiles=t, variant=v,
-                                                                              interpret=a.interpret))
+            f = jax.jit(lambda x, c, s, g, t=tiles: gpu.gmm_mxfp4(x, [(c, s)], g, tiles=t, interpret=a.interpret))
             out, tm = timeit(f, x, w1["weight_packed"], w1["weight_scale"], gs, iters=a.decode_iters, budget=budget)
             err = rel_err(out, base) if base is not None else None  # None: the reference failed (its line)
-            report("ours_gmm_w1", case, tm, mx_bytes(w1, e), variant=variant, tiles=list(tiles),
+            report("ours_gmm_w1", case, tm, mx_bytes(w1, e), tiles=list(tiles),
                    rel_err_vs_ref=err, finite=bool(jnp.all(jnp.isfinite(out))))
             if err is not None and err <= 1e-2 and (best is None or tm["ms"] < best[0]):
-                best = (tm["ms"], tiles, variant)
+                best = (tm["ms"], tiles)
             del out
         except Exception as exc:  # noqa: BLE001
-            err_line(part, "ours_gmm_w1", exc, case=case, variant=variant, tiles=list(tiles))
+            err_line(part, "ours_gmm_w1", exc, case=case, tiles=list(tiles))
     if best is not None:
-        gpu.MXFP4_TILES, gpu.MXFP4_VARIANT = best[1], best[2]
-        emit({"part": part, "case": case, "best_mx": {"variant": best[2], "tiles": list(best[1]), "ms": best[0]}})
+        gpu.MXFP4_TILES = best[1]
+        emit({"part": part, "case": case, "best_mx": {"tiles": list(best[1]), "ms": best[0]}})
     del base
     ffn_bytes = mx_bytes(w1, e) + mx_bytes(w3, e) + mx_bytes(w2, e)
     ours = jax.jit(lambda x, g, w1, w3, w2: ops.expert_ffn(x, g, w1, w3, w2, implementation="triton",
@@ -210,7 +204,7 @@ def part_decode(a, budget: Budget) -> None:
     out_ours = None
     try:
         out_ours, tm = timeit(ours, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
-        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.MXFP4_TILES), variant=gpu.MXFP4_VARIANT)
+        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.MXFP4_TILES))
     except Exception as exc:  # noqa: BLE001
         err_line(part, "ours_ffn", exc, case=case)
     try:
@@ -370,9 +364,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens of decode case 2 (K3 routing)")
     ap.add_argument("--k3-experts", type=int, default=896)
     ap.add_argument("--k3-topk", type=int, default=16)
-    ap.add_argument("--mx-variants", default=MX_VARIANTS,
-                    help="'variant:tm,tkh,tn,warps,stages;...' MXFP4 decode variants x tiles for the w1 sweep (each "
-                         "checked against the f32 reference; the fastest matching one drives the FFN)")
+    ap.add_argument("--mx-tiles", default=MX_TILES,
+                    help="'tm,tkh,tn,warps,stages;...' MXFP4 tiles for the w1 sweep (each checked against the f32 "
+                         "reference; the fastest matching one drives the FFN)")
     ap.add_argument("--gmm-tiles", default="128,64,256,8,3;128,64,128,8,4")
     ap.add_argument("--budget-decode", type=float, default=60.0)
     ap.add_argument("--budget-ffn", type=float, default=150.0)
