@@ -19,25 +19,39 @@ def _call(platform="gpu", cc=9.0, dtype="bfloat16", shape=K3, mxfp4=False, inter
     return ops.MoeCall(platform, dtype, shape, 64, mxfp4, interpret, cc)
 
 
+@pytest.mark.parametrize("call, want", [
+    (_call(), "triton"),  # faster on the H200 than the Mosaic GPU grouped matmul: first while JAX ships it
+    (_call(cc=8.0), "triton"),
+    (_call(mxfp4=True), "triton"),
+    (_call(platform="cpu"), "xla"),
+])
+def test_auto_order_with_triton_shipped(call, want):
+    assert ops.EXPERT_FFN.select("auto", call, record=False).backend == want
+
+
 @pytest.mark.parametrize("call, want, why", [
     (_call(), "mosaic_gpu", None),
-    (_call(cc=9.0, shape=(64, 128, 256)), "mosaic_gpu", None),
-    (_call(cc=8.0), "triton", "compute capability >= 9.0"),  # A100 / L4 / T4 class
-    (_call(cc=None), "triton", "unknown"),
-    (_call(mxfp4=True), "triton", "MXFP4"),
-    (_call(dtype="float32"), "triton", "bfloat16"),
-    (_call(shape=(64, 128, 64)), "triton", "multiples of 128"),
-    (_call(platform="cpu", interpret=True), "mosaic_tpu", None),  # interpret: the TPU kernels come first
-    (_call(platform="cpu"), "xla", None),
+    (_call(shape=(64, 128, 256)), "mosaic_gpu", None),
+    (_call(cc=8.0), "xla", "compute capability >= 9.0"),  # A100 / L4 / T4 class
+    (_call(cc=None), "xla", "unknown"),
+    (_call(mxfp4=True), "xla", "MXFP4"),
+    (_call(dtype="float32"), "xla", "bfloat16"),
+    (_call(shape=(64, 128, 64)), "xla", "multiples of 128"),
 ])
-def test_gpu_order_mosaic_gpu_then_triton_then_xla(call, want, why):
+def test_auto_order_once_jax_drops_triton(monkeypatch, call, want, why):
+    """Without the Pallas Triton backend: mosaic_gpu on sm_90+ for what it takes, else the XLA reference, each
+    passed-over backend with its reason."""
+    monkeypatch.setattr(ops, "TRITON_SHIPPED", False)
     sel = ops.EXPERT_FFN.select("auto", call, record=False)
     assert sel.backend == want
     passed = dict(sel.passed_over)
+    assert "no longer ships" in passed["triton"]
     if why is not None:
         assert why in passed["mosaic_gpu"]
-    if want == "mosaic_gpu":
-        assert "mosaic_gpu" not in passed
+
+
+def test_explicit_mosaic_gpu_runs_where_it_fits():
+    assert ops.EXPERT_FFN.select("mosaic_gpu", _call(), record=False).backend == "mosaic_gpu"
 
 
 def test_explicit_mosaic_gpu_that_cannot_run_raises_with_the_reason():
@@ -101,7 +115,7 @@ def test_gpu_gmm_forward_and_grads_match_reference(sizes):
 
 
 @pytest.mark.gpu
-def test_gpu_expert_ffn_auto_runs_mosaic_gpu_on_hopper():
+def test_gpu_expert_ffn_mosaic_gpu_on_hopper():
     cc = ops.visible_gpu_compute_capability()
     if cc is None or cc < 9.0:
         pytest.skip(f"needs an sm_90+ GPU, this one has compute capability {cc}")
@@ -111,8 +125,8 @@ def test_gpu_expert_ffn_auto_runs_mosaic_gpu_on_hopper():
     w1, w3 = ((jax.random.normal(k, (e, lat, inter)) / np.sqrt(lat)).astype(jnp.bfloat16) for k in ks[1:3])
     w2 = (jax.random.normal(ks[3], (e, inter, lat)) / np.sqrt(inter)).astype(jnp.bfloat16)
     gs = jnp.array([200, 100, 0, 212], jnp.int32)
-    assert ops.select("auto", x, w1) == "mosaic_gpu"
-    got = ops.expert_ffn(x, gs, w1, w3, w2)
+    assert ops.select("mosaic_gpu", x, w1) == "mosaic_gpu"
+    got = ops.expert_ffn(x, gs, w1, w3, w2, implementation="mosaic_gpu")
     want = ref.expert_ffn(x, gs, w1, w3, w2)
     err = np.linalg.norm(np.asarray(got, np.float32) - np.asarray(want, np.float32)) / np.linalg.norm(
         np.asarray(want, np.float32))

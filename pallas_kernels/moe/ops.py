@@ -6,15 +6,17 @@ that cannot run raises with the reason):
 
 * ``mosaic_tpu`` (:mod:`.tpu`): grouped matmul with a kernel backward, fused w1/w3 + SiTU-GLU kernel (with a
   grouped-matmul-kernel backward), MXFP4 weights decoded in VMEM (forward only);
-* ``mosaic_gpu`` (:mod:`.mosaic_gpu`, sm_90+): grouped matmul (forward, ``dlhs``, ``drhs``) on Pallas Mosaic GPU
-  (wgmma + TMA), bf16 with K, N multiples of 128; w1 and w3 as two grouped matmuls, SiTU-GLU in XLA; not MXFP4;
 * ``triton`` (:mod:`.gpu`): grouped matmul with a kernel backward (w1 and w3 as two grouped matmuls, SiTU-GLU
   in XLA), MXFP4 weights decoded in registers from the packed HF layout (forward only; the w1/w3 pair in one
   kernel with the SiTU-GLU epilogue);
+* ``mosaic_gpu`` (:mod:`.mosaic_gpu`, sm_90+): grouped matmul (forward, ``dlhs``, ``drhs``) on Pallas Mosaic GPU
+  (wgmma + TMA), bf16 with K, N multiples of 128; w1 and w3 as two grouped matmuls, SiTU-GLU in XLA; not MXFP4;
 * ``xla`` (:mod:`.reference`): ``jax.lax.ragged_dot`` (a tiled einsum form on CPU), any dtype.
 
-Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`MoeCall.compute_capability`, the visible GPU's),
-``triton`` for every other call it takes (other GPUs, MXFP4 weights, other shapes), ``xla`` elsewhere.
+Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (:data:`TRITON_SHIPPED`), then
+``mosaic_gpu`` on sm_90+ (:attr:`MoeCall.compute_capability`, the visible GPU's), then ``xla``. ``triton`` is
+ahead because the Mosaic GPU grouped matmul loses to it on Hopper (benchmarks/RESULTS.md); ``mosaic_gpu`` is
+what ``"auto"`` picks on Hopper once the Triton backend is gone, and can be chosen by name today.
 Backends check the target platform (``platform=`` or :func:`pallas_kernels.registry.target_platform`;
 ``interpret=True`` runs the Pallas kernels on CPU in interpret mode, ``"auto"`` then picks ``mosaic_tpu``;
 Mosaic GPU has no interpreter) and the dtype.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from typing import Any
 
 import jax
@@ -84,10 +87,20 @@ def _mosaic_gpu_reason(call: MoeCall) -> str | None:
     return mosaic_gpu.arch_reason(call.compute_capability) or mosaic_gpu.shape_reason(call.dtype, k, n)
 
 
+TRITON_SHIPPED = importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+"""Whether this JAX still ships the (deprecated) Pallas Triton backend."""
+
+
+def _triton_reason(call: MoeCall) -> str | None:
+    if not TRITON_SHIPPED:
+        return "this JAX no longer ships the Pallas Triton backend"
+    return _kernel_reason("gpu")(call)
+
+
 EXPERT_FFN = Registry("moe.expert_ffn", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU grouped matmul, fused SiTU-GLU, MXFP4 in VMEM", _kernel_reason("tpu")),
+    Backend("triton", "Pallas Triton grouped matmul, MXFP4 decoded in registers", _triton_reason),
     Backend("mosaic_gpu", "Pallas Mosaic GPU grouped matmul (sm_90 wgmma + TMA), bf16", _mosaic_gpu_reason),
-    Backend("triton", "Pallas Triton grouped matmul, MXFP4 decoded in registers", _kernel_reason("gpu")),
     Backend("xla", "jax.lax.ragged_dot reference (tiled einsum on CPU)", lambda call: None),
 ), ALIASES)
 
