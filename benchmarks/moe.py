@@ -4,16 +4,17 @@ Parts (``--parts``, in this order; each under its own wall-clock budget, one JSO
 
 - ``decode``: MXFP4 experts (packed E2M1 codes + E8M0 scales, HF layout) with <= 8 rows per expert. Measures an
   HBM copy (read + write bytes / s) first, then ``pallas_kernels.moe`` with ``implementation="triton"``
-  (Triton kernels decoding the codes in registers): one w1 grouped matmul swept over (decode variant, tiles)
-  combos (``--mx-variants``; each checked against the first f32 combo's output, ``rel_err_vs_f32``; the fastest
-  matching combo becomes ``gpu.MXFP4_VARIANT`` / ``gpu.MXFP4_TILES`` for the rest), the expert FFN (fused w1/w3
+  (Triton kernels decoding the codes in registers): one w1 grouped matmul swept over tiles (``--mx-tiles``; each
+  checked against the f32 XLA reference, ``rel_err_vs_ref``; the fastest matching one becomes ``gpu.MXFP4_TILES``
+  for the rest), the expert FFN (fused w1/w3
   + SiTU-GLU, then w2) on 64 local experts x 8 rows, the reference (dequantize to bf16 + ``jax.lax.ragged_dot``)
   on the same, and K3's decode routing
   (``--decode-tokens`` tokens, top-16 of 896 experts: dispatch + FFN + combine). ``gbps`` = weight bytes of the
   experts that received rows (codes + scales) / time; ``pct_hbm`` = that / the copy bandwidth.
 - ``ffn``: the routed expert FFN ``w2(SiTU-GLU(x w1, x w3))`` at K3 shapes (L = 3584, I = 3072; 65,536 rows over 64
   local experts, balanced and skewed), forward and forward+backward (grads of x, w1, w3, w2), peers: ``ours``
-  (``expert_ffn(implementation="triton")``: two grouped matmuls + XLA SiTU-GLU, then w2), ``ours_unfused``
+  (``expert_ffn(implementation="triton")``: two grouped matmuls + XLA SiTU-GLU, then w2), ``mosaic_gpu`` (the same
+  with the Pallas Mosaic GPU grouped matmuls, ``implementation="mosaic_gpu"``), ``ours_unfused``
   (the same products through ``gpu.gmm`` directly, forward), ``tokamax``
   (``tokamax.ragged_dot(implementation="mosaic")`` for the three products), ``reference``
   (``jax.lax.ragged_dot``), ``dense`` (bf16 matmuls [M,L]x[L,I] x2 and [M,I]x[I,L]: the same FLOPs).
@@ -29,6 +30,7 @@ budget) with one block at the end: ``ms`` = their mean (the device queue stays f
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -117,19 +119,26 @@ def load_tokamax():
 
 
 # ------------------------------------------------------------------------------------------ MXFP4 decode
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def random_mxfp4(key, e: int, n: int, k: int) -> dict[str, jax.Array]:
-    """Random HF-layout MXFP4 weight: codes u8 [E, N, K/2], E8M0 scales u8 [E, N, K/32] in 2^-9..2^-5."""
-    k1, k2 = jax.random.split(key)
-    return {"weight_packed": jax.random.bits(k1, (e, n, k // 2), jnp.uint8),
-            "weight_scale": jax.random.randint(k2, (e, n, k // 32), 118, 123).astype(jnp.uint8)}
+    """Random HF-layout MXFP4 weight: codes u8 [E, N, K/2], E8M0 scales u8 [E, N, K/32] in 2^-9..2^-5.
+
+    One expert at a time (``lax.map``): drawing the whole ``[E, N, K/2]`` array at once makes XLA hold the
+    threefry counters and words as u32 arrays of that shape (73.5 GiB of temporaries for K3's 896 x 3072 x 1792
+    codes, 15x the 4.6 GiB result), which is what ran the K3-routing case out of memory.
+    """
+
+    def one(key_e):
+        k1, k2 = jax.random.split(key_e)
+        return (jax.random.bits(k1, (n, k // 2), jnp.uint8),
+                jax.random.randint(k2, (n, k // 32), 118, 123, jnp.int32).astype(jnp.uint8))
+
+    codes, scales = jax.lax.map(one, jax.random.split(key, e))
+    return {"weight_packed": codes, "weight_scale": scales}
 
 
-#: (decode variant, tiles) combos of the decode sweep: the first kernel's f32 decode as the baseline, each variant at
-#: the baseline tiles, then the single-multiply PTX decode with more bytes in flight (bigger K steps / N tiles).
-MX_VARIANTS = ";".join([
-    "f32:16,128,64,4,4", "bf16mul:16,128,64,4,4", "int:16,128,64,4,4", "asm:16,128,64,4,4", "asm1:16,128,64,4,4",
-    "asm1:16,128,128,4,4", "asm1:16,64,128,4,6", "asm1:16,256,64,4,3", "asm1:16,128,256,8,3", "asm1:16,256,128,8,3",
-])
+#: tiles (tm, tkh, tn, warps, stages) of the w1 sweep: the default first, then more bytes in flight per program.
+MX_TILES = "16,128,64,4,4;16,128,128,4,4;16,256,64,4,3;16,128,256,8,3"
 
 
 def mx_bytes(w: dict[str, jax.Array], live_experts: int) -> int:
@@ -165,27 +174,28 @@ def part_decode(a, budget: Budget) -> None:
     w2 = random_mxfp4(ks[3], e, lat, inter)
     case = f"E{e}x{rows}"
     best = None
-    base = None  # the first f32-variant output: every other combo must match it
-    for combo in a.mx_variants.split(";"):
-        variant, cfg = combo.split(":") if ":" in combo else ("f32", combo)
+    try:  # every combo is checked against the f32 XLA reference (dequantised f32 weights, HIGHEST precision)
+        base = jax.jit(lambda x, w, g: ref.grouped_matmul(x.astype(jnp.float32), ref.dense_expert_weight(
+            w, jnp.float32), g))(x, w1, gs)
+    except Exception as exc:  # noqa: BLE001
+        err_line(part, "reference_gmm_w1", exc, case=case)
+        base = None
+    for cfg in a.mx_tiles.split(";"):
         tiles = tuple(int(v) for v in cfg.split(","))
         try:
-            f = jax.jit(lambda x, c, s, g, t=tiles, v=variant: gpu.gmm_mxfp4(x, [(c, s)], g, tiles=t, variant=v,
-                                                                              interpret=a.interpret))
+            f = jax.jit(lambda x, c, s, g, t=tiles: gpu.gmm_mxfp4(x, [(c, s)], g, tiles=t, interpret=a.interpret))
             out, tm = timeit(f, x, w1["weight_packed"], w1["weight_scale"], gs, iters=a.decode_iters, budget=budget)
-            if base is None and variant == "f32":
-                base = out
-            err = rel_err(out, base) if base is not None else float("nan")
-            report("ours_gmm_w1", case, tm, mx_bytes(w1, e), variant=variant, tiles=list(tiles),
-                   rel_err_vs_f32=err)
-            if err <= 1e-2 and (best is None or tm["ms"] < best[0]):
-                best = (tm["ms"], tiles, variant)
+            err = rel_err(out, base) if base is not None else None  # None: the reference failed (its line)
+            report("ours_gmm_w1", case, tm, mx_bytes(w1, e), tiles=list(tiles),
+                   rel_err_vs_ref=err, finite=bool(jnp.all(jnp.isfinite(out))))
+            if err is not None and err <= 1e-2 and (best is None or tm["ms"] < best[0]):
+                best = (tm["ms"], tiles)
             del out
         except Exception as exc:  # noqa: BLE001
-            err_line(part, "ours_gmm_w1", exc, case=case, variant=variant, tiles=list(tiles))
+            err_line(part, "ours_gmm_w1", exc, case=case, tiles=list(tiles))
     if best is not None:
-        gpu.MXFP4_TILES, gpu.MXFP4_VARIANT = best[1], best[2]
-        emit({"part": part, "case": case, "best_mx": {"variant": best[2], "tiles": list(best[1]), "ms": best[0]}})
+        gpu.MXFP4_TILES = best[1]
+        emit({"part": part, "case": case, "best_mx": {"tiles": list(best[1]), "ms": best[0]}})
     del base
     ffn_bytes = mx_bytes(w1, e) + mx_bytes(w3, e) + mx_bytes(w2, e)
     ours = jax.jit(lambda x, g, w1, w3, w2: ops.expert_ffn(x, g, w1, w3, w2, implementation="triton",
@@ -194,7 +204,7 @@ def part_decode(a, budget: Budget) -> None:
     out_ours = None
     try:
         out_ours, tm = timeit(ours, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
-        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.MXFP4_TILES), variant=gpu.MXFP4_VARIANT)
+        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.MXFP4_TILES))
     except Exception as exc:  # noqa: BLE001
         err_line(part, "ours_ffn", exc, case=case)
     try:
@@ -258,6 +268,7 @@ def part_ffn(a, budget: Budget) -> None:
         "dense": dense,
         "ours": lambda x, w1, w3, w2, g: ops.expert_ffn(x, g, w1, w3, w2, implementation="triton",
                                                         interpret=a.interpret),
+        "mosaic_gpu": lambda x, w1, w3, w2, g: ops.expert_ffn(x, g, w1, w3, w2, implementation="mosaic_gpu"),
         "ours_unfused": glu_ffn(lambda x, w, g: gpu.gmm(x, w, g, interpret=a.interpret)),
         "reference": lambda x, w1, w3, w2, g: ref.expert_ffn(x, g, w1, w3, w2),
     }
@@ -274,8 +285,9 @@ def part_ffn(a, budget: Budget) -> None:
         return g
 
     # (peer, pass) in priority order; each compiled once, then timed on both distributions.
-    plan = [("dense", "fwd"), ("ours", "fwd"), ("tokamax", "fwd"), ("dense", "fwdbwd"), ("ours", "fwdbwd"),
-            ("tokamax", "fwdbwd"), ("ours_unfused", "fwd"), ("reference", "fwd"), ("reference", "fwdbwd")]
+    plan = [("dense", "fwd"), ("ours", "fwd"), ("mosaic_gpu", "fwd"), ("dense", "fwdbwd"), ("ours", "fwdbwd"),
+            ("mosaic_gpu", "fwdbwd"), ("tokamax", "fwd"), ("tokamax", "fwdbwd"), ("reference", "fwd"),
+            ("reference", "fwdbwd"), ("ours_unfused", "fwd")]
     dense_tf: dict[str, float] = {}
     outs: dict[tuple[str, str, str], object] = {}
     for peer, pas in plan:
@@ -301,10 +313,11 @@ def part_ffn(a, budget: Budget) -> None:
                 rec["pct_dense"] = round(100 * tf / dense_tf[pas], 1)
             if "fwd" in dense_tf:
                 rec["pct_dense_fwd"] = round(100 * tf / dense_tf["fwd"], 1)
-            if peer in ("ours", "reference"):
+            if peer in ("ours", "mosaic_gpu", "reference"):
                 outs[(peer, pas, dist)] = out
-            if peer == "reference" and ("ours", pas, dist) in outs:
-                rec["rel_err_ours_vs_ref"] = rel_err(outs[("ours", pas, dist)], out)
+            for mine in ("ours", "mosaic_gpu"):
+                if peer == "reference" and (mine, pas, dist) in outs:
+                    rec[f"rel_err_{mine}_vs_ref"] = rel_err(outs[(mine, pas, dist)], out)
             emit(rec)
             del out
         gc.collect()
@@ -351,9 +364,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens of decode case 2 (K3 routing)")
     ap.add_argument("--k3-experts", type=int, default=896)
     ap.add_argument("--k3-topk", type=int, default=16)
-    ap.add_argument("--mx-variants", default=MX_VARIANTS,
-                    help="'variant:tm,tkh,tn,warps,stages;...' MXFP4 decode variants x tiles for the w1 sweep (the "
-                         "first f32 combo is the correctness baseline; the fastest matching one drives the FFN)")
+    ap.add_argument("--mx-tiles", default=MX_TILES,
+                    help="'tm,tkh,tn,warps,stages;...' MXFP4 tiles for the w1 sweep (each checked against the f32 "
+                         "reference; the fastest matching one drives the FFN)")
     ap.add_argument("--gmm-tiles", default="128,64,256,8,3;128,64,128,8,4")
     ap.add_argument("--budget-decode", type=float, default=60.0)
     ap.add_argument("--budget-ffn", type=float, default=150.0)

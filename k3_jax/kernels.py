@@ -81,16 +81,16 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
             out.append(_choose("kda (train/prefill)", kda_ops.CHUNK, cfg.kda_implementation, chunk))
             decode = dataclasses.replace(chunk, shape=(batch, 1, h, dk, dk))
             out.append(_choose("kda (decode)", kda_ops.DECODE, cfg.kda_implementation, decode))
+        cc = compute_capability if compute_capability is not None else (
+            attention.visible_gpu_compute_capability() if p == "gpu" else None)
         if has_mla:
-            cc = compute_capability if compute_capability is not None else (
-                attention.visible_gpu_compute_capability() if p == "gpu" else None)
             call = attention.AttentionCall(p, dt, (batch, seq_len, cfg.num_attention_heads, cfg.q_head_dim,
                                                    cfg.v_head_dim), True, cc)
             out.append(_choose("mla (train/prefill)", attention.ATTENTION, cfg.mla_attention_implementation, call))
         if has_moe:
             rows = batch * seq_len * cfg.num_experts_per_token
             call = moe_ops.MoeCall(p, dt, (rows, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),
-                                   cfg.num_experts, cfg.expert_format == "mxfp4")
+                                   cfg.num_experts, cfg.expert_format == "mxfp4", compute_capability=cc)
             out.append(_choose("moe (routed experts)", moe_ops.EXPERT_FFN, cfg.moe_implementation, call))
         if cfg.vision is not None:  # seq_len patches of one image (window = the whole item)
             cc = compute_capability if compute_capability is not None else (

@@ -11,8 +11,8 @@ description of the call (target platform, dtype, head dims, gate bound, ...). Se
 * a backend name: that backend, or :class:`KernelUnavailable` with its reason.
 
 Backend names say what runs: ``xla`` (the plain-JAX reference, compiled by XLA), ``mosaic_tpu`` (Pallas on
-Mosaic TPU), ``triton`` (Pallas on Triton, GPU), ``mosaic_gpu`` (Pallas on Mosaic GPU: reserved for the sm_90
-kernels, listed ahead of ``triton`` once they exist), ``cudnn`` (cuDNN fused attention).
+Mosaic TPU), ``triton`` (Pallas on Triton, GPU), ``mosaic_gpu`` (Pallas on Mosaic GPU, sm_90: the MoE grouped
+matmul), ``cudnn`` (cuDNN fused attention).
 
 The target platform (``"cpu" | "gpu" | "tpu"``) is where the program will run, never the host that traces it:
 :func:`target_platform`.

@@ -92,12 +92,10 @@ def test_ops_dispatch_mxfp4_expert_ffn_and_gmm():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-6 * np.abs(want).max())
 
 
-# ------------------------------------------------------------------------------------------- decode variants
-VARIANTS = gpu.MXFP4_VARIANTS
-#: E8M0 scales each variant decodes exactly (bf16 activations); see the comment above gpu.MXFP4_VARIANTS.
-#: f32 from 2: its f32 products for s = 0/1 are subnormal and XLA:CPU flushes them (the bf16 paths keep them).
-EXACT_SCALES = {"f32": range(2, 241), "int": range(2, 253), "bf16mul": range(0, 256), "asm": range(0, 256),
-                "asm1": [*range(0, 129), 255]}
+# ------------------------------------------------------------------------------------------------- decodes
+#: E8M0 scales each decode gets exactly (see the comment above gpu._decode_tile). f32 from 2 here: its f32 products
+#: for s = 0/1 are subnormal and XLA:CPU flushes them (the GPU keeps them).
+EXACT_SCALES = {"f32": range(2, 241), "asm": range(0, 256)}
 
 
 def _all_bytes_tile(scales):
@@ -128,14 +126,12 @@ def _assert_same_values(got, want):
     assert np.array_equal(np.signbit(got[both]), np.signbit(want[both])), "signed zero lost"
 
 
-@pytest.mark.parametrize("variant", ["f32", "int"])
-def test_decode_variant_exact_on_all_codes(variant):
-    """Every byte (16 x 16 codes) x every E8M0 scale of the variant's contract decodes to the reference bf16.
-
-    bf16mul/asm/asm1 share one formula (E2M1 * 2^-126 as bf16 bits, x 2^126, x scale), checked in IEEE arithmetic
-    on the PTX text below (XLA:CPU flushes the bf16 subnormal it passes +-0.5 through)."""
-    codes, scales = _all_bytes_tile(EXACT_SCALES[variant])
-    lo, hi = gpu._decode_tile(codes, scales, jnp.bfloat16, variant, interpret=True)
+def test_f32_decode_exact_on_all_codes():
+    """Every byte (16 x 16 codes) x every E8M0 scale of its contract: the f32 decode (f32 activations, and bf16 in
+    the interpreter) gives the reference values in bf16. The PTX decode is checked on its text below (IEEE
+    arithmetic: XLA:CPU flushes the bf16 subnormal it passes +-0.5 through)."""
+    codes, scales = _all_bytes_tile(EXACT_SCALES["f32"])
+    lo, hi = gpu._decode_tile(codes, scales, jnp.bfloat16, interpret=True)
     want_lo, want_hi = _reference_lo_hi(codes, scales)
     _assert_same_values(_bits_f32(lo), want_lo)
     _assert_same_values(_bits_f32(hi), want_hi)
@@ -193,34 +189,30 @@ def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return regs
 
 
-@pytest.mark.parametrize("variant", ["asm", "asm1"])
-def test_inline_ptx_decodes_like_reference(variant):
-    """gpu._mxfp4_asm's PTX, run by the emulator above on all 256 bytes (4 per block) x the variant's scales."""
-    one_mul = variant == "asm1"
-    scales = np.asarray(EXACT_SCALES[variant], np.int32)
-    sbits = np.asarray(gpu._scale_bf16_bits_times_2p126(jnp.asarray(scales)) if one_mul
-                       else gpu._scale_bf16_bits(jnp.asarray(scales)), np.uint32)
+def test_inline_ptx_decodes_like_reference():
+    """gpu._mxfp4_asm's PTX, run by the emulator above on all 256 bytes (4 per block) x every E8M0 scale."""
+    scales = np.asarray(EXACT_SCALES["asm"], np.int32)
+    sbits = np.asarray(gpu._scale_bf16_bits(jnp.asarray(scales)), np.uint32)
     packed = np.arange(256, dtype=np.uint32).reshape(64, 4)
     word = packed[:, 0] | packed[:, 1] << 8 | packed[:, 2] << 16 | packed[:, 3] << 24  # b0 lowest (Triton's packing)
     word = np.broadcast_to(word[None], (scales.size, 64))
     sreg = np.broadcast_to((sbits | sbits << 16)[:, None], (scales.size, 64)).astype(np.uint32)
-    codes, sc = _all_bytes_tile(EXACT_SCALES[variant])
+    codes, sc = _all_bytes_tile(EXACT_SCALES["asm"])
     for high, want in zip((False, True), _reference_lo_hi(codes, sc), strict=True):
-        regs = _run_ptx(gpu._mxfp4_asm(high, one_mul), {"$2": word, "$3": sreg, "$4": sreg})
+        regs = _run_ptx(gpu._mxfp4_asm(high), {"$2": word, "$3": sreg, "$4": sreg})
         got = np.stack([regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16], axis=-1)
         _assert_same_values(_bf16_bits_to_f32(got.reshape(scales.size, 256)), want)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gmm_mxfp4_variants_match_reference(variant, dtype):
-    """Each variant in the interpreter (bf16mul/asm/asm1 run the int decode there) with empty experts and trailing
-    rows: checks the kernel around the decode (tiles, masks, virtual group) per variant option."""
+def test_gmm_mxfp4_bf16_and_f32_match_reference(dtype):
+    """Both activation dtypes in the interpreter with empty experts and trailing rows: the kernel around the
+    decode (tiles, masks, virtual group)."""
     kx, kw = jax.random.split(jax.random.key(5))
     x = jax.random.normal(kx, (M, K)).astype(dtype)
     packed, scale = _mx_weight(kw, E, N, K)
     gs = jnp.array(SIZES[0], jnp.int32)
-    got = gpu.gmm_mxfp4(x, [(packed, scale)], gs, tiles=MX_TILES, interpret=True, variant=variant)
+    got = gpu.gmm_mxfp4(x, [(packed, scale)], gs, tiles=MX_TILES, interpret=True)
     assert got.dtype == dtype
     xf = x.astype(jnp.float32)
     want, mag = _ref_mx(xf, packed, scale, gs), _ref_mx(xf, packed, scale, gs, absolute=True)
@@ -232,23 +224,16 @@ def test_gmm_mxfp4_variants_match_reference(variant, dtype):
     assert np.all(np.asarray(got[sum(SIZES[0]):], np.float32) == 0)
 
 
-@pytest.mark.parametrize("variant", ["f32", "asm1"])
-def test_gmm_mxfp4_variant_fused_glu_bf16(variant):
+def test_gmm_mxfp4_fused_glu_bf16():
     k0, k1, k3 = jax.random.split(jax.random.key(6), 3)
     x = jax.random.normal(k0, (M, K)).astype(jnp.bfloat16)
     w1, w3 = _mx_weight(k1, E, N, K, 1, -3), _mx_weight(k3, E, N, K, 1, -3)
     gs = jnp.array(SIZES[1], jnp.int32)
     got = gpu.gmm_mxfp4(x, [w1, w3], gs, epilogue=ref.situ_epilogue(4.0, 25.0, jnp.float32), tiles=MX_TILES,
-                        interpret=True, out_dtype=jnp.float32, variant=variant)
+                        interpret=True, out_dtype=jnp.float32)
     xf = x.astype(jnp.float32)
     want = ref.situ_glu(_ref_mx(xf, *w1, gs), _ref_mx(xf, *w3, gs))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-
-
-def test_unknown_variant_is_rejected():
-    with pytest.raises(ValueError, match="unknown variant"):
-        gpu.gmm_mxfp4(jnp.ones((8, K)), [_mx_weight(jax.random.key(0), E, N, K)], jnp.array([8, 0, 0, 0]),
-                      variant="nope")
 
 
 @pytest.mark.gpu
@@ -260,21 +245,16 @@ def test_mxfp4_and_glu_on_gpu():
     gs = jnp.array([0, 20, 3, 0, 8, 1, 0, 30], jnp.int32)  # sum 62 < 64
     w1, w3 = _mx_weight(ks[1], e, inter, lat, 1, -4), _mx_weight(ks[2], e, inter, lat, 1, -4)
     want = _ref_mx(x.astype(jnp.float32), *w1, gs)
-    for variant in VARIANTS:
-        got = gpu.gmm_mxfp4(x, [w1], gs, variant=variant)
+    for dtype in (jnp.bfloat16, jnp.float32):  # the PTX decode, the f32 decode
+        got = gpu.gmm_mxfp4(x.astype(dtype), [w1], gs)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2,
-                                   err_msg=variant)
+                                   err_msg=str(dtype))
         assert np.all(np.asarray(got[62:], np.float32) == 0)
-    # every code pair (the +-0.5 code goes through a bf16 subnormal in bf16mul/asm/asm1), compiled vs reference;
-    # scales up to 128: asm1's contract
+    # every code pair (the +-0.5 code goes through a bf16 subnormal in the PTX decode), compiled vs reference
     codes, scales = _all_bytes_tile(range(97, 129))
     eye = jnp.eye(512, dtype=jnp.bfloat16)
-    for variant in VARIANTS:
-        w = gpu.gmm_mxfp4(eye, [(codes[None], scales[None])], jnp.array([512], jnp.int32), variant=variant,
-                          out_dtype=jnp.float32)
-        np.testing.assert_array_equal(np.asarray(w).T, np.asarray(unpack_mxfp4(codes, scales, jnp.float32)),
-                                      err_msg=variant)
-    got = gpu.gmm_mxfp4(x, [w1], gs)
+    w = gpu.gmm_mxfp4(eye, [(codes[None], scales[None])], jnp.array([512], jnp.int32), out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(w).T, np.asarray(unpack_mxfp4(codes, scales, jnp.float32)))
     got = gpu.gmm_mxfp4(x, [w1, w3], gs, epilogue=ref.situ_epilogue(4.0, 25.0, jnp.bfloat16))
     want = ref.situ_glu(want, _ref_mx(x.astype(jnp.float32), *w3, gs))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)

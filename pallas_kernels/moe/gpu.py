@@ -234,27 +234,14 @@ def _decode(codes: jax.Array, factor: jax.Array, dtype) -> jax.Array:
     return (v * factor).astype(dtype)
 
 
-# MXFP4 decode variants (static kernel option ``variant=`` of :func:`gmm_mxfp4`). Each turns a ``[tn, tkh]`` tile
-# of packed bytes + its ``[tn, tkh/16]`` E8M0 scales into the even (low nibble) and odd (high nibble) K columns.
-#   f32:     f16 placement -> f32 convert -> f32 multiply by 2^(s-127) -> cast (the first kernel; exact s 0..240).
-#   int:     bf16 bits built with integer ops, the scale added into the exponent field; no float op at all.
-#            Exact for s in 2..252 (s <= 1 or >= 253 is out of contract: real checkpoints use ~110..130).
-#   bf16mul: bf16 bits of E2M1 * 2^-126 (magnitude at bits 6..8, a subnormal for +-0.5), then two bf16 multiplies
-#            (x 2^126, x 2^(s-127)); exact for every s (0 -> 2^-127 as a bf16 subnormal, 255 -> NaN).
-#   asm:     bf16mul done 2 elements per instruction in inline PTX (prmt / shl / lop3 / mul.rn.bf16x2): one asm
-#            block turns 4 packed bytes into 8 bf16.
-#   asm1:    asm with one multiply by 2^(s-1) (2^126 folded into the scale): exact for s <= 128 (|w| < 24, true
-#            of real weights) and 255 (NaN); s in 129..254 is out of contract (inf).
-# Static cost (SASS of the K loop, Triton 3.9 for sm_90 on a CPU host, tiles 16,128,64,4,4), instructions per decoded
-# element: f32 10.1, int 12.5, bf16mul 8.4, asm 6.0, asm1 5.5 (4.8-5.4 with larger tiles); the K loop is issue-bound
-# (the first kernel's ~1 TB/s did not move with tiles), so asm1 should stream ~1.8x faster than f32.
-# In the interpreter, bf16mul/asm/asm1 run the int decode (XLA:CPU flushes the bf16 subnormal they rely on, and
-# inline PTX cannot run there); tests check the PTX text with an emulator.
-# f32 activations always use the f32 decode (the other variants produce bf16). Scales are broadcast from
-# [tn, tkh/16] to [tn, tkh] with broadcast_to + reshape, which Triton lowers to a register layout (no smem).
-MXFP4_VARIANTS = ("f32", "int", "bf16mul", "asm", "asm1")
-MXFP4_VARIANT = "asm"  # the default decode; benchmarks/moe.py times the others
-
+# MXFP4 decode. bf16 activations on the GPU: inline PTX (prmt / shl / lop3 / mul.rn.bf16x2, 2 elements per
+# instruction): per half-word the magnitude bits go to 6..8 and the sign to 15 (the bf16 of E2M1 * 2^-126, +-0.5 a
+# subnormal), then x 2^126 and x 2^(s-127); exact for every E8M0 scale (0 -> 2^-127 as a bf16 subnormal, 255 -> NaN).
+# Static cost 6.0 SASS instructions per decoded element (Triton 3.9, sm_90); on the H200 it streamed w1 fastest of
+# five decodes measured side by side (benchmarks/RESULTS.md). f32 activations, and the interpreter (no inline PTX
+# there), use the f32 decode (:func:`_decode`: exact for s in 0..240 on the GPU, 2..240 on XLA:CPU, which flushes the
+# f32 subnormals of s <= 1). Scales are broadcast from [tn, tkh/16] to [tn, tkh] with broadcast_to + reshape, which
+# Triton lowers to a register layout (no smem).
 _BF16_NAN = 0x7FC0
 
 
@@ -275,43 +262,13 @@ def _scale_bf16_bits(s: jax.Array) -> jax.Array:
     return jnp.where(s == 255, _BF16_NAN, bits)
 
 
-def _decode_int(codes: jax.Array, s: jax.Array, tkh: int):
-    """Variant ``int``: ``(lo, hi)`` bf16 ``[tn, tkh]`` from ``i32`` bytes ``[tn, tkh]`` and E8M0 ``i32 [tn, tkh/16]``.
-
-    Magnitude m = code & 7 (exponent e = m >> 1, mantissa bit m & 1). For m >= 2 the bf16 value
-    ``2^(s-127) * 2^(e-1) * (1 + (m&1)/2)`` has exponent field ``s + e - 1`` and mantissa bit m & 1, i.e. bits
-    ``(m << 6) + ((s - 1) << 7)``; m = 1 (0.5) is ``2^(s-128)`` = ``(s - 1) << 7``; m = 0 is 0. Sign -> bit 15.
-    """
-    sb = _broadcast_groups((s - 1) << 7, tkh)
-
-    def one(n):
-        m = n & 7
-        bits = jnp.where(m >= 2, (m << 6) + sb, sb & (-m))
-        return _bf16_from_bits(bits | ((n & 8) << 12))
-
-    return one(codes), one(codes >> 4)
-
-
-def _decode_bf16mul(codes: jax.Array, s: jax.Array, tkh: int):
-    """Variant ``bf16mul``: ``(lo, hi)`` bf16 ``[tn, tkh]``; ``(code & 7) << 6`` is the bf16 of E2M1 * 2^-126."""
-    sf = _bf16_from_bits(_broadcast_groups(_scale_bf16_bits(s), tkh))
-    c126 = jnp.asarray(2.0**126, jnp.bfloat16)
-
-    def one(n):
-        v = _bf16_from_bits(((n & 7) << 6) | ((n & 8) << 12))
-        return (v * c126) * sf
-
-    return one(codes), one(codes >> 4)
-
-
-def _mxfp4_asm(high: bool, one_mul: bool = False) -> str:
+def _mxfp4_asm(high: bool) -> str:
     """Inline PTX for one nibble of 4 packed bytes: ``$2`` = bytes b0..b3 (b0 lowest), ``$3``/``$4`` = bf16x2 scales
     of elements (0, 1) / (2, 3); ``$0``/``$1`` = bf16x2 values of the low (or high) nibbles of bytes (0, 1) / (2, 3).
 
     prmt spreads bytes (0, 1), then (2, 3), into the two 16-bit halves; per half the magnitude bits go to 6..8 and
     the sign to 15 (the bf16 of E2M1 * 2^-126, +-0.5 a subnormal), then x 2^126 and x the scale, two elements per
-    ``mul.rn.bf16x2`` (sm_90). Four integer ops + two multiplies per two elements. ``one_mul``: the scale operands
-    already hold ``2^(s - 1)`` (= 2^126 x 2^(s-127)) and one multiply remains.
+    ``mul.rn.bf16x2`` (sm_90). Four integer ops + two multiplies per two elements.
     """
     mag, sign = (2, 8) if high else (6, 12)
     lines = ["{", ".reg .b32 t, u, v, c;", "mov.b32 c, 0x7E807E80;"]
@@ -319,48 +276,33 @@ def _mxfp4_asm(high: bool, one_mul: bool = False) -> str:
         lines += [f"prmt.b32 t, $2, 0, {sel};",
                   f"shl.b32 u, t, {mag};", "and.b32 u, u, 0x01C001C0;",
                   f"shl.b32 v, t, {sign};", "lop3.b32 u, v, 0x80008000, u, 0xEA;",
-                  *([] if one_mul else ["mul.rn.bf16x2 u, u, c;"]), f"mul.rn.bf16x2 {out}, u, {scale};"]
+                  "mul.rn.bf16x2 u, u, c;", f"mul.rn.bf16x2 {out}, u, {scale};"]
     return "\n".join([*lines, "}"])
 
 
-def _scale_bf16_bits_times_2p126(s: jax.Array) -> jax.Array:
-    """E8M0 ``i32`` -> bf16 bits of ``2^(s - 1)`` (exact for s <= 128; 255 -> NaN; 129..254 out of contract -> inf)."""
-    return jnp.where(s == 255, _BF16_NAN, jnp.minimum(s + 126, 255) << 7)
-
-
-def _decode_asm(codes_u8: jax.Array, s: jax.Array, tkh: int, one_mul: bool = False):
-    """Variants ``asm`` / ``asm1``: ``(lo, hi)`` bf16 ``[tn, tkh]`` from the ``u8`` tile via :func:`_mxfp4_asm`."""
-    sbits = _scale_bf16_bits_times_2p126(s) if one_mul else _scale_bf16_bits(s)
-    sf = _bf16_from_bits(_broadcast_groups(sbits, tkh))
+def _decode_asm(codes_u8: jax.Array, s: jax.Array, tkh: int):
+    """``(lo, hi)`` bf16 ``[tn, tkh]`` from the ``u8`` tile via :func:`_mxfp4_asm`."""
+    sf = _bf16_from_bits(_broadcast_groups(_scale_bf16_bits(s), tkh))
     out = jax.ShapeDtypeStruct(codes_u8.shape, jnp.bfloat16)
     # One result per asm block: this JAX's Pallas lowering of elementwise_inline_asm returns a single value.
-    return tuple(pltriton.elementwise_inline_asm(_mxfp4_asm(high, one_mul), args=[codes_u8, sf],
-                                                 constraints="=r,=r,r,r,r", pack=4, result_shape_dtypes=[out])[0]
+    return tuple(pltriton.elementwise_inline_asm(_mxfp4_asm(high), args=[codes_u8, sf], constraints="=r,=r,r,r,r",
+                                                 pack=4, result_shape_dtypes=[out])[0]
                  for high in (False, True))
 
 
-def _decode_tile(codes_u8: jax.Array, scales_u8: jax.Array, dtype, variant: str, interpret: bool):
-    """``(lo, hi)`` in ``dtype`` ``[tn, tkh]`` (even / odd K columns) of one packed tile with the given variant."""
+def _decode_tile(codes_u8: jax.Array, scales_u8: jax.Array, dtype, interpret: bool):
+    """``(lo, hi)`` in ``dtype`` ``[tn, tkh]`` (even / odd K columns) of one packed tile (see the comment above)."""
     tkh = codes_u8.shape[1]
-    codes = codes_u8.astype(jnp.int32)
     s = scales_u8.astype(jnp.int32) & 0xFF
-    if variant == "f32" or jnp.dtype(dtype) != jnp.bfloat16:
-        f = _broadcast_groups(_scale_factor(s), tkh)
-        return _decode(codes, f, dtype), _decode(codes >> 4, f, dtype)
-    if variant == "int" or (interpret and variant in ("bf16mul", "asm", "asm1")):
-        # Interpreter: bf16mul/asm/asm1 pass +-0.5 through a bf16 subnormal (E2M1 * 2^-126), which XLA:CPU
-        # flushes to zero; their formula is checked by an emulation of the PTX and on the GPU instead.
-        return _decode_int(codes, s, tkh)
-    if variant == "bf16mul":
-        return _decode_bf16mul(codes, s, tkh)
-    if variant in ("asm", "asm1"):
-        return _decode_asm(codes_u8, s, tkh, one_mul=variant == "asm1")
-    raise ValueError(f"gpu.gmm_mxfp4: unknown variant {variant!r}, expected one of {MXFP4_VARIANTS}")
+    if jnp.dtype(dtype) == jnp.bfloat16 and not interpret:
+        return _decode_asm(codes_u8, s, tkh)
+    codes = codes_u8.astype(jnp.int32)
+    f = _broadcast_groups(_scale_factor(s), tkh)
+    return _decode(codes, f, dtype), _decode(codes >> 4, f, dtype)
 
 
 def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, x_ref, *refs,
-                      tm: int, tkh: int, tn: int, kh: int, num_groups: int, n_rhs: int, epilogue, variant: str,
-                      interpret: bool):
+                      tm: int, tkh: int, tn: int, kh: int, num_groups: int, n_rhs: int, epilogue, interpret: bool):
     """``refs = (codes_1, scales_1[, codes_2, scales_2], out)``; x is in even|odd column order."""
     w_refs, out_ref = refs[:2 * n_rhs], refs[2 * n_rhs]
     t = pl.program_id(1)
@@ -381,7 +323,7 @@ def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, x_ref, *refs,
             for r in range(n_rhs):
                 codes = w_refs[2 * r][gw, pl.ds(n0, tn), pl.ds(k0, tkh)]
                 sc = w_refs[2 * r + 1][gw, pl.ds(n0, tn), pl.ds(kk * ts, ts)]
-                lo, hi = _decode_tile(codes, sc, a_lo.dtype, variant, interpret)  # even / odd K columns
+                lo, hi = _decode_tile(codes, sc, a_lo.dtype, interpret)  # even / odd K columns
                 acc = accs[r] + jax.lax.dot_general(a_lo, lo, (((1,), (1,)), ((), ())),
                                                     preferred_element_type=jnp.float32)
                 acc = acc + jax.lax.dot_general(a_hi, hi, (((1,), (1,)), ((), ())),
@@ -414,7 +356,6 @@ def gmm_mxfp4(
     out_dtype=None,
     tiles: tuple[int, int, int, int, int] | None = None,
     interpret: bool = False,
-    variant: str | None = None,
 ) -> jax.Array:
     """Grouped matmul with MXFP4 weights decoded in registers: ``x[rows of g] @ W[g]^T`` for HF ``W [E, N, K]``.
 
@@ -424,8 +365,6 @@ def gmm_mxfp4(
         checkpoint: no transpose, no dequantized copy), or two with ``epilogue(acc1, acc2) -> f32``.
       group_sizes: ``[E] i32``; experts with no rows are not read.
       tiles: ``(tm, tkh, tn, num_warps, num_stages)``; tkh counts packed bytes (K/2) per step, a multiple of 16.
-      variant: decode variant, one of :data:`MXFP4_VARIANTS` (default :data:`MXFP4_VARIANT`); all give the same
-        values within their documented scale range (see the comment above :data:`MXFP4_VARIANTS`).
     Returns:
       ``[M, N]`` in ``out_dtype`` (default ``x.dtype``); rows past ``sum(group_sizes)`` are 0. Forward only.
     """
@@ -442,9 +381,6 @@ def gmm_mxfp4(
                              f"[E, N, {k // 32}], got {codes.shape} / {scales.shape} (first codes {codes0.shape})")
     if 2 * kh != k or k % 32:
         raise ValueError(f"gpu.gmm_mxfp4: x has K={k} but codes {codes0.shape} imply K={2 * kh} (K % 32 == 0)")
-    variant = variant or MXFP4_VARIANT
-    if variant not in MXFP4_VARIANTS:
-        raise ValueError(f"gpu.gmm_mxfp4: unknown variant {variant!r}, expected one of {MXFP4_VARIANTS}")
     tm, tkh, tn, warps, stages = tiles or MXFP4_TILES
     tkh, tn = min(tkh, kh), min(tn, n)
     if kh % tkh or tkh % 16 or n % tn:
@@ -455,7 +391,7 @@ def gmm_mxfp4(
     xe = jnp.pad(xe, ((0, tm), (0, 0))) if interpret else xe
     gid, row0, ends, num = make_tile_table(group_sizes.astype(jnp.int32), m, tm)
     kernel = functools.partial(_gmm_mxfp4_kernel, tm=tm, tkh=tkh, tn=tn, kh=kh, num_groups=e,
-                               n_rhs=len(weights), epilogue=epilogue, variant=variant, interpret=interpret)
+                               n_rhs=len(weights), epilogue=epilogue, interpret=interpret)
     out = forward_only(pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((xe.shape[0], n), jnp.dtype(out_dtype or x.dtype)),

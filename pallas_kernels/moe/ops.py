@@ -9,11 +9,17 @@ that cannot run raises with the reason):
 * ``triton`` (:mod:`.gpu`): grouped matmul with a kernel backward (w1 and w3 as two grouped matmuls, SiTU-GLU
   in XLA), MXFP4 weights decoded in registers from the packed HF layout (forward only; the w1/w3 pair in one
   kernel with the SiTU-GLU epilogue);
+* ``mosaic_gpu`` (:mod:`.mosaic_gpu`, sm_90+): grouped matmul (forward, ``dlhs``, ``drhs``) on Pallas Mosaic GPU
+  (wgmma + TMA), bf16 with K, N multiples of 128; w1 and w3 as two grouped matmuls, SiTU-GLU in XLA; not MXFP4;
 * ``xla`` (:mod:`.reference`): ``jax.lax.ragged_dot`` (a tiled einsum form on CPU), any dtype.
 
-``mosaic_gpu`` is reserved (ahead of ``triton`` once written). Backends check the target platform
-(``platform=`` or :func:`pallas_kernels.registry.target_platform`; ``interpret=True`` runs the Pallas kernels on
-CPU in interpret mode, ``"auto"`` then picks ``mosaic_tpu``) and the dtype.
+Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (:data:`TRITON_SHIPPED`), then
+``mosaic_gpu`` on sm_90+ (:attr:`MoeCall.compute_capability`, the visible GPU's), then ``xla``. ``triton`` is
+ahead because the Mosaic GPU grouped matmul loses to it on Hopper (benchmarks/RESULTS.md); ``mosaic_gpu`` is
+what ``"auto"`` picks on Hopper once the Triton backend is gone, and can be chosen by name today.
+Backends check the target platform (``platform=`` or :func:`pallas_kernels.registry.target_platform`;
+``interpret=True`` runs the Pallas kernels on CPU in interpret mode, ``"auto"`` then picks ``mosaic_tpu``;
+Mosaic GPU has no interpreter) and the dtype.
 
 Gradients: every bf16/f32 path is differentiable w.r.t. tokens, routing weights and expert weights; the MXFP4
 kernel paths are for serving (forward only).
@@ -23,11 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.mxfp4 import is_mxfp4
 from pallas_kernels.mxfp8 import fake_quant_mxfp8
@@ -40,7 +48,8 @@ ALIASES = {"reference": "xla"}
 @dataclasses.dataclass(frozen=True)
 class MoeCall:
     """What the expert-FFN backends look at: ``shape = (rows, in, out)`` of the first product, the number of
-    experts, the activation dtype, whether the weights are MXFP4."""
+    experts, the activation dtype, whether the weights are MXFP4, the target GPU's compute capability (None when
+    the target is not a GPU or unknown)."""
 
     platform: str
     dtype: str
@@ -48,6 +57,7 @@ class MoeCall:
     experts: int
     mxfp4: bool
     interpret: bool = False
+    compute_capability: float | None = None
 
 
 def _platform_reason(call: MoeCall, platform: str) -> str | None:
@@ -66,9 +76,31 @@ def _kernel_reason(platform: str):
     return supports
 
 
+def _mosaic_gpu_reason(call: MoeCall) -> str | None:
+    if call.platform != "gpu":
+        return f"needs target platform gpu (no interpreter), target is {call.platform}"
+    if call.mxfp4:
+        return "takes bf16 weights, not MXFP4"
+    from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415  (imports the Mosaic GPU toolchain)
+
+    _, k, n = call.shape
+    return mosaic_gpu.arch_reason(call.compute_capability) or mosaic_gpu.shape_reason(call.dtype, k, n)
+
+
+TRITON_SHIPPED = importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+"""Whether this JAX still ships the (deprecated) Pallas Triton backend."""
+
+
+def _triton_reason(call: MoeCall) -> str | None:
+    if not TRITON_SHIPPED:
+        return "this JAX no longer ships the Pallas Triton backend"
+    return _kernel_reason("gpu")(call)
+
+
 EXPERT_FFN = Registry("moe.expert_ffn", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU grouped matmul, fused SiTU-GLU, MXFP4 in VMEM", _kernel_reason("tpu")),
-    Backend("triton", "Pallas Triton grouped matmul, MXFP4 decoded in registers", _kernel_reason("gpu")),
+    Backend("triton", "Pallas Triton grouped matmul, MXFP4 decoded in registers", _triton_reason),
+    Backend("mosaic_gpu", "Pallas Mosaic GPU grouped matmul (sm_90 wgmma + TMA), bf16", _mosaic_gpu_reason),
     Backend("xla", "jax.lax.ragged_dot reference (tiled einsum on CPU)", lambda call: None),
 ), ALIASES)
 
@@ -77,8 +109,9 @@ def make_call(x: jax.Array, w: Any, interpret: bool, platform: str | None) -> Mo
     """The :class:`MoeCall` of ``x [M, K]`` against expert weight ``w`` (``[E, K, N]`` or an MXFP4 dict)."""
     mx = is_mxfp4(w)
     e, n = ((w["weight_packed"].shape[0], w["weight_packed"].shape[1]) if mx else (w.shape[0], w.shape[-1]))
-    return MoeCall(target_platform(platform), jnp.dtype(x.dtype).name, (int(x.shape[0]), int(x.shape[-1]), int(n)),
-                   int(e), mx, bool(interpret))
+    target = target_platform(platform)
+    return MoeCall(target, jnp.dtype(x.dtype).name, (int(x.shape[0]), int(x.shape[-1]), int(n)), int(e), mx,
+                   bool(interpret), visible_gpu_compute_capability() if target == "gpu" else None)
 
 
 def select(implementation: str, x: jax.Array, w: Any, interpret: bool = False, platform: str | None = None) -> str:
@@ -106,6 +139,11 @@ def grouped_matmul(
     if impl == "xla":
         return ref.grouped_matmul(lhs, ref.dense_expert_weight(rhs, lhs.dtype), group_sizes,
                                   preferred_element_type=preferred_element_type, platform=platform)
+    if impl == "mosaic_gpu":
+        from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415
+
+        return mosaic_gpu.gmm(lhs, ref.dense_expert_weight(rhs, lhs.dtype), group_sizes,
+                              preferred_element_type=preferred_element_type)
     kern, mxfp4_operand = _kernels(impl)
     if is_mxfp4(rhs):
         return kern.gmm_mxfp4(lhs, [mxfp4_operand(rhs)], group_sizes, out_dtype=preferred_element_type,
@@ -184,6 +222,12 @@ def expert_ffn(
         out = kern.gmm_mxfp4(quant(h), [mxfp4_operand(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret)
         return out.astype(dt)
     d1, d3, d2 = (ref.dense_expert_weight(w, dt) for w in (w1, w3, w2))
+    if impl == "mosaic_gpu":
+        from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415
+
+        mm = lambda lhs, w, **kw: mosaic_gpu.gmm(lhs, w, group_sizes, **kw)
+        h = ref.situ_glu(mm(a, d1), mm(a, d3), beta1, beta2)
+        return mm(quant(h), d2).astype(dt)
     if impl == "mosaic_tpu":
         h = tpu_glu_fn(float(beta1), float(beta2), bool(interpret))(a, d1, d3, group_sizes)
     else:
