@@ -7,13 +7,12 @@ One JSON line per case (``batch:prompt_len``, expert format, steps per call):
 
 * ``ms_per_step`` / ``tokens_per_s``: wall time of ``--calls`` calls of the engine's own jitted decode function
   (``Engine._decode``, or ``Engine._decode_multi`` with ``--decode-block n``: n steps per call), cache donated,
-  every slot active at ``prompt_len`` cached tokens (cache contents zero: the decode cost does not depend on
-  them), after a warm-up call.
+  every slot active at ``prompt_len`` cached tokens (cache contents random), after a warm-up call.
 * ``bytes``: what one step must read (and write), from the parameter and cache arrays the engine holds: every
   weight once, except the embedding table (``batch`` rows) and the routed experts (the expected number of
   distinct experts ``E·(1-(1-k/E)^B)`` of uniform top-k routing of ``B`` tokens, per MoE layer); the KDA states
   read and written, the conv tails read and written, the MLA latents read up to ``prompt_len`` (+ the new row).
-* ``copy_gbps``: device copy bandwidth measured in the same process (``x + 1`` on a 2 GiB bf16 array: read +
+* ``copy_gbps``: device copy bandwidth measured in the same process (``x * 2`` on a 2 GiB f32 array: read +
   write bytes / best time); ``roofline_ms = bytes / copy_gbps`` and ``roofline_fraction = roofline_ms /
   ms_per_step``.
 * ``--profile-dir``: also the device-trace breakdown (``benchmarks._profile``) of ``--profile-calls`` calls of
@@ -96,19 +95,22 @@ def step_bytes(cfg, params, cache, batch: int, prompt_len: int) -> dict[str, int
             "kda_conv_rw": kda_conv, "mla_latent": mla, "total": total}
 
 
-def copy_bandwidth_gbps(nbytes: int = 2 << 30, iters: int = 10) -> float:
-    """Best ``x + 1`` bandwidth (read + write) of a ``nbytes`` bf16 array, GB/s."""
+def copy_bandwidth_gbps(nbytes: int = 2 << 30, rounds: int = 5, calls: int = 5) -> float:
+    """Device copy bandwidth (read + write bytes / s) of ``x * 2`` on a ``nbytes`` f32 array, GB/s: the best of
+    ``rounds`` rounds of ``calls`` back-to-back calls (the form of ``benchmarks/moe.py``'s HBM copy)."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a + 1)
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 2.0)
     jax.block_until_ready(f(x))
     best = float("inf")
-    for _ in range(iters):
+    for _ in range(rounds):
         t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        best = min(best, time.perf_counter() - t0)
+        for _ in range(calls):
+            y = f(x)
+        jax.block_until_ready(y)
+        best = min(best, (time.perf_counter() - t0) / calls)
     return 2 * nbytes / best / 1e9
 
 
@@ -175,7 +177,14 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
 
     max_len = prompt_len + args.gen
     eng = Engine(cfg, params, max_batch=batch, max_len=max_len, eos_ids=(), max_logprobs=5, decode_block=n)
-    eng.cache = {**eng.cache, "lengths": jnp.full((batch,), prompt_len, jnp.int32)}
+    def fill(cache):  # random states, conv tails and latents (never time on zeros), every row at prompt_len
+        leaves, tree = jax.tree.flatten(cache)
+        keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+        leaves = [(0.05 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+                  if jnp.issubdtype(x.dtype, jnp.floating) else x for k, x in zip(keys, leaves, strict=True)]
+        return {**jax.tree.unflatten(tree, leaves), "lengths": jnp.full((batch,), prompt_len, jnp.int32)}
+
+    eng.cache = jax.jit(fill, donate_argnums=(0,))(eng.cache)
     nbytes = step_bytes(cfg, eng.variables["params"], eng.cache, batch, prompt_len)
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, cfg.vocab_size, batch), jnp.int32)
     active = jnp.ones((batch,), bool)
