@@ -41,6 +41,7 @@ from k3_jax.layers.mla import KimiMLAAttention
 from k3_jax.layers.moe import LatentMoE, SituMLP
 from k3_jax.layers.parallel import axis_size, constrain
 from k3_jax.parallel.vocab import vocab_parallel_embed
+from sharding.local_kernels import active_mesh_size
 
 LayerKind = tuple[MixerKind, FfnKind]
 
@@ -103,7 +104,10 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, sources: jax.Array, layer: jax.Array, segment_ids: jax.Array | None,
-                 cache: dict | None, lengths: jax.Array | None) -> tuple[jax.Array, dict | None]:
+                 cache: dict | None, lengths: jax.Array | None,
+                 cache_index: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+        """``cache_index``: with a decode cache, ``cache`` is the segment's stacked entry ``[R, ...]`` and this
+        layer reads and writes its repeat ``cache_index`` in place (see :class:`LayerGroup`)."""
         cfg = self.cfg
         mixer_kind, ffn_kind = self.kind
         bs = cfg.attn_res_block_size
@@ -113,9 +117,9 @@ class DecoderLayer(nn.Module):
         h = attn_res_point(cfg, "self_attention_res", sources, attn_sources_count(layer, bs))
         h = RMSNorm(cfg.rms_norm_eps, ("embed",), pd, name="input_layernorm")(h)
         if mixer_kind == "kda":
-            a, new_cache = KimiDeltaAttention(cfg, name="self_attn")(h, segment_ids, cache)
+            a, new_cache = KimiDeltaAttention(cfg, name="self_attn")(h, segment_ids, cache, cache_index)
         else:
-            a, new_cache = KimiMLAAttention(cfg, name="self_attn")(h, segment_ids, cache, lengths)
+            a, new_cache = KimiMLAAttention(cfg, name="self_attn")(h, segment_ids, cache, lengths, cache_index)
         sources = _add_to_slot(sources, slot, a)
 
         m = attn_res_point(cfg, "mlp_res", sources, mlp_sources_count(layer, bs))
@@ -134,23 +138,42 @@ def _add_to_slot(sources: jax.Array, slot: jax.Array, value: jax.Array) -> jax.A
 
 
 class LayerGroup(nn.Module):
-    """``period`` consecutive layers (one scan step of a :class:`Segment`), named ``layer_{j}``."""
+    """``period`` consecutive layers (one scan step of a :class:`Segment`), named ``layer_{j}``.
+
+    ``in_place=False``: ``cache`` is this repeat's entries (scanned in, the new ones scanned out).
+    ``in_place=True`` (one-token decode): the carry is ``(sources, stacked)`` with ``stacked`` the whole
+    segment's cache ``[R, ...]``; each layer updates its repeat inside it (KDA states through the decode
+    kernel's state pool, conv tails and latents by dynamic-update-slice), so the donated cache buffers are
+    updated in place and no per-repeat cache slice is copied in or stacked out. Returns ``((sources, stacked),
+    None)`` then.
+    """
 
     cfg: K3Config
     segment: Segment
+    in_place: bool = False
 
     @nn.compact
-    def __call__(self, sources: jax.Array, repeat: jax.Array, cache: dict | None,
-                 segment_ids: jax.Array | None, lengths: jax.Array | None) -> tuple[jax.Array, dict | None]:
+    def __call__(self, sources: Any, repeat: jax.Array, cache: dict | None,
+                 segment_ids: jax.Array | None, lengths: jax.Array | None) -> tuple[Any, dict | None]:
+        stacked = None
+        if self.in_place:
+            sources, stacked = sources
         new_cache: dict | None = None if cache is None else {}
         layer_cls = _maybe_remat(DecoderLayer, self.cfg)
         for j, kind in enumerate(self.segment.kinds):
             layer = self.segment.start + repeat * self.segment.period + j
+            if stacked is not None:
+                sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
+                    sources, layer, segment_ids, stacked[f"layer_{j}"], lengths, repeat)
+                stacked = {**stacked, f"layer_{j}": entry}
+                continue
             entry = None if cache is None else cache[f"layer_{j}"]
             sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
                 sources, layer, segment_ids, entry, lengths)
             if new_cache is not None:
                 new_cache[f"layer_{j}"] = entry
+        if stacked is not None:
+            return (sources, stacked), None
         return sources, new_cache
 
 
@@ -184,6 +207,8 @@ class K3Model(nn.Module):
         sources = constrain(sources, (None, "batch", "length", "embed"))
         lengths = None if cache is None else cache["lengths"]
 
+        # one-token decode on one device: the stacked cache rides in the scan carry and is updated in place
+        in_place = cache is not None and t == 1 and active_mesh_size() == 1
         new_segments = []
         for s, seg in enumerate(layer_plan(cfg)):
             scanned = nn.scan(
@@ -199,8 +224,12 @@ class K3Model(nn.Module):
                 check_constancy_invariants=False,
             )
             seg_cache = None if cache is None else cache["segments"][s]
-            sources, seg_new = scanned(cfg, seg, name=f"segment_{s}")(
-                sources, jnp.arange(seg.repeats), seg_cache, segment_ids, lengths)
+            if in_place:
+                (sources, seg_new), _ = scanned(cfg, seg, in_place=True, name=f"segment_{s}")(
+                    (sources, seg_cache), jnp.arange(seg.repeats), None, segment_ids, lengths)
+            else:
+                sources, seg_new = scanned(cfg, seg, name=f"segment_{s}")(
+                    sources, jnp.arange(seg.repeats), seg_cache, segment_ids, lengths)
             new_segments.append(seg_new)
 
         out = attn_res_point(cfg, "output_attn_res", sources, num_sources(cfg))

@@ -116,13 +116,17 @@ class KimiDeltaAttention(nn.Module):
     """KDA mixer. ``x`` [B, T, D] -> ``y`` [B, T, D] (cfg.dtype), plus the new cache entry when given one.
 
     Cache entry (decode): ``{"state": [B, H, K, V] f32, "conv": [B, W-1, 3·H·K]}`` (q, k, v pre-conv inputs).
+    With ``cache_index`` (one-token decode on one device): ``cache`` is a segment's stacked entry
+    ``{"state": [R, B, H, K, V], "conv": [R, B, W-1, 3·H·K]}`` and repeat ``cache_index`` is read and updated
+    in place (the states as the decode kernel's state pool ``[R·B, H, K, V]``, rows ``cache_index·B + b``);
+    the returned entry is the whole stacked one.
     """
 
     cfg: K3Config
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                 cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+                 cache: dict | None = None, cache_index: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         h, dk = cfg.kda_num_heads, cfg.kda_head_dim
         hk = h * dk
@@ -141,9 +145,14 @@ class KimiDeltaAttention(nn.Module):
             return Weight((w, hk), ("conv", "kda_heads"), init, "float32", leaf="kernel", name=name)()
 
         kernels = [conv_kernel(n) for n in ("q_conv1d", "k_conv1d", "v_conv1d")]
+        if cache_index is not None and t != 1:
+            raise ValueError(f"KDA: a stacked cache (cache_index) is the one-token decode step, got T={t}")
+        conv_cache = None if cache is None else cache["conv"]
+        if cache_index is not None:
+            conv_cache = jax.lax.dynamic_index_in_dim(conv_cache, cache_index, 0, keepdims=False)
         conv_states = [None, None, None]
         if cache is not None:
-            conv_states = jnp.split(cache["conv"], 3, axis=-1)
+            conv_states = jnp.split(conv_cache, 3, axis=-1)
         outs, new_conv = [], []
         seq_parallel = cache is None and axis_size("sequence") > 1
         for u, ker, st, normalize in zip((q, k, v), kernels, conv_states, (True, True, False), strict=True):
@@ -177,6 +186,13 @@ class KimiDeltaAttention(nn.Module):
         if seq_parallel:  # per-shard affine state maps combined by a prefix over `sequence`
             o, final_state = kda_sequence_parallel(q, k, v, g, beta, segment_ids=segment_ids,
                                                    initial_state=initial_state, chunk_size=cfg.kda_chunk_size)
+        elif cache_index is not None:  # decode step on the stacked states, in place (single device)
+            r = initial_state.shape[0]
+            pool = initial_state.reshape(r * b, *initial_state.shape[2:])
+            slots = cache_index.astype(jnp.int32) * b + jnp.arange(b, dtype=jnp.int32)
+            o, pool = kda_ops.recurrent_kda(q, k, v, g, beta, initial_state=pool, state_slots=slots,
+                                            implementation=cfg.kda_implementation, platform=cfg.platform)
+            final_state = pool.reshape(initial_state.shape)
         elif cache is not None and t == 1:  # decode step: one token per sequence, the recurrent form
             o, final_state = _kernel_per_shard(kda_ops.recurrent_kda, q, k, v, g, beta, cfg.kda_implementation,
                                                **kwargs)
@@ -192,6 +208,8 @@ class KimiDeltaAttention(nn.Module):
 
         new_cache = None
         if cache is not None:
-            new_cache = {"state": final_state.astype(jnp.float32),
-                         "conv": jnp.concatenate(new_conv, axis=-1).astype(cache["conv"].dtype)}
+            conv = jnp.concatenate(new_conv, axis=-1).astype(cache["conv"].dtype)
+            if cache_index is not None:
+                conv = jax.lax.dynamic_update_index_in_dim(cache["conv"], conv, cache_index, 0)
+            new_cache = {"state": final_state.astype(jnp.float32), "conv": conv}
         return y, new_cache

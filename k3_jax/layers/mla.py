@@ -233,13 +233,16 @@ class KimiMLAAttention(nn.Module):
     cfg: K3Config
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, cache: dict | None = None,
-                 lengths: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+                 lengths: jax.Array | None = None,
+                 cache_index: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+        """``cache_index``: ``cache`` is a segment's stacked entry ``{"latent": [R, B, S_max, C+Dr]}``; the new
+        token is written into repeat ``cache_index`` in place and the whole stacked entry is returned."""
         with platform_scope(self.cfg.platform):  # einsum_f32's code path follows cfg.platform when it is set
-            return self._attend(x, segment_ids, cache, lengths)
+            return self._attend(x, segment_ids, cache, lengths, cache_index)
 
     @nn.compact
     def _attend(self, x: jax.Array, segment_ids: jax.Array | None, cache: dict | None,
-                lengths: jax.Array | None) -> tuple[jax.Array, dict | None]:
+                lengths: jax.Array | None, cache_index: jax.Array | None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         b, t, _ = x.shape
         h, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -275,9 +278,16 @@ class KimiMLAAttention(nn.Module):
                 raise ValueError("MLA with a cache needs `lengths` [B] (tokens already cached per row)")
             store = cache["latent"]
             new_entries = jnp.concatenate([latent, k_rot], axis=-1).astype(store.dtype)  # [B, T, C+Dr]
-            store = jax.vmap(lambda s, n, pos: jax.lax.dynamic_update_slice(s, n, (pos, 0)))(
-                store, new_entries, lengths)
-            new_cache = {"latent": store}
+            if cache_index is not None:  # one token into repeat cache_index of the stacked latents, in place
+                if t != 1:
+                    raise ValueError(f"MLA: a stacked cache (cache_index) is the one-token decode step, got T={t}")
+                stacked = store.at[cache_index, jnp.arange(b), lengths].set(new_entries[:, 0], mode="clip")
+                new_cache = {"latent": stacked}
+                store = jax.lax.dynamic_index_in_dim(stacked, cache_index, 0, keepdims=False)
+            else:
+                store = jax.vmap(lambda s, n, pos: jax.lax.dynamic_update_slice(s, n, (pos, 0)))(
+                    store, new_entries, lengths)
+                new_cache = {"latent": store}
             s_max = store.shape[1]
             pos_q = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
             kv_kernel = kv_kernel.reshape(c, h, dn + dv)

@@ -1,0 +1,271 @@
+"""Decode step at the memory roofline: the engine's jitted decode step timed against the bytes it must read.
+
+    python benchmarks/decode.py --config configs/k3-slice.json --cases 64:128,1:128,256:128,16:32768 \
+        --experts bf16,mxfp4 --decode-block 8 [--profile-dir DIR] [--xla-flags "..."]
+
+One JSON line per case (``batch:prompt_len``, expert format, steps per call):
+
+* ``ms_per_step`` / ``tokens_per_s``: wall time of ``--calls`` calls of the engine's own jitted decode function
+  (``Engine._decode``, or ``Engine._decode_multi`` with ``--decode-block n``: n steps per call), cache donated,
+  every slot active at ``prompt_len`` cached tokens (cache contents random), after a warm-up call.
+* ``bytes``: what one step must read (and write), from the parameter and cache arrays the engine holds: every
+  weight once, except the embedding table (``batch`` rows) and the routed experts (the expected number of
+  distinct experts ``E·(1-(1-k/E)^B)`` of uniform top-k routing of ``B`` tokens, per MoE layer); the KDA states
+  read and written, the conv tails read and written, the MLA latents read up to ``prompt_len`` (+ the new row).
+* ``copy_gbps``: device copy bandwidth measured in the same process (``x * 2`` on a 2 GiB f32 array: read +
+  write bytes / best time); ``roofline_ms = bytes / copy_gbps`` and ``roofline_fraction = roofline_ms /
+  ms_per_step``.
+* ``--profile-dir``: also the device-trace breakdown (``benchmarks._profile``) of ``--profile-calls`` calls of
+  the first case:
+  device busy time per step, host gap (wall − device), kernel launches and copies per step, the top ops.
+  (XLA runs op by op while a profile is active: command buffers are off in the profiled calls.)
+
+``--xla-flags`` is appended to ``XLA_FLAGS`` before JAX starts (compare XLA options in separate processes).
+``--layers kda,mla`` builds a config of those layers at the config's widths (e.g. the release's exact shapes
+from ``configs/k3.json``: one KDA and one MLA layer, 896 experts top-16) instead of the config's own layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/k3-slice.json")
+    ap.add_argument("--cases", default="64:128,1:128",
+                    help="comma list of batch:prompt_len[:steps per call] (default steps: --decode-block)")
+    ap.add_argument("--experts", default="bf16", help="comma list of bf16 | mxfp4")
+    ap.add_argument("--decode-block", type=int, default=1, help="decode steps per device call")
+    ap.add_argument("--calls", type=int, default=8, help="timed calls per case")
+    ap.add_argument("--gen", type=int, default=128, help="cache room beyond the prompt (max_len = prompt + gen)")
+    ap.add_argument("--layers", default=None, help="comma list of kda | mla: a config of those layers instead")
+    ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size (with --layers)")
+    ap.add_argument("--profile-dir", default=None)
+    ap.add_argument("--profile-calls", type=int, default=2)
+    ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before JAX starts")
+    ap.add_argument("--label", default="", help="free text copied into every line (e.g. the tree measured)")
+    return ap.parse_args(argv)
+
+
+def emit(rec: dict) -> None:
+    print(json.dumps(rec), flush=True)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of distinct experts hit by ``tokens`` tokens of uniform top-k routing."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def step_bytes(cfg, params, cache, batch: int, prompt_len: int) -> dict[str, int]:
+    """Bytes one decode step must move: weights read once (embedding rows, the expected routed experts),
+    KDA states + conv tails read and written, MLA latents read up to ``prompt_len`` plus the new row written."""
+    import jax
+
+    weights = embed = experts = 0
+    hit = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_token, batch) / cfg.num_experts
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(p, "key", p)) for p in path]
+        n = x.size * x.dtype.itemsize
+        if "embed_tokens" in names:
+            embed += batch * n // cfg.vocab_size
+        elif "experts" in names and "shared_experts" not in names:
+            experts += int(n * hit)
+        else:
+            weights += n
+    kda_state = kda_conv = mla = 0
+    for seg in cache["segments"]:
+        for entry in seg.values():
+            if "state" in entry:
+                kda_state += 2 * entry["state"].size * entry["state"].dtype.itemsize
+                kda_conv += 2 * entry["conv"].size * entry["conv"].dtype.itemsize
+            else:
+                lat = entry["latent"]  # [R, B, S, D]
+                row = lat.shape[0] * lat.shape[1] * lat.shape[3] * lat.dtype.itemsize
+                mla += row * (prompt_len + 1)
+    total = weights + embed + experts + kda_state + kda_conv + mla
+    return {"dense_weights": weights, "embed_rows": embed, "routed_experts": experts, "kda_state_rw": kda_state,
+            "kda_conv_rw": kda_conv, "mla_latent": mla, "total": total}
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30, rounds: int = 5, calls: int = 5) -> float:
+    """Device copy bandwidth (read + write bytes / s) of ``x * 2`` on a ``nbytes`` f32 array, GB/s: the best of
+    ``rounds`` rounds of ``calls`` back-to-back calls (the form of ``benchmarks/moe.py``'s HBM copy)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 2.0)
+    jax.block_until_ready(f(x))
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            y = f(x)
+        jax.block_until_ready(y)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return 2 * nbytes / best / 1e9
+
+
+def layer_config(cfg, layers: list[str], vocab: int | None):
+    """``cfg`` with its layer list replaced by ``layers`` (kda | mla), every width kept."""
+    kda = [i for i, k in enumerate(layers) if k == "kda"]
+    mla = [i for i, k in enumerate(layers) if k == "mla"]
+    kw = {"num_hidden_layers": len(layers), "kda_layers": tuple(kda), "mla_layers": tuple(mla),
+          "first_k_dense_replace": 0}
+    if vocab is not None:
+        kw["vocab_size"] = vocab
+    return cfg.replace(**kw)
+
+
+def profile_breakdown(fn, args_fn, calls: int, steps_per_call: int, out_dir: str) -> dict:
+    """Device-trace breakdown of ``calls`` calls: busy ms, launches and copies per step, host gap, top ops."""
+    import glob
+
+    import jax
+
+    from benchmarks._profile import summarize_trace
+
+    os.makedirs(out_dir, exist_ok=True)
+    jax.profiler.start_trace(out_dir, create_perfetto_trace=True)
+    t0 = time.perf_counter()
+    try:
+        out = None
+        for _ in range(calls):
+            out = fn(*args_fn())
+        jax.block_until_ready(out)
+    finally:
+        wall = time.perf_counter() - t0
+        jax.profiler.stop_trace()
+    traces = sorted(glob.glob(os.path.join(out_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                    key=os.path.getmtime)
+    if not traces:
+        return {"error": f"no perfetto_trace.json.gz under {out_dir}"}
+    steps = calls * steps_per_call
+    s = summarize_trace(traces[-1], top=400, divide_by=steps)
+    copies = [(n, ms, c) for n, ms, c in s["top"] if "copy" in n.lower() or "memcpy" in n.lower()]
+    dus = [(n, ms, c) for n, ms, c in s["top"] if "dynamic" in n.lower() and "slice" in n.lower()]
+    wall_ms = 1000 * wall / steps
+    return {
+        "device_events": s["device_events"],
+        "wall_ms_per_step_profiled": round(wall_ms, 3),
+        "device_busy_ms_per_step": s["total_ms"],
+        "host_gap_ms_per_step": round(wall_ms - s["total_ms"], 3),
+        "events_per_step": s["n_events"],
+        "copy_ms_per_step": round(sum(ms for _, ms, _ in copies), 4),
+        "copies_per_step": sum(c for _, _, c in copies),
+        "dynamic_slice_ms_per_step": round(sum(ms for _, ms, _ in dus), 4),
+        "top": s["top"][:20],
+    }
+
+
+def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Namespace, gbps: float,
+             first: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from k3_jax.serving.engine import Engine
+    from k3_jax.serving.sampling import SamplingArrays
+
+    max_len = prompt_len + args.gen
+    eng = Engine(cfg, params, max_batch=batch, max_len=max_len, eos_ids=(), max_logprobs=5, decode_block=n)
+    def fill(cache):  # random states, conv tails and latents (never time on zeros), every row at prompt_len
+        leaves, tree = jax.tree.flatten(cache)
+        keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+        leaves = [(0.05 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+                  if jnp.issubdtype(x.dtype, jnp.floating) else x for k, x in zip(keys, leaves, strict=True)]
+        return {**jax.tree.unflatten(tree, leaves), "lengths": jnp.full((batch,), prompt_len, jnp.int32)}
+
+    eng.cache = jax.jit(fill, donate_argnums=(0,))(eng.cache)
+    nbytes = step_bytes(cfg, eng.variables["params"], eng.cache, batch, prompt_len)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(3, cfg.vocab_size, batch), jnp.int32)
+    active = jnp.ones((batch,), bool)
+    samp = SamplingArrays(temperature=jnp.zeros(batch), top_k=jnp.zeros(batch, jnp.int32),
+                          top_p=jnp.ones(batch), seed=jnp.zeros(batch, jnp.uint32),
+                          step=jnp.zeros(batch, jnp.int32))
+    state = {"cache": eng.cache}
+
+    def call():
+        if n == 1:
+            out, state["cache"] = eng._decode(eng.variables, state["cache"], tokens, active, samp, 5, None)
+        else:
+            out, state["cache"] = eng._decode_multi(eng.variables, state["cache"], tokens, active, samp, 5, None, n)
+        return out
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())  # compile + first call
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(call())
+    # lengths grow by n per call: keep every call at ~prompt_len by resetting them (a device scalar op)
+    reset = jax.jit(lambda c: {**c, "lengths": jnp.full((batch,), prompt_len, jnp.int32)}, donate_argnums=(0,))
+    state["cache"] = reset(state["cache"])
+    t0 = time.perf_counter()
+    for _ in range(args.calls):
+        out = call()
+    jax.block_until_ready(out)
+    wall = time.perf_counter() - t0
+    ms = 1000 * wall / (args.calls * n)
+    roof_ms = nbytes["total"] / (gbps * 1e9) * 1000
+    rec = {
+        "bench": "decode", "label": args.label, "config": args.config, "layers": args.layers,
+        "experts": cfg.expert_format, "batch": batch, "prompt_len": prompt_len, "max_len": max_len,
+        "decode_block": n, "calls": args.calls, "ms_per_step": round(ms, 3),
+        "tokens_per_s": round(batch * 1000 / ms, 1), "bytes": nbytes, "copy_gbps": round(gbps, 1),
+        "roofline_ms": round(roof_ms, 3), "roofline_fraction": round(roof_ms / ms, 3),
+        "compile_s": round(compile_s, 1), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "device": str(jax.devices()[0].device_kind),
+    }
+    if args.profile_dir and first:
+        state["cache"] = reset(state["cache"])
+        where = os.path.join(args.profile_dir, f"b{batch}_p{prompt_len}_n{n}_{cfg.expert_format}")
+        rec["profile"] = profile_breakdown(call, lambda: (), args.profile_calls, n, where)
+    return rec
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.xla_flags:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
+    sys.path.insert(0, str(REPO))
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from k3_jax.config import load_config
+    from k3_jax.model import K3ForCausalLM
+
+    gbps = copy_bandwidth_gbps()
+    emit({"bench": "decode", "label": args.label, "copy_gbps": round(gbps, 1), "device": jax.devices()[0].device_kind})
+    cases = [[int(v) for v in c.split(":")] for c in args.cases.split(",") if c]
+    cases = [(c[0], c[1], c[2] if len(c) > 2 else args.decode_block) for c in cases]
+    expert_list = args.experts.split(",")
+    for experts in expert_list:
+        cfg = load_config(args.config).replace(expert_format=experts, param_dtype="bfloat16")
+        if args.layers:
+            cfg = layer_config(cfg, args.layers.split(","), args.vocab)
+        t0 = time.perf_counter()
+        params = nn.unbox(jax.jit(K3ForCausalLM(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+        jax.block_until_ready(params)
+        emit({"bench": "decode", "label": args.label, "event": "init", "experts": experts,
+              "param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
+              "init_s": round(time.perf_counter() - t0, 1)})
+        for i, (batch, prompt_len, n) in enumerate(cases):
+            try:
+                first = i == 0 and experts == expert_list[0]
+                emit(run_case(cfg, params, batch, prompt_len, n, args, gbps, first))
+            except Exception as e:  # noqa: BLE001 - report the case and go on with the next
+                emit({"bench": "decode", "label": args.label, "experts": experts, "batch": batch,
+                      "prompt_len": prompt_len, "decode_block": n, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        del params
+
+
+if __name__ == "__main__":
+    main()
