@@ -19,7 +19,8 @@ Parts (``--parts``, in this order; each under its own wall-clock budget, one JSO
   (``tokamax.ragged_dot(implementation="mosaic")`` for the three products), ``reference``
   (``jax.lax.ragged_dot``), ``dense`` (bf16 matmuls [M,L]x[L,I] x2 and [M,I]x[I,L]: the same FLOPs).
   FLOPs = 6 M L I (x3 with backward); ``pct_dense`` vs the dense peer of the same pass.
-- ``gmm`` (not run by default): one grouped matmul [M, L] x [E, L, I] with a tile sweep of ``gpu.gmm``.
+- ``gmm`` (not run by default): one grouped matmul [M, L] x [E, L, I] with a tile sweep of ``gpu.gmm`` and a block
+  sweep of the Mosaic GPU kernel behind ``mosaic_gpu`` (``--mgpu-blocks``).
 
 Timing: a compile+run call, one warm call, then ``n`` back-to-back calls (``n`` <= ``--iters``, cut to fit the
 budget) with one block at the end: ``ms`` = their mean (the device queue stays full, so host dispatch is hidden).
@@ -337,6 +338,13 @@ def part_gmm(a, budget: Budget) -> None:
     for cfg in a.gmm_tiles.split(";"):
         t = tuple(int(v) for v in cfg.split(","))
         runs.append(("ours", jax.jit(lambda x, w, g, t=t: gpu.gmm(x, w, g, tiles=t, interpret=a.interpret)), list(t)))
+    for cfg in filter(None, a.mgpu_blocks.split(";")):  # the Mosaic GPU kernel of the mosaic_gpu backend
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: PLC0415
+
+        names = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
+        kw = dict(zip(names, (int(v) for v in cfg.split(",")), strict=True))
+        runs.append(("mosaic_gpu", jax.jit(lambda x, w, g, kw=kw: ragged_dot_mgpu.ragged_dot(
+            x, w, group_sizes=g, **kw)), list(kw.values())))
     try:
         tok = load_tokamax()
         runs.append(("tokamax", jax.jit(tok), None))
@@ -368,6 +376,8 @@ def main() -> None:
                     help="'tm,tkh,tn,warps,stages;...' MXFP4 tiles for the w1 sweep (each checked against the f32 "
                          "reference; the fastest matching one drives the FFN)")
     ap.add_argument("--gmm-tiles", default="128,64,256,8,3;128,64,128,8,4")
+    ap.add_argument("--mgpu-blocks", default="128,128,64,4,1;128,128,64,6,4;64,256,64,4,1;128,192,64,4,1",
+                    help="'block_m,block_n,block_k,stages,grid_block_n;...' of the Mosaic GPU kernel (gmm part)")
     ap.add_argument("--budget-decode", type=float, default=60.0)
     ap.add_argument("--budget-ffn", type=float, default=150.0)
     ap.add_argument("--budget-gmm", type=float, default=90.0)

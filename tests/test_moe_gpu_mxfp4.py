@@ -11,6 +11,15 @@ from pallas_kernels import moe
 from pallas_kernels.moe import gpu
 from pallas_kernels.moe import reference as ref
 
+
+@pytest.fixture(autouse=True)
+def _fp32_reference_dots():
+    """fp32 dots in the references: on a GPU backend XLA's default precision is TF32 (the interpret-mode f32
+    comparisons here failed by ~0.6 against TF32 references on the H200)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 MX_TILES = (8, 16, 16, 4, 2)  # tm, tkh, tn: 2 K steps and 2 N tiles on the shapes below
 SIZES = ([5, 0, 12, 3], [0, 0, 20, 0])  # empty experts + trailing rows; one expert takes every row
 E, K, N, M = 4, 64, 32, 24
