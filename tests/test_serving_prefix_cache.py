@@ -264,3 +264,21 @@ def test_lru_budgets_pins_and_page_counts():
     assert pc.num_entries == 0 and alloc.num_free == 19 and pc.snapshot_bytes == 0
     assert not pc._nodes  # the chain nodes went with their entries
     assert not pc.insert([1] * 9, 4, [1], "big", 26)  # a snapshot over the whole budget is refused
+
+
+def test_memory_plan_sizes_the_prefix_cache_budgets(capsys):
+    import json
+
+    from sharding.plan import main
+
+    assert main(["--config", "configs/k3-tiny.json", "--preset", "serve", "--mesh", "tensor=2", "--seq-len", "4096",
+                 "--prefix-kda-gb", "0.002", "--prefix-mla-gb", "0.001", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    whole, dev = d["whole_model"], d["per_device_bytes"]
+    # tiny: 6 KDA layers x (6·64·64 f32 state + 3 x 3·6·64 bf16 conv) per snapshot; 3 fit in 2 MB
+    assert whole["prefix_kda_snapshot_bytes_each"] == 6 * (6 * 64 * 64 * 4 + 3 * 1152 * 2)
+    assert whole["prefix_kda_snapshots_in_budget"] == 3
+    assert dev["prefix_kda_snapshots"] == 3 * whole["prefix_kda_snapshot_bytes_each"] / 2  # heads over tensor=2
+    # MLA pages: 4 layers x (48 FP8 values + a 4-byte scale) per token, replicated over tensor
+    assert whole["prefix_mla_tokens_in_budget"] == 10**6 // (4 * 52)
+    assert dev["prefix_mla_pages"] == pytest.approx(whole["prefix_mla_tokens_in_budget"] * 4 * 52)

@@ -8,8 +8,16 @@ leaves it when it finishes; nothing recompiles when requests come and go:
 * prefill runs on the slot's row alone (``[1, T]``) in chunks of ``prefill_chunk`` tokens; the remainder is
   split into power-of-two pieces, so no padding token ever enters the KDA recurrence and at most
   ``log2(prefill_chunk) + 1`` prefill shapes are compiled;
-* decode is one jitted function over all ``max_batch`` slots with the cache donated; idle slots compute
-  garbage that is discarded (their length is pinned to 0 and their row is zeroed when a request arrives);
+* prefill is interleaved with decode: each :meth:`Engine.step` advances every prefilling request by up to
+  ``prefill_chunk`` prompt tokens, then runs one decode step of the requests past their prefill, so a long
+  prompt never stalls the others (its first token comes with its last piece);
+* decode is one jitted function over all ``max_batch`` slots with the cache donated; idle and prefilling slots
+  compute garbage that is discarded (their KDA rows and length are kept as they were; their row is zeroed
+  when a request arrives);
+* with ``prefix_cache`` (paged only; :mod:`k3_jax.serving.prefix_cache`) an admitted request starts from the
+  longest cached prefix of its prompt: the KDA snapshot is restored into its row, the full MLA pages are
+  shared, the partial page is copied, and only the rest is prefilled; prefill pieces end on the snapshot
+  endpoints, and the state after such a piece is stored as a new entry (no second prefill);
 * sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`).
 
 Failure isolation: every request is validated when it is added (:meth:`Engine.validate`: prompt ids in the
@@ -149,12 +157,15 @@ class Engine:
       eos_ids: default stop token ids (default: ``cfg.eos_token_id``).
       max_logprobs: largest ``logprobs`` a request may ask for.
       cache_dtype: dtype of conv tails / MLA latents (default ``cfg.dtype``).
+      page_size: tokens per MLA page when paged (default 16, or ``prefix_cache.page_size``).
       paged: keep the MLA latents in a shared page pool (:mod:`k3_jax.serving.paged_cache`) instead of
         ``max_batch × max_len`` rows: a request reserves ``ceil((prompt + max_tokens) / page_size)`` pages at
         admission and waits in the queue while the pool is short. Attention still runs on a contiguous
         view gathered from the pages inside the jitted step (a page-reading attention kernel is the next step).
       num_pages: page pool size (default: enough for every slot at ``max_len``, + the null page).
       latent_dtype: page storage dtype, e.g. ``"float8_e4m3fn"`` (per-token scales); default the cache dtype.
+      prefix_cache: :class:`PrefixCacheConfig` (granularities + byte budgets) to reuse prompt prefixes; needs
+        ``paged=True`` and sets ``page_size`` (default page pool: + ``mla_budget_bytes`` worth of pages).
       decode_block: decode steps per device call (multi-step decoding). With ``n > 1`` a step runs ``n`` decode
         steps in one jitted ``lax.scan`` (sampled tokens fed back on device) and the host reads the ``[n, B]``
         tokens once, so the per-step host work (dispatch, transfers, the sync on the sampled tokens) is paid
@@ -492,7 +503,7 @@ class Engine:
         if not self.paged:
             return None
         need = len(req.prompt) + req.max_tokens
-        hit = self.prefix.lookup(req.prompt) if self.prefix is not None else None
+        hit = self.prefix.lookup(req.prompt, self._media_spans(req)) if self.prefix is not None else None
         shared = hit.shared_pages if hit is not None else []
         new_pages = -(-need // self.page_size) - len(shared)
         if self.prefix is not None and self.allocator.num_free < new_pages:
@@ -592,11 +603,18 @@ class Engine:
 
     def _snapshot(self, req: _Request) -> None:
         """Store the prefix-cache entry of ``req.prompt[:req.pos]`` (an endpoint): KDA snapshot + its pages."""
-        if self.prefix.has_entry(req.prompt, req.pos):
+        media = self._media_spans(req)
+        if self.prefix.has_entry(req.prompt, req.pos, media):
             return
         snap = self._take_kda(self.cache, jnp.asarray(req.slot, jnp.int32))
         nbytes = sum(x.nbytes for x in jax.tree.leaves(snap))
-        self.prefix.insert(req.prompt, req.pos, self.allocator.owned[req.slot], snap, nbytes)
+        self.prefix.insert(req.prompt, req.pos, self.allocator.owned[req.slot], snap, nbytes, media)
+
+    @staticmethod
+    def _media_spans(req: _Request) -> tuple:
+        """``(start, end, digest)`` token spans of the media in ``req``'s prompt, part of its prefix identity
+        (:mod:`k3_jax.serving.prefix_cache`); text-only requests have none."""
+        return ()
 
     def _block_size(self) -> int:
         """Decode steps of the next device call: ``decode_block`` when no admission is pending and every running
