@@ -566,7 +566,7 @@ class Engine:
             req.pos = req.cached_tokens = hit.end
         if self.prefix is not None:
             self.prefix.record(n, hit)
-        bounds = [e for e in self.prefix.endpoints(req.pos, n)] if self.prefix is not None else []
+        bounds = self.prefix.endpoints(req.pos, n) if self.prefix is not None else []
         start = req.pos
         for end in [*bounds, n]:
             pieces = _prefill_pieces(end - start, self.prefill_chunk, self.prefill_mode) if end > start else []
