@@ -190,7 +190,7 @@ def test_long_prompt_prefill_interleaves_with_decode(eng):
     assert outs[rid_long] == cold_long and outs[rid_short] == cold_short
 
 
-def test_metrics_exposition_and_server_route(eng):
+def test_server_reuses_the_cache_across_turns_and_serves_metrics(eng):
     from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -198,7 +198,16 @@ def test_metrics_exposition_and_server_route(eng):
     from k3_jax.tokenizer import Tokenizer
 
     app = create_app(eng, Tokenizer.bundled())
+    msgs = [{"role": "user", "content": "Tell me a long story about a cat and a dog who live in a small house."}]
+    body = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
     with TestClient(app) as client:
+        r1 = client.post("/v1/chat/completions", json={**body, "messages": msgs})
+        assert r1.status_code == 200, r1.text
+        before = eng.prefix.stats["cached_tokens"]
+        msgs += [{"role": "assistant", "content": "Once upon a time"}, {"role": "user", "content": "And then?"}]
+        r2 = client.post("/v1/chat/completions", json={**body, "messages": msgs})
+        assert r2.status_code == 200, r2.text
+        assert eng.prefix.stats["cached_tokens"] - before >= 16  # turn 2 started from turn 1's prompt
         r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     fams = {f.name: f for f in text_string_to_metric_families(r.text)}
