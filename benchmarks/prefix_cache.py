@@ -17,9 +17,15 @@ weights) with its prefix cache detached, in the same run. Random weights (``rand
   the chunk ends within the first ``--check-tokens`` tokens vs one unchunked forward of those tokens.
   ``--budget-s`` stops the prefill early (``completed: false`` with the rate so far).
 
-Every case runs once with other token values first, so compiles are outside the timings. The MLA prefill
-attention of the cached path is the absorbed form (latent dim 512 per head), ~3.4x the FLOPs of the expanded
-form per query-key pair: see the row in ``benchmarks/RESULTS.md`` for where the time goes at long T.
+Every case runs once with other token values first, so compiles are outside the timings.
+
+At long T the cached prefill's MLA attention dominates: it runs in the absorbed form (scores and values over
+the 512-wide latent for each of the 96 heads: ~2·96·(2·512 + 64) FLOP per query-key pair, ~3.4x the expanded
+form's 2·96·(192 + 128)) in XLA's key-blocked online softmax. ``pallas_kernels.attention.ATTENTION`` (cuDNN
+flash attention) takes the expanded form with ``T_q == T_kv`` under a causal mask; jax's cuDNN call also has
+``NO_MASK`` with ``T_q != T_kv``, padding lengths and ``return_residual`` (the softmax statistics), which is
+what a chunk against a cached prefix needs: expand the cached latent's K/V per chunk (``kv_b_proj``), attend
+chunk-vs-prefix unmasked and chunk-vs-itself causally, and merge the two by their log-sum-exp.
 """
 
 from __future__ import annotations
