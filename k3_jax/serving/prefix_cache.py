@@ -144,6 +144,19 @@ class PrefixCache:
         self._held: collections.Counter[int] = collections.Counter()  # page -> entries covering it
         self.snapshot_bytes = 0
         self.stats: collections.Counter[str] = collections.Counter()
+        self._memo: tuple[Any, tuple, list[bytes]] | None = None  # (tokens object, media, its block hashes)
+
+    def _hashes(self, tokens: Sequence[int], media: Sequence[MediaSpan], n_blocks: int) -> list[bytes]:
+        """The first ``n_blocks`` chain hashes of ``tokens``; the last prompt's are kept, so the engine's calls for
+        one prompt (lookup, then an insert per endpoint) hash it once. A stale memo (a list changed in place)
+        cannot share an entry: every match also compares the tokens."""
+        media = tuple(media)
+        memo = self._memo
+        n_all = len(tokens) // self.config.block_size
+        if memo is None or memo[0] is not tokens or memo[1] != media or len(memo[2]) != n_all:
+            memo = (tokens, media, block_hashes(tokens, self.config.block_size, media))
+            self._memo = memo
+        return memo[2][:n_blocks]
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -170,7 +183,7 @@ class PrefixCache:
         b = self.config.block_size
         nodes: list[_Node] = []
         parent = None
-        for i, key in enumerate(block_hashes(tokens[: limit - limit % b], b, media)):
+        for i, key in enumerate(self._hashes(tokens, media, limit // b)):
             node = self._nodes.get(key)
             lo, hi = i * b, (i + 1) * b
             if (node is None or node.parent is not parent or node.tokens != tuple(tokens[lo:hi])
@@ -236,7 +249,7 @@ class PrefixCache:
         if nodes and nodes[-1].end == end and nodes[-1].entry is not None:
             return False
         b = c.block_size
-        keys = block_hashes(tokens[:end], b, media)
+        keys = self._hashes(tokens, media, end // b)
         parent = nodes[-1] if nodes else None
         for i in range(len(nodes), len(keys)):
             lo, hi = i * b, (i + 1) * b
