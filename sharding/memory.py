@@ -18,6 +18,10 @@ device:
   ``--seq-len`` tokens (state f32
   ``[B, H, K, V]`` sharded over ``kda_heads``; latent ``[B, S, 576]`` in ``--latent-dtype``, sharded over
   ``batch``/``length`` only — tensor parallelism replicates it, as MLA TP does).
+* **prefix cache** (serving, ``--prefix-kda-gb`` / ``--prefix-mla-gb``: the budgets of
+  :class:`k3_jax.serving.prefix_cache.PrefixCacheConfig`, in bytes of whole arrays as the engine counts them):
+  the KDA snapshots that fit (each ``L_kda·(H·K·V·4 + conv)``, sharded like the KDA state) and the MLA page
+  tokens that fit (``L_mla·((C + Dr)·bytes + 4)`` per token with the per-token scale, sharded like the latent).
 * **activations** (estimate) — the AttnRes source bank ``[blocks, tokens, D]`` plus the largest per-layer
   working set of one layer (``--prefill-chunk`` tokens for serving; the whole local batch for training).
 
@@ -160,7 +164,7 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
          batch: int = 1, seq_len: int = 1 << 20, latent_dtype: str = "float8_e4m3fn",
          conv_dtype: str = "bfloat16", optimizer: str = "none", master_fp32: bool = False,
          prefill_chunk: int = 8192, train_tokens_per_device: int | None = None,
-         boxed: Any) -> MemoryPlan:
+         prefix_kda_budget: float = 0, prefix_mla_budget: float = 0, boxed: Any) -> MemoryPlan:
     """Memory plan of ``cfg`` whose boxed abstract parameters are ``boxed`` (their dtypes follow the config's
     ``param_dtype`` and ``expert_format``)."""
     if num_devices is None:
@@ -197,6 +201,21 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
         res.whole["kda_state_per_sequence"] = n_kda * h * dk * dk * 4
         res.whole["kda_conv_per_sequence"] = n_kda * math.prod(conv_shape[1:]) * conv_item
         res.whole["mla_latent_per_sequence"] = n_mla * math.prod(lat_shape[1:]) * latent_item
+    if optimizer == "none" and (prefix_kda_budget > 0 or prefix_mla_budget > 0):
+        lat = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        snap = n_kda * (h * dk * dk * 4 + (cfg.short_conv_kernel_size - 1) * 3 * h * dk * conv_item)
+        n_snap = int(prefix_kda_budget // snap)
+        tok_bytes = n_mla * (lat * latent_item + 4)
+        n_tok = int(prefix_mla_budget // tok_bytes)
+        res.whole["prefix_kda_snapshot_bytes_each"] = snap
+        res.whole["prefix_kda_snapshots_in_budget"] = n_snap
+        res.whole["prefix_mla_tokens_in_budget"] = n_tok
+        conv_shape = (n_snap, cfg.short_conv_kernel_size - 1, 3 * h * dk)
+        res.per_device["prefix_kda_snapshots"] = n_kda * (
+            _cache_local("kda_state", (n_snap, h, dk, dk), 4, sizes, preset)
+            + _cache_local("conv", conv_shape, conv_item, sizes, preset)) if n_snap else 0.0
+        res.per_device["prefix_mla_pages"] = n_mla * _cache_local(
+            "mla_latent", (1, n_tok, lat), latent_item + 4 / lat, sizes, preset) if n_tok else 0.0
 
     # activations (estimate)
     d = cfg.hidden_size

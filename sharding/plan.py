@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", choices=["none", "adamw", "muon"], default="none")
     ap.add_argument("--master-fp32", action="store_true")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--prefix-kda-gb", type=float, default=0.0,
+                    help="serving: prefix cache KDA snapshot budget (GB, PrefixCacheConfig.kda_budget_bytes)")
+    ap.add_argument("--prefix-mla-gb", type=float, default=0.0,
+                    help="serving: prefix cache MLA page budget (GB, PrefixCacheConfig.mla_budget_bytes)")
     ap.add_argument("--tokens-per-device", type=int, default=None,
                     help="training: tokens per device per micro-step (default batch*seq-len / data axes)")
     ap.add_argument("--capacity-gib", type=float, default=None, help="per-device memory, e.g. 141 (H200), 95 (v5p)")
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     res = plan(cfg, a.preset, a.mesh, num_devices=a.devices, batch=a.batch, seq_len=a.seq_len,
                latent_dtype=a.latent_dtype, optimizer=a.optimizer, master_fp32=a.master_fp32,
                prefill_chunk=a.prefill_chunk, train_tokens_per_device=a.tokens_per_device,
+               prefix_kda_budget=a.prefix_kda_gb * GB, prefix_mla_budget=a.prefix_mla_gb * GB,
                boxed=abstract_params(cfg))
     if a.aot:
         comp = aot_memory(cfg, a.preset, a.mesh, a.aot, tokens=a.aot_tokens)

@@ -50,6 +50,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=8, help="decode slots")
     p.add_argument("--max-len", type=int, default=1024, help="tokens per slot (prompt + output)")
     p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="reuse cached prompt prefixes across requests (paged latent cache; needs both budgets)")
+    p.add_argument("--prefix-kda-gb", type=float, default=None, help="prefix cache: KDA snapshot budget (GB)")
+    p.add_argument("--prefix-mla-gb", type=float, default=None, help="prefix cache: MLA page budget (GB)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="MLA page tokens of the paged cache (prefix cache default: 6144)")
+    p.add_argument("--prefix-block", type=int, default=512, help="prefix cache: hash block tokens")
+    p.add_argument("--prefix-stride", type=int, default=8192, help="prefix cache: KDA snapshot stride (tokens)")
     p.add_argument("--decode-block", type=int, default=1,
                    help="decode steps per device call (tokens stream in bursts of this size; see Engine)")
     p.add_argument("--max-request-bytes", type=int, default=None,
@@ -144,6 +152,16 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg, params, tok, name = load_model(args)
     eos = (tok.eos_id,) if tok.eos_id is not None else ()
+    prefix = None
+    if args.prefix_cache:
+        from k3_jax.serving.prefix_cache import PrefixCacheConfig
+
+        if args.prefix_kda_gb is None or args.prefix_mla_gb is None:
+            raise SystemExit("--prefix-cache needs --prefix-kda-gb and --prefix-mla-gb (the cache's byte budgets)")
+        prefix = PrefixCacheConfig(mla_budget_bytes=int(args.prefix_mla_gb * 1e9),
+                                   kda_budget_bytes=int(args.prefix_kda_gb * 1e9),
+                                   page_size=args.page_size or 6144, block_size=args.prefix_block,
+                                   stride=args.prefix_stride)
     engine = Engine(
         cfg,
         params,
@@ -153,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=tok,
         eos_ids=eos,
         decode_block=args.decode_block,
+        paged=prefix is not None,
+        page_size=args.page_size,
+        prefix_cache=prefix,
     )
 
     if args.port is not None:

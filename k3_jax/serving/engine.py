@@ -8,8 +8,16 @@ leaves it when it finishes; nothing recompiles when requests come and go:
 * prefill runs on the slot's row alone (``[1, T]``) in chunks of ``prefill_chunk`` tokens; the remainder is
   split into power-of-two pieces, so no padding token ever enters the KDA recurrence and at most
   ``log2(prefill_chunk) + 1`` prefill shapes are compiled;
-* decode is one jitted function over all ``max_batch`` slots with the cache donated; idle slots compute
-  garbage that is discarded (their length is pinned to 0 and their row is zeroed when a request arrives);
+* prefill is interleaved with decode: each :meth:`Engine.step` advances every prefilling request by up to
+  ``prefill_chunk`` prompt tokens, then runs one decode step of the requests past their prefill, so a long
+  prompt never stalls the others (its first token comes with its last piece);
+* decode is one jitted function over all ``max_batch`` slots with the cache donated; idle and prefilling slots
+  compute garbage that is discarded (their KDA rows and length are kept as they were; their row is zeroed
+  when a request arrives);
+* with ``prefix_cache`` (paged only; :mod:`k3_jax.serving.prefix_cache`) an admitted request starts from the
+  longest cached prefix of its prompt: the KDA snapshot is restored into its row, the full MLA pages are
+  shared, the partial page is copied, and only the rest is prefilled; prefill pieces end on the snapshot
+  endpoints, and the state after such a piece is stored as a new entry (no second prefill);
 * sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`).
 * images (a vision model): a request's ``media`` (:class:`k3_jax.serving.media.RequestMedia`, its prompt holding
   one ``<|media_pad|>`` per media token) is encoded once at admission, and each prefill chunk splices the
@@ -51,7 +59,9 @@ from k3_jax.model import K3ForCausalLM, check_token_ids
 from k3_jax.progress import prefill_progress
 from k3_jax.serving import media as media_lib
 from k3_jax.serving.chat import IncrementalDetokenizer
+from k3_jax.serving.metrics import ServingMetrics
 from k3_jax.serving.paged_cache import PageAllocator, PagedCacheSpec, gather_latent, write_latent
+from k3_jax.serving.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixHit
 from k3_jax.serving.sampling import SamplingArrays, SamplingParams, StopStrings, sample
 
 __all__ = ["Engine", "TokenEvent", "RequestError", "RequestFailed"]
@@ -95,6 +105,15 @@ class _Request:
     stops: StopStrings | None = None
     arrival: float = 0.0
     media: media_lib.RequestMedia | None = None  # images of the prompt (k3_jax.serving.media)
+    pieces: list[tuple[int, bool]] = dataclasses.field(default_factory=list)  # prefill left: (tokens, snapshot after)
+    pos: int = 0  # prompt tokens in the cache
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    progress: Any = None
+    last_token_time: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.pieces)
 
 
 def _batch_axes(cfg: K3Config, max_len: int) -> Any:
@@ -143,12 +162,15 @@ class Engine:
       eos_ids: default stop token ids (default: ``cfg.eos_token_id``).
       max_logprobs: largest ``logprobs`` a request may ask for.
       cache_dtype: dtype of conv tails / MLA latents (default ``cfg.dtype``).
+      page_size: tokens per MLA page when paged (default 16, or ``prefix_cache.page_size``).
       paged: keep the MLA latents in a shared page pool (:mod:`k3_jax.serving.paged_cache`) instead of
         ``max_batch × max_len`` rows: a request reserves ``ceil((prompt + max_tokens) / page_size)`` pages at
         admission and waits in the queue while the pool is short. Attention still runs on a contiguous
         view gathered from the pages inside the jitted step (a page-reading attention kernel is the next step).
       num_pages: page pool size (default: enough for every slot at ``max_len``, + the null page).
       latent_dtype: page storage dtype, e.g. ``"float8_e4m3fn"`` (per-token scales); default the cache dtype.
+      prefix_cache: :class:`PrefixCacheConfig` (granularities + byte budgets) to reuse prompt prefixes; needs
+        ``paged=True`` and sets ``page_size`` (default page pool: + ``mla_budget_bytes`` worth of pages).
       decode_block: decode steps per device call (multi-step decoding). With ``n > 1`` a step runs ``n`` decode
         steps in one jitted ``lax.scan`` (sampled tokens fed back on device) and the host reads the ``[n, B]``
         tokens once, so the per-step host work (dispatch, transfers, the sync on the sampled tokens) is paid
@@ -164,7 +186,7 @@ class Engine:
         params: Any,
         max_batch: int = 8,
         max_len: int = 512,
-        page_size: int = 16,
+        page_size: int | None = None,
         prefill_chunk: int = 64,
         prefill_mode: str = "pow2",
         tokenizer: Any = None,
@@ -175,6 +197,7 @@ class Engine:
         num_pages: int | None = None,
         latent_dtype: str | None = None,
         decode_block: int = 1,
+        prefix_cache: PrefixCacheConfig | None = None,
     ):
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"max_batch must be >= 1 and max_len >= 2, got {max_batch}, {max_len}")
@@ -183,6 +206,13 @@ class Engine:
         if decode_block < 1:
             raise ValueError(f"decode_block must be >= 1, got {decode_block}")
         self.decode_block = decode_block
+        if prefix_cache is not None:
+            if not paged:
+                raise ValueError("prefix_cache needs paged=True: cached MLA pages are shared through the page pool")
+            if page_size is not None and page_size != prefix_cache.page_size:
+                raise ValueError(f"page_size {page_size} != prefix_cache.page_size {prefix_cache.page_size}")
+            page_size = prefix_cache.page_size
+        page_size = 16 if page_size is None else page_size
         self.cfg = cfg
         self.max_batch, self.max_len, self.page_size = max_batch, max_len, page_size
         self.prefill_chunk = prefill_chunk
@@ -212,9 +242,16 @@ class Engine:
                 latent_dtype=latent_dtype or str(self.compute_dtype),
                 conv_dtype=str(self.compute_dtype),
             )
+            if prefix_cache is not None and num_pages is None:  # room for the pages the cache may hold
+                extra = prefix_cache.mla_budget_bytes // _page_bytes(self.page_spec)
+                self.page_spec = dataclasses.replace(self.page_spec, num_pages=self.page_spec.num_pages + extra)
+            self.cache, self._axes = self._to_paged(self.cache, self._axes)
             self.allocator = PageAllocator(self.page_spec)
             self._table = jnp.asarray(self.allocator.table)
-            self.cache, self._axes = self._to_paged(self.cache, self._axes)
+        self.prefix: PrefixCache | None = None
+        if prefix_cache is not None:
+            self.prefix = PrefixCache(prefix_cache, self.allocator, _page_bytes(self.page_spec))
+        self.metrics = ServingMetrics()
         self._build_fns()
         self._media_encoder: media_lib.MediaEncoder | None = None  # built at the first request with media
         # host state
@@ -298,9 +335,8 @@ class Engine:
             return logits[0, -1].astype(jnp.float32), put_row(cache, row, slot)
 
         def decode(variables, cache, tokens, active, samp, num_top, table):
-            logits, cache = run(variables, cache, tokens[:, None], table, active)
-            cache = {**cache, "lengths": jnp.where(active, cache["lengths"], 0)}
-            return sample(logits[:, 0], samp, num_top_logprobs=num_top), cache
+            logits, new = run(variables, cache, tokens[:, None], table, active)
+            return sample(logits[:, 0], samp, num_top_logprobs=num_top), _keep_inactive_rows(cache, new, active)
 
         def decode_multi(variables, cache, tokens, active, samp, num_top, table, n):
             """``n`` decode steps, each feeding its sampled tokens to the next; outputs stacked ``[n, B, ...]``."""
@@ -313,6 +349,29 @@ class Engine:
             (cache, _, _), outs = jax.lax.scan(body, (cache, tokens, samp.step), None, length=n)
             return outs, cache
 
+        def take_kda(cache, slot):
+            """The KDA entries (state + conv of every KDA layer) of slot ``slot`` (batch 1): a snapshot (a copy)."""
+            segs = take_row(cache, slot)["segments"]
+            return [{k: e for k, e in seg.items() if "state" in e} for seg in segs]
+
+        def put_kda(cache, snapshot, slot, length):
+            """Restore a :func:`take_kda` snapshot into slot ``slot`` and set its length to ``length``."""
+            row = take_row(cache, slot)
+            segs = [{**seg, **snap} for seg, snap in zip(row["segments"], snapshot, strict=True)]
+            row = {**row, "segments": segs, "lengths": jnp.full_like(row["lengths"], length)}
+            return put_row(cache, row, slot)
+
+        def copy_page(cache, src, dst):
+            """Copy page ``src`` of every MLA pool to page ``dst`` (copy on write of a shared partial page)."""
+            def entry(e):
+                if "pages" not in e:
+                    return e
+                return {k: v.at[:, dst].set(v[:, src]) for k, v in e.items()}
+            return {**cache, "segments": [{k: entry(v) for k, v in seg.items()} for seg in cache["segments"]]}
+
+        self._take_kda = jax.jit(take_kda)
+        self._put_kda = jax.jit(put_kda, donate_argnums=(0,))
+        self._copy_page = jax.jit(copy_page, donate_argnums=(0,))
         self._reset = jax.jit(reset, donate_argnums=(0,))
         self._decode_multi = jax.jit(decode_multi, donate_argnums=(1,), static_argnums=(5, 7))
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
@@ -424,31 +483,57 @@ class Engine:
             self._table = jnp.asarray(self.allocator.table)
 
     def step(self) -> list[TokenEvent]:
-        """Admit waiting requests into free slots (prefill + first token), then one decode step."""
+        """Admit waiting requests into free slots, advance every prefilling request by up to ``prefill_chunk``
+        prompt tokens (its first token comes with its last piece), then one decode step of the others."""
         events: list[TokenEvent] = []
         for slot in range(self.max_batch):
             if not self._waiting:
                 break
             if self._slots[slot] is None:
-                nxt = self._waiting[0]
-                if self.paged:
-                    need = len(nxt.prompt) + nxt.max_tokens
-                    if not self.allocator.can_fit(slot, need):
-                        self.stats["waits_for_pages"] += 1
-                        break  # FIFO: wait until running requests return pages
-                    self.allocator.ensure(slot, need)
-                    self._table = jnp.asarray(self.allocator.table)
+                hit = self._reserve(slot, self._waiting[0])
+                if hit is False:
+                    break  # FIFO: wait until running requests return pages
                 req = self._waiting.popleft()
                 try:
-                    events += self._admit(req, slot)
+                    self._start(req, slot, hit)
                 except Exception as e:  # noqa: BLE001 - fail this request alone (see the module docstring)
                     events.append(self._fail(req, e))
                     if not self._cache_alive():
                         events += self._fail_running(e)
-        running = [r for r in self._slots if r is not None]
-        if running:
+                finally:
+                    if self.prefix is not None:
+                        self.prefix.unpin(hit)
+        for req in [r for r in self._slots if r is not None and r.prefilling]:
+            try:
+                events += self._prefill_some(req)
+            except Exception as e:  # noqa: BLE001 - fail this request alone
+                events.append(self._fail(req, e))
+                if not self._cache_alive():
+                    events += self._fail_running(e)
+        if any(r is not None and not r.prefilling for r in self._slots):
             events += self._decode_step()
         return events
+
+    def _reserve(self, slot: int, req: _Request) -> PrefixHit | None | bool:
+        """Map the pages ``req`` needs into the free ``slot`` (shared prefix pages first). Returns the pinned
+        prefix-cache hit (or None), or False when the pool is short (nothing changed)."""
+        if not self.paged:
+            return None
+        need = len(req.prompt) + req.max_tokens
+        hit = self.prefix.lookup(req.prompt, self._media_spans(req)) if self.prefix is not None else None
+        shared = hit.shared_pages if hit is not None else []
+        new_pages = -(-need // self.page_size) - len(shared)
+        if self.prefix is not None and self.allocator.num_free < new_pages:
+            self.prefix.evict_for_free_pages(new_pages)
+        if self.allocator.num_free < new_pages:
+            if self.prefix is not None:
+                self.prefix.unpin(hit)
+            self.stats["waits_for_pages"] += 1
+            return False
+        self.allocator.share(slot, shared)
+        self.allocator.ensure(slot, need)
+        self._table = jnp.asarray(self.allocator.table)
+        return hit
 
     def _fail(self, req: _Request, exc: BaseException) -> TokenEvent:
         """End ``req`` with an error event; its slot (if any) is freed. The traceback is logged with its id."""
@@ -468,12 +553,16 @@ class Engine:
             if self.paged:
                 cache, _ = self._to_paged(cache, _batch_axes(self.cfg, self.max_len))
             self.cache = cache
+            if self.prefix is not None:  # the pages the entries describe are zeros now
+                self.prefix.clear()
         return events
 
     def _cache_alive(self) -> bool:
         return not any(x.is_deleted() for x in jax.tree.leaves(self.cache) if isinstance(x, jax.Array))
 
-    def _admit(self, req: _Request, slot: int) -> list[TokenEvent]:
+    def _start(self, req: _Request, slot: int, hit: PrefixHit | None) -> None:
+        """Put ``req`` in ``slot``: reset the row, restore a prefix-cache hit (snapshot + copy of the partial
+        page), and plan its prefill pieces (they end on every snapshot endpoint of the uncached part)."""
         req.slot = slot
         self._slots[slot] = req
         p = req.params
@@ -481,28 +570,55 @@ class Engine:
         self._samp["top_k"][slot] = p.top_k
         self._samp["top_p"][slot] = p.top_p
         self._samp["seed"][slot] = np.uint32(p.seed)
-        prompt = np.asarray(req.prompt)
-        check_token_ids(prompt, self.cfg.vocab_size, name=f"prompt of request {req.id}")  # what enters jit
-        prompt = prompt.astype(np.int32)
+        check_token_ids(np.asarray(req.prompt), self.cfg.vocab_size, name=f"prompt of request {req.id}")
         slot_arr = jnp.asarray(slot, jnp.int32)
         self.cache = self._reset(self.cache, slot_arr)
-        pos = 0
-        logits = None
+        n = len(req.prompt)
+        if hit is not None:
+            if hit.partial_page is not None:
+                dst = self.allocator.owned[slot][len(hit.shared_pages)]
+                self.cache = self._copy_page(self.cache, jnp.asarray(hit.partial_page, jnp.int32),
+                                             jnp.asarray(dst, jnp.int32))
+            self.cache = self._put_kda(self.cache, hit.snapshot, slot_arr, jnp.asarray(hit.end, jnp.int32))
+            req.pos = req.cached_tokens = hit.end
+        if self.prefix is not None:
+            self.prefix.record(n, hit)
+        bounds = self.prefix.endpoints(req.pos, n) if self.prefix is not None else []
+        start = req.pos
+        for end in [*bounds, n]:
+            pieces = _prefill_pieces(end - start, self.prefill_chunk, self.prefill_mode) if end > start else []
+            req.pieces += [(k, False) for k in pieces]
+            if end in bounds and req.pieces:
+                req.pieces[-1] = (req.pieces[-1][0], True)
+            start = end
+        req.progress = prefill_progress(n - req.pos, req.id)  # None unless the prompt is long
+
+    def _prefill_some(self, req: _Request) -> list[TokenEvent]:
+        """Run ``req``'s next prefill pieces, up to ``prefill_chunk`` tokens; snapshot the KDA state at the
+        endpoints; after the last piece sample the first token."""
+        prompt = np.asarray(req.prompt, np.int32)
+        slot_arr = jnp.asarray(req.slot, jnp.int32)
+        done, logits = 0, None
         embeds = self._encode_media(req.media)
-        prog = prefill_progress(len(req.prompt), req.id)  # None unless the prompt is long
-        for n in _prefill_pieces(len(req.prompt), self.prefill_chunk, self.prefill_mode):
-            toks = jnp.asarray(prompt[None, pos : pos + n])
+        while req.pieces and done < self.prefill_chunk:
+            n, snapshot = req.pieces.pop(0)
+            toks = jnp.asarray(prompt[None, req.pos : req.pos + n])
             chunk = None if embeds is None else media_lib.chunk_media(
-                prompt, embeds, pos, n, self.cfg.media_placeholder_token_id)
+                prompt, embeds, req.pos, n, self.cfg.media_placeholder_token_id)
             logits, self.cache = self._prefill(self.variables, self.cache, slot_arr, toks, self._table, chunk)
-            pos += n
-            if prog is not None:
-                prog.update(n, wait=logits)
-        self.stats["prefill_tokens"] += len(req.prompt)
-        samp = SamplingArrays.from_params([p], [0])
+            req.pos += n
+            done += n
+            if snapshot:
+                self._snapshot(req)
+            if req.progress is not None:
+                req.progress.update(n, wait=logits)
+        self.stats["prefill_tokens"] += done
+        if req.pieces:
+            return []
+        samp = SamplingArrays.from_params([req.params], [0])
         out = jax.device_get(self._sample(logits[None], samp, num_top_logprobs=self.max_logprobs))
-        if prog is not None:
-            prog.close()
+        if req.progress is not None:
+            req.progress.close()
         return [self._emit(req, int(out.tokens[0]), out, 0)]
 
     def _encode_media(self, media: media_lib.RequestMedia | None) -> np.ndarray | None:
@@ -515,17 +631,41 @@ class Engine:
             media.embeds = self._media_encoder(media)
         return media.embeds
 
+    def _snapshot(self, req: _Request) -> None:
+        """Store the prefix-cache entry of ``req.prompt[:req.pos]`` (an endpoint): KDA snapshot + its pages."""
+        media = self._media_spans(req)
+        if self.prefix.has_entry(req.prompt, req.pos, media):
+            return
+        snap = self._take_kda(self.cache, jnp.asarray(req.slot, jnp.int32))
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(snap))
+        self.prefix.insert(req.prompt, req.pos, self.allocator.owned[req.slot], snap, nbytes, media)
+
+    def _media_spans(self, req: _Request) -> tuple:
+        """``(start, end, digest)`` token spans of the media in ``req``'s prompt, part of its prefix identity
+        (:mod:`k3_jax.serving.prefix_cache`); text-only requests have none. Item ``i`` holds the next
+        ``num_tokens[i]`` ``<|media_pad|>`` positions of the prompt."""
+        if req.media is None:
+            return ()
+        pads = np.flatnonzero(np.asarray(req.prompt) == self.cfg.media_placeholder_token_id)
+        spans, k = [], 0
+        for n, digest in zip(req.media.num_tokens, req.media.digests, strict=True):
+            spans.append((int(pads[k]), int(pads[k + n - 1]) + 1, digest.encode()))
+            k += n
+        return tuple(spans)
+
     def _block_size(self) -> int:
         """Decode steps of the next device call: ``decode_block`` when no admission is pending and every running
         request has that many tokens left, else 1."""
         n = self.decode_block
         if n == 1 or (self._waiting and any(r is None for r in self._slots)):
             return 1
+        if any(r is not None and r.prefilling for r in self._slots):
+            return 1
         left = min(r.max_tokens - len(r.output) for r in self._slots if r is not None)
         return n if left >= n else 1
 
     def _decode_step(self) -> list[TokenEvent]:
-        active = np.asarray([r is not None for r in self._slots])
+        active = np.asarray([r is not None and not r.prefilling for r in self._slots])
         steps = np.asarray([len(r.output) if r is not None else 0 for r in self._slots], np.int32)
         samp = SamplingArrays(
             temperature=jnp.asarray(self._samp["temperature"]),
@@ -556,7 +696,7 @@ class Engine:
         events = []
         for out in outs:
             for slot, req in enumerate(self._slots):
-                if req is not None:  # a request that finished earlier in this block has left its slot
+                if active[slot] and req is not None:  # a request that finished earlier in this block has left
                     try:
                         events.append(self._emit(req, int(out.tokens[slot]), out, slot))
                     except Exception as e:  # noqa: BLE001 - this request alone fails
@@ -576,6 +716,7 @@ class Engine:
                 ]
         req.output.append(token)
         self._last_token[req.slot] = token
+        req.last_token_time = self.metrics.token(req.arrival, req.last_token_time)
         if token in req.stop_ids:
             ev.finished, ev.finish_reason = True, "stop"
         elif req.detok is not None:
@@ -706,3 +847,24 @@ def _absorb(paged: dict, new: dict, table: jax.Array, start: jax.Array, t: int, 
 
     segs = [{k: entry(o[k], f[k]) for k in o} for o, f in zip(paged["segments"], new["segments"], strict=True)]
     return {**new, "segments": segs}
+
+
+def _keep_inactive_rows(old: dict, new: dict, active: jax.Array) -> dict:
+    """``new`` with the KDA state/conv and the length of rows where ``active [B]`` is False taken from ``old``:
+    a decode step leaves idle and prefilling slots as they were (MLA writes of those rows land past their
+    length, or on the null page when paged, and are overwritten or never read)."""
+
+    def entry(o: dict, n: dict) -> dict:
+        if "state" not in o:
+            return n
+        keep = lambda a, b: jnp.where(active.reshape((1, -1) + (1,) * (a.ndim - 2)), b, a)  # [R, B, ...]
+        return {k: keep(o[k], n[k]) for k in n}
+
+    segs = [{k: entry(o[k], f[k]) for k in o} for o, f in zip(old["segments"], new["segments"], strict=True)]
+    return {**new, "segments": segs, "lengths": jnp.where(active, new["lengths"], old["lengths"])}
+
+
+def _page_bytes(spec: PagedCacheSpec) -> int:
+    """Bytes of one page over all MLA pools (latent values + the f32 per-token scales)."""
+    item = jnp.dtype(spec.latent_dtype).itemsize
+    return spec.num_mla_layers * spec.page_size * (spec.latent_dim * item + 4)

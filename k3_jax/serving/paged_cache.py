@@ -130,10 +130,15 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """Host-side page bookkeeping: a free list and the page ids owned by each slot.
+    """Host-side page bookkeeping: a free list, the page ids mapped by each slot, and a reference count per page.
 
     ``table`` (numpy ``[slots, max_pages] i32``) mirrors the device page table; push it with
     ``cache._replace(page_table=jnp.asarray(alloc.table))`` after changes.
+
+    A page is referenced by every slot that maps it and by every other holder that called :meth:`retain`
+    (the prefix cache); it returns to the free list when its count drops to 0. Invariant: a page in the free
+    list has count 0, every mapped page has count >= 1. A page mapped by several slots is read-only for all of
+    them (the prefix cache shares only pages below every sharer's length: writes land at positions >= length).
     """
 
     def __init__(self, spec: PagedCacheSpec):
@@ -141,6 +146,7 @@ class PageAllocator:
         self.free_pages: list[int] = list(range(spec.num_pages - 1, 0, -1))  # page 0 = null
         self.owned: list[list[int]] = [[] for _ in range(spec.num_slots)]
         self.table = np.zeros((spec.num_slots, spec.max_pages_per_slot), np.int32)
+        self.refs = np.zeros(spec.num_pages, np.int32)
 
     @property
     def num_free(self) -> int:
@@ -152,6 +158,10 @@ class PageAllocator:
     def can_fit(self, slot: int, length: int) -> bool:
         return length <= self.spec.max_len and self.pages_needed(slot, length) <= self.num_free
 
+    def _map(self, slot: int, page: int) -> None:
+        self.table[slot, len(self.owned[slot])] = page
+        self.owned[slot].append(page)
+
     def ensure(self, slot: int, length: int) -> bool:
         """Make ``slot`` own enough pages for ``length`` tokens. Returns True when the table changed."""
         if length > self.spec.max_len:
@@ -161,13 +171,41 @@ class PageAllocator:
             raise OutOfPages(f"slot {slot} needs {need} more pages, {self.num_free} free")
         for _ in range(need):
             page = self.free_pages.pop()
-            self.table[slot, len(self.owned[slot])] = page
-            self.owned[slot].append(page)
+            self.refs[page] = 1
+            self._map(slot, page)
         return need > 0
 
+    def share(self, slot: int, pages: list[int]) -> None:
+        """Map already-referenced ``pages`` (in order) as the first pages of the empty ``slot`` (count + 1 each)."""
+        if self.owned[slot]:
+            raise ValueError(f"slot {slot} already maps {len(self.owned[slot])} pages; share() needs an empty slot")
+        for page in pages:
+            if page <= 0 or self.refs[page] < 1:
+                raise ValueError(f"page {page} is not a referenced page (count {self.refs[page]})")
+            self.refs[page] += 1
+            self._map(slot, page)
+
+    def retain(self, page: int) -> None:
+        """Add a reference to a mapped or retained page."""
+        if page <= 0 or self.refs[page] < 1:
+            raise ValueError(f"page {page} is not a referenced page (count {self.refs[page]})")
+        self.refs[page] += 1
+
+    def release(self, page: int) -> bool:
+        """Drop a reference; returns True when the page went back to the free list."""
+        if self.refs[page] < 1:
+            raise ValueError(f"page {page} has no reference to release")
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free_pages.append(page)
+            return True
+        return False
+
     def free(self, slot: int) -> None:
-        """Return the slot's pages to the pool and point its table row at the null page."""
-        self.free_pages.extend(reversed(self.owned[slot]))
+        """Drop the slot's references to its pages (unreferenced ones return to the pool) and point its table row
+        at the null page."""
+        for page in reversed(self.owned[slot]):
+            self.release(page)
         self.owned[slot] = []
         self.table[slot] = 0
 

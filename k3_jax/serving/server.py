@@ -1,7 +1,10 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over :class:`k3_jax.serving.engine.Engine`.
 
-Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(both with ``"stream": true`` server-sent events ending in ``data: [DONE]``).
+Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus text: :mod:`k3_jax.serving.prometheus`),
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true``
+server-sent events ending in ``data: [DONE]``). With an engine built with a prefix cache, every request reuses
+the longest cached prefix of its prompt, so the turns of a conversation (each resending the history) reuse
+the previous turns' prefill automatically.
 
 Threading: the engine is single-threaded; :class:`AsyncEngine` owns it on one worker thread that admits
 submitted requests, steps the engine while there is work, and hands each token event to the asyncio queue
@@ -37,13 +40,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3_jax.serving.chat import ChatFormatError, chat_stop_ids
 from k3_jax.serving.engine import Engine, RequestError, TokenEvent
 from k3_jax.serving.media import MediaServingConfig, RequestMedia, chat_request_ids, check_media_tokenizer
+from k3_jax.serving.prometheus import CONTENT_TYPE_LATEST, render
 from k3_jax.serving.sampling import (
     INT32_MAX,
     MAX_STOP_IDS,
@@ -410,6 +414,10 @@ def create_app(
             body = {"status": "degraded", **occ, **_error_body(f"engine degraded: {reason}", "server_error")}
             return JSONResponse(status_code=503, content=body)
         return JSONResponse({"status": "ok", **occ})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(content=render(engine), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
