@@ -34,9 +34,9 @@ def test_shapes_batches_are_deterministic_and_mask_media():
 
 def test_train_py_trains_on_images(tmp_path):
     base = load_config(CONFIG)
-    vision = dataclasses.replace(base.vision, text_hidden_size=MICRO_TEXT["hidden_size"])
+    vision = dataclasses.replace(base.vision, text_hidden_size=MICRO_TEXT["hidden_size"], vt_num_hidden_layers=1)
     tc = TrainConfig(config=CONFIG, model_overrides={**MICRO_TEXT, "vision": vision}, workdir=str(tmp_path),
-                     steps=6, seq_len=48, batch_size=4, eval_every=0, log_every=100, tensorboard=False,
+                     steps=5, seq_len=48, batch_size=2, eval_every=0, log_every=100, tensorboard=False,
                      async_checkpoint=False, mesh="none", optimizer="adamw", lr=3e-3, warmup_frac=0.0)
     trainer = Trainer(tc)
     before = np.asarray(trainer.init_state()["params"]["vision_tower"]["patch_embed"]["proj"]["kernel"])
