@@ -141,7 +141,7 @@ def adapter_specs(params: Any, lc: LoraConfig) -> list[AdapterSpec]:
                                      (*ln, n_in, "lora_rank"), (*ln, "lora_rank", n_out), lead, ln, din))
             matched.add(target)
             continue
-        exp_path = path[:-2] if path[-1] in ("weight_packed", "weight_scale") else path
+        exp_path = path[:-1] if path[-1] in ("weight_packed", "weight_scale") else path
         if len(exp_path) >= 2 and exp_path[-2] == "experts" and exp_path[-1] in EXPERT_WEIGHTS:
             target = "/" + "/".join(exp_path)
             if not pat.search(target):
@@ -312,3 +312,20 @@ def export(cfg: Any, params: Any, out_dir: str | os.PathLike[str], *, experts: s
                 else {"rel_rms": 0.0, "max_abs": 0.0, "count": 0})
     path = save_checkpoint(cfg.replace(qat="none"), merged, out_dir, experts=experts, **save_kwargs)
     return {"path": path, "expert_rounding": rounding}
+
+
+def value_and_grad_trainable(loss_fn: Any, mask: Any) -> Any:
+    """``f(params, *args) -> (loss_fn(params, *args), grads)`` with ``grads`` only for the leaves ``mask`` marks
+    (``None`` elsewhere: frozen weights are closed over, never differentiated). ``loss_fn`` may have aux
+    (``has_aux=True`` semantics)."""
+
+    def of_trainable(trainable, frozen, *args):
+        return loss_fn(join(trainable, frozen), *args)
+
+    vg = jax.value_and_grad(of_trainable, has_aux=True)
+
+    def f(params, *args):
+        trainable, frozen = split(params, mask)
+        return vg(trainable, frozen, *args)
+
+    return f
