@@ -184,7 +184,7 @@ def test_ste_gradients_equal_numpy_reference():
         return jnp.sum(jnp.asarray(g) * jnp.matmul(fake_quant_mxfp8(x), fake_quant_mxfp4(w, 0),
                                                    precision=jax.lax.Precision.HIGHEST))
 
-    dx, dw = jax.grad(f, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
+    dx, dw = jax.jit(jax.grad(f, argnums=(0, 1)))(jnp.asarray(x), jnp.asarray(w))
     xq = np.asarray(dequantize_mxfp8(*quantize_mxfp8(jnp.asarray(x))))
     wq = _np_mxfp4_along0(w)
     assert not np.array_equal(wq, w) and not np.array_equal(xq, x)  # the quantisation is not the identity
@@ -237,3 +237,14 @@ def test_finetune_merge_export_load_gives_same_logits(setup, finetuned, tmp_path
                        _packed_experts(lora.merge(tuned)), loaded)
     y_ref = apply({"params": ref}, tokens)
     np.testing.assert_array_equal(np.asarray(y_loaded), np.asarray(y_ref))
+
+
+def test_cli_fine_tune_flags():
+    from k3_jax.cli.train import build_train_config
+
+    tc = build_train_config(["--init-from", "CKPT", "--lora", "8", "--lora-targets", "attention,latent",
+                             "--lora-experts", "per_expert", "--qat", "mxfp4", "--lora-alpha", "4"])
+    assert (tc.init_from, tc.lora_rank, tc.lora_targets, tc.lora_experts, tc.lora_alpha) == (
+        "CKPT", 8, ("attention", "latent"), "per_expert", 4.0)
+    assert tc.model_overrides["qat"] == "mxfp4"
+    assert build_train_config([]).lora_rank == 0

@@ -329,3 +329,11 @@ def value_and_grad_trainable(loss_fn: Any, mask: Any) -> Any:
         return vg(trainable, frozen, *args)
 
     return f
+
+
+def count_trainable(params: Any, mask: Any) -> dict[str, int]:
+    """``{"lora": adapter weights, "frozen": everything else}`` parameter counts (for logs)."""
+    out = {"lora": 0, "frozen": 0}
+    for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask), strict=True):
+        out["lora" if m else "frozen"] += int(np.prod(p.shape))
+    return out
