@@ -113,6 +113,20 @@ def test_shared_a_per_expert_b_shapes_and_sharding(setup):
                                                                                          mesh)[-1]
 
 
+def test_memory_plan_trains_only_adapters(setup):
+    from sharding.memory import param_bytes
+
+    _, _, _, boxed, _, lc, _ = setup
+    shapes = lora.adapter_shapes(boxed, lc)
+    with_ad = lora.with_adapters(boxed, shapes)
+    mask = lora.trainable_mask(nn.unbox(with_ad))
+    n_adapters = sum(int(np.prod(x.shape)) for x, m in zip(jax.tree.leaves(nn.unbox(with_ad)), jax.tree.leaves(mask),
+                                                            strict=True) if m)
+    sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, "sequence": 1}
+    assert param_bytes(with_ad, sizes, "train", lora=True)["train_elems_total"] == n_adapters
+    assert param_bytes(boxed, sizes, "train")["train_elems_total"] > 10 * n_adapters
+
+
 def test_unknown_target_and_packed_experts_raise(setup):
     _, _, _, boxed, _, _, _ = setup
     with pytest.raises(lora.LoraError, match="nope_proj"):
