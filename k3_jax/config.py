@@ -87,6 +87,11 @@ class K3Config:
     dtype: str = "bfloat16"  # activation / matmul compute dtype
     param_dtype: str = "float32"  # dtype at init of the parameters the release does not store in fp32
     remat: Literal["none", "full", "dots"] = "none"
+    # "mxfp4": the release's quantisation boundary in the routed experts: MXFP4 weights (bf16/f32 masters are
+    # fake-quantised per 32 along the input dim, straight-through gradients; packed weights as they are) and
+    # MXFP8 inputs (E4M3, per 32) to every expert matmul. Attention, shared experts, router, latent projections
+    # stay high precision. "none": experts run on their weights as held.
+    qat: Literal["none", "mxfp4"] = "none"
     kda_chunk_size: int = 64
     # Kernel choices: "auto" (the first backend of the op's registry that supports the call; logged) or a backend
     # name, which raises with the reason when it cannot run. `python -m k3_jax.kernels CONFIG` explains them.
@@ -302,6 +307,10 @@ def _validate(c: K3Config) -> None:
         for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
             _check(getattr(c, key) % 32 == 0, key, "a multiple of 32 for MXFP4 experts", getattr(c, key))
     _check(c.remat in ("none", "full", "dots"), "remat", "'none', 'full' or 'dots'", c.remat)
+    _check(c.qat in ("none", "mxfp4"), "qat", "'none' or 'mxfp4'", c.qat)
+    if c.qat == "mxfp4":
+        for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
+            _check(getattr(c, key) % 32 == 0, key, "a multiple of 32 for qat='mxfp4'", getattr(c, key))
     _validate_kernel_choices(c)
     for key in ("dtype", "param_dtype"):
         _check(getattr(c, key) in ("float32", "bfloat16", "float16"), key,

@@ -108,8 +108,9 @@ def _local_elems(shape: tuple[int, ...], spec: jax.sharding.PartitionSpec, sizes
     return n
 
 
-def param_bytes(boxed: Any, sizes: dict[str, int], preset: str) -> dict[str, float]:
-    """Whole-model and per-device parameter bytes, and trainable elements (MXFP4 counted dequantized)."""
+def param_bytes(boxed: Any, sizes: dict[str, int], preset: str, lora: bool = False) -> dict[str, float]:
+    """Whole-model and per-device parameter bytes, and trainable elements (MXFP4 counted dequantized; with
+    ``lora`` only the ``lora_a``/``lora_b`` adapter leaves are trainable, everything else is frozen)."""
     specs = nn.get_partition_spec(boxed)
     values = nn.unbox(boxed)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
@@ -127,7 +128,7 @@ def param_bytes(boxed: Any, sizes: dict[str, int], preset: str) -> dict[str, flo
             out["total"] += n_all * item
             out["local"] += n_loc * item
             key = jax.tree_util.keystr(path)
-            if "weight_scale" in key:
+            if "weight_scale" in key or (lora and not any(f"lora_{x}'" in key for x in "ab")):
                 continue
             mult = 2 if "weight_packed" in key else 1
             out["train_elems_total"] += n_all * mult
@@ -164,16 +165,18 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
          batch: int = 1, seq_len: int = 1 << 20, latent_dtype: str = "float8_e4m3fn",
          conv_dtype: str = "bfloat16", optimizer: str = "none", master_fp32: bool = False,
          prefill_chunk: int = 8192, train_tokens_per_device: int | None = None,
-         prefix_kda_budget: float = 0, prefix_mla_budget: float = 0, boxed: Any) -> MemoryPlan:
+         prefix_kda_budget: float = 0, prefix_mla_budget: float = 0, boxed: Any,
+         lora: bool = False) -> MemoryPlan:
     """Memory plan of ``cfg`` whose boxed abstract parameters are ``boxed`` (their dtypes follow the config's
-    ``param_dtype`` and ``expert_format``)."""
+    ``param_dtype`` and ``expert_format``). ``lora``: ``boxed`` holds LoRA adapters
+    (:mod:`k3_jax.training.lora`) and only they are trained (optimizer and gradient bytes for them alone)."""
     if num_devices is None:
         parsed = parse_axes(mesh)
         if any(v == -1 for v in parsed.values()):
             raise ValueError("plan: a mesh axis of -1 needs num_devices")
         num_devices = math.prod(parsed.values())
     sizes = resolve_axes(mesh, num_devices)
-    p = param_bytes(boxed, sizes, preset)
+    p = param_bytes(boxed, sizes, preset, lora)
     res = MemoryPlan(mesh=sizes, preset=preset)
     res.per_device["params"] = p["local"]
     res.whole["params"] = p["total"]
@@ -184,6 +187,7 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
         per_elem = 4 * moments + (4 if master_fp32 else 0)
         res.per_device["optimizer"] = p["train_elems_local"] * per_elem
         res.whole["optimizer"] = p["train_elems_total"] * per_elem
+        res.whole["trainable_elements"] = p["train_elems_total"]
 
     n_kda = len(cfg.kda_layers)
     n_mla = len(cfg.mla_layers)

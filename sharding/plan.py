@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-device", type=int, default=None,
                     help="training: tokens per device per micro-step (default batch*seq-len / data axes)")
     ap.add_argument("--capacity-gib", type=float, default=None, help="per-device memory, e.g. 141 (H200), 95 (v5p)")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="LoRA fine-tuning: adapters of this rank (k3_jax.training.lora) are the only trained leaves")
+    ap.add_argument("--lora-targets", default="attention,shared_experts,latent,experts",
+                    help="comma-separated LoRA targets (see k3_jax.training.lora.TARGET_ALIASES)")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     ap.add_argument("--aot", default=None, metavar="TOPOLOGY",
                     help="also AOT-compile the forward for a TPU topology (e.g. v5p:8x8x4 = v5p-512; needs libtpu) "
@@ -110,11 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.experts != "config":
         over["expert_format"] = a.experts
     cfg = load_config(a.config, **over)
+    boxed = abstract_params(cfg)
+    if a.lora:
+        from k3_jax.training import lora  # noqa: PLC0415
+
+        lc = lora.LoraConfig(rank=a.lora, targets=tuple(t for t in a.lora_targets.split(",") if t))
+        boxed = lora.with_adapters(boxed, lora.adapter_shapes(boxed, lc, dtype=jnp.dtype(a.param_dtype)))
     res = plan(cfg, a.preset, a.mesh, num_devices=a.devices, batch=a.batch, seq_len=a.seq_len,
                latent_dtype=a.latent_dtype, optimizer=a.optimizer, master_fp32=a.master_fp32,
                prefill_chunk=a.prefill_chunk, train_tokens_per_device=a.tokens_per_device,
                prefix_kda_budget=a.prefix_kda_gb * GB, prefix_mla_budget=a.prefix_mla_gb * GB,
-               boxed=abstract_params(cfg))
+               boxed=boxed, lora=bool(a.lora))
     if a.aot:
         comp = aot_memory(cfg, a.preset, a.mesh, a.aot, tokens=a.aot_tokens)
         res.whole["aot_compiler_argument_bytes_per_device"] = comp["argument_bytes"]

@@ -70,6 +70,17 @@ def build_train_config(argv: list[str] | None = None):
                    help="resume checkpoint step N instead of the latest good one (later steps are moved aside)")
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume although the checkpoint's stored run config differs (the changes are printed)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="fine-tune: start from a converted (HF layout) checkpoint; its config.json is the model")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="LoRA fine-tuning of rank RANK: only adapters train, the base stays frozen (MXFP4 packed)")
+    p.add_argument("--lora-targets", default=None, metavar="T1,T2",
+                   help="comma-separated: attention, mlp, shared_experts, latent, experts, or path regexes")
+    p.add_argument("--lora-alpha", type=float, default=None)
+    p.add_argument("--lora-experts", choices=("shared_a", "per_expert"), default=None,
+                   help="routed-expert adapters: one A shared by all experts with per-expert B, or A/B per expert")
+    p.add_argument("--qat", choices=("none", "mxfp4"), default=None,
+                   help="mxfp4: routed experts run on MXFP4 weights and MXFP8 inputs (straight-through grads)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar / progress lines (metric lines stay)")
     args = p.parse_args(argv)
@@ -99,7 +110,11 @@ def build_train_config(argv: list[str] | None = None):
               "batch_size": args.batch_size, "seq_len": args.seq_len, "accum": args.accum, "lr": args.lr,
               "optimizer": args.optimizer, "mesh": args.mesh, "preset": args.preset,
               "save_every": args.save_every, "eval_every": args.eval_every, "seed": args.seed,
-              "data": tuple(args.data) if args.data else None}
+              "data": tuple(args.data) if args.data else None, "init_from": args.init_from,
+              "lora_rank": args.lora, "lora_alpha": args.lora_alpha, "lora_experts": args.lora_experts,
+              "lora_targets": tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None}
+    if args.qat is not None:
+        model_kw["qat"] = args.qat
     train_kw.update({k: v for k, v in direct.items() if v is not None})
     if args.no_resume or args.start_over:
         train_kw["resume"] = False

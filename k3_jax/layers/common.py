@@ -83,6 +83,33 @@ def _einsum_f32_lowp_bwd(eq: str, platform: str, res: tuple[jax.Array, jax.Array
 _einsum_f32_lowp_grads.defvjp(_einsum_f32_lowp_fwd, _einsum_f32_lowp_bwd)
 
 
+LORA_LEAVES = ("lora_a", "lora_b", "lora_scale")
+"""Adapter leaves a module may hold beside its weight (added by :mod:`k3_jax.training.lora`, never by init)."""
+
+
+def lora_adapter(module: nn.Module, prefix: str = "") -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """``(a, b, scale)`` when ``module``'s params hold ``{prefix}lora_a/lora_b/lora_scale``, else None.
+
+    For a weight ``[in, out]``: ``a [in, r]``, ``b [r, out]``, ``scale []`` f32; the adapted weight is
+    ``W + scale · a @ b`` (routed experts: ``a [in, r]`` shared or ``[E, in, r]``, ``b [E, r, out]``).
+    """
+    if not module.has_variable("params", prefix + LORA_LEAVES[0]):
+        return None
+    a, b, s = (module.get_variable("params", prefix + n) for n in LORA_LEAVES)
+    return a, b, s
+
+
+def lora_delta(a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+    """``scale · a @ b`` in f32 (HIGHEST): ``[in, r] x [r, out]``, ``[in, r] x [E, r, out]`` (shared A) or
+    ``[E, in, r] x [E, r, out]`` -> ``[in, out]`` / ``[E, in, out]``."""
+    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    if a.ndim == 2 and b.ndim == 3:
+        d = jnp.einsum("ir,ero->eio", a32, b32, precision=HIGHEST)
+    else:
+        d = jnp.matmul(a32, b32, precision=HIGHEST)
+    return d * scale.astype(jnp.float32)
+
+
 class LinearKernel(nn.Module):
     """Holds a linear ``kernel`` [in, out] (same path/init as :class:`Linear`) and returns it, unapplied.
 
@@ -97,16 +124,21 @@ class LinearKernel(nn.Module):
 
     @nn.compact
     def __call__(self) -> jax.Array:
-        return self.param(
+        kernel = self.param(
             "kernel", logical(nn.initializers.normal(self.init_std), self.names),
             (self.in_features, self.features), param_dtype(self.cfg),
         )
+        adapter = lora_adapter(self)
+        if adapter is None:
+            return kernel
+        return kernel.astype(jnp.float32) + lora_delta(*adapter)
 
 
 class Linear(nn.Module):
     """Bias-free linear layer ``y = x @ kernel``; ``kernel`` [in, out] carries logical axis names.
 
-    Input ``[..., in]`` (any dtype) -> output ``[..., out]`` in ``cfg.dtype``.
+    Input ``[..., in]`` (any dtype) -> output ``[..., out]`` in ``cfg.dtype``. With LoRA adapters
+    (:func:`lora_adapter`): ``x @ kernel + scale · (x @ a) @ b``, the low-rank path on the activations.
     """
 
     features: int
@@ -121,7 +153,14 @@ class Linear(nn.Module):
             (x.shape[-1], self.features), param_dtype(self.cfg),
         )
         dt = compute_dtype(self.cfg)
-        return jnp.matmul(x.astype(dt), kernel.astype(dt), precision=matmul_precision(self.cfg))
+        prec = matmul_precision(self.cfg)
+        y = jnp.matmul(x.astype(dt), kernel.astype(dt), precision=prec)
+        adapter = lora_adapter(self)
+        if adapter is None:
+            return y
+        a, b, scale = adapter
+        xa = jnp.matmul(x.astype(dt), a.astype(dt), precision=prec)
+        return y + jnp.matmul(xa, b.astype(dt), precision=prec) * scale.astype(dt)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from k3_jax.config import K3Config
-from k3_jax.layers.common import HIGHEST, Linear, RMSNorm, logical, param_dtype
+from k3_jax.layers.common import HIGHEST, Linear, RMSNorm, logical, lora_adapter, lora_delta, param_dtype
 from k3_jax.layers.parallel import axis_size
 from k3_jax.parallel.expert import moe_dispatch_combine_ep
-from k3_jax.quant.mxfp4 import pack_mxfp4
+from k3_jax.quant.mxfp4 import fake_quant_mxfp4, pack_mxfp4
 from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe import reference as moe_reference
 from pallas_kernels.registry import target_platform
@@ -99,6 +99,11 @@ class RoutedExperts(nn.Module):
     bf16: ``w1, w3 [E, L, I]``, ``w2 [E, I, L]`` ([in, out] per expert, logical ``experts/latent/expert_mlp``).
     mxfp4: ``w{1,3}.weight_packed u8 [E, I, L/2]`` + ``weight_scale u8 [E, I, L/32]``; ``w2`` the same over
     ``[E, L, I/…]`` (HF [out, in] orientation, as stored in the release).
+
+    bf16 weights with LoRA adapters ``{w}_lora_a/_lora_b/_lora_scale`` (see
+    :func:`k3_jax.layers.common.lora_adapter`) are returned as ``w + scale · a @ b`` per expert; with
+    ``cfg.qat == "mxfp4"`` the (adapted) bf16 weights are returned fake-quantised to MXFP4
+    (:func:`k3_jax.quant.mxfp4.fake_quant_mxfp4`, straight-through gradients). MXFP4 weights take no adapters.
     """
 
     cfg: K3Config
@@ -113,9 +118,16 @@ class RoutedExperts(nn.Module):
         out: dict = {}
         for w, (din, dout) in shapes.items():
             if cfg.expert_format == "bf16":
-                out[w] = self.param(w, logical(nn.initializers.normal(0.02), names[w]), (e, din, dout),
+                weight = self.param(w, logical(nn.initializers.normal(0.02), names[w]), (e, din, dout),
                                     param_dtype(cfg))
+                adapter = lora_adapter(self, f"{w}_")
+                if adapter is not None:
+                    weight = (weight.astype(jnp.float32) + lora_delta(*adapter)).astype(weight.dtype)
+                out[w] = fake_quant_mxfp4(weight, -2) if cfg.qat == "mxfp4" else weight
             else:
+                if self.has_variable("params", f"{w}_lora_a"):
+                    raise ValueError(f"{'/'.join(self.path)}/{w}: LoRA adapters on MXFP4 routed experts are not "
+                                     "supported; adapt the other projections or load the experts as bf16")
                 out[w] = PackedExpertWeight((e, dout, din), (names[w][0], names[w][2], names[w][1]),
                                             name=w)()
         return out
@@ -172,7 +184,8 @@ class LatentMoE(nn.Module):
             def dispatch(z, expert_ids, weights, experts):
                 return moe_ops.moe_dispatch_combine(
                     z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-                    implementation=cfg.moe_implementation, platform=cfg.platform)
+                    mxfp8_activations=cfg.qat == "mxfp4", implementation=cfg.moe_implementation,
+                    platform=cfg.platform)
 
             tok = ("batch", None)
             u = per_shard(dispatch, (z, expert_ids, weights, experts), (tok, tok, tok, None), (tok,))
@@ -203,6 +216,7 @@ def _expert_ffn_kernel(cfg: K3Config):
 
     def ffn(x, group_sizes, w1, w3, w2):
         return moe_ops.expert_ffn(x, group_sizes, w1, w3, w2, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-                                  implementation=cfg.moe_implementation, platform=cfg.platform)
+                                  mxfp8_activations=cfg.qat == "mxfp4", implementation=cfg.moe_implementation,
+                                  platform=cfg.platform)
 
     return ffn

@@ -24,6 +24,7 @@ import numpy as np
 
 from k3_jax.config import K3Config, load_config
 from k3_jax.model import K3ForCausalLM, K3ForConditionalGeneration
+from k3_jax.training import lora
 from k3_jax.training.checkpoint import Checkpointer, PreemptionFlag
 from k3_jax.training.data import (
     DataConfig,
@@ -134,15 +135,24 @@ class TrainConfig:
     # parallelism
     mesh: str | None = None  # "fsdp=-1", "data=2,fsdp=4"...; None: fsdp over all devices; "none": 1 device
     preset: str = "train"
+    # fine-tuning: start from a converted (HF layout) checkpoint directory; its config.json is the model config
+    init_from: str | None = None
+    # LoRA (k3_jax.training.lora): rank 0 = off (full training); else only adapters train (AdamW, no decay)
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("attention", "shared_experts", "latent", "experts")
+    lora_experts: str = "shared_a"  # routed experts: "shared_a" | "per_expert"
 
 
 class Trainer:
     def __init__(self, tc: TrainConfig):
         self.tc = tc
-        cfg = load_config(tc.config, **tc.model_overrides)
-        if cfg.expert_format != "bf16":
-            raise ValueError(f"training needs expert_format='bf16' (MXFP4 codes are not trainable), "
-                             f"got {cfg.expert_format!r}")
+        cfg = load_config(Path(tc.init_from) / "config.json" if tc.init_from else tc.config, **tc.model_overrides)
+        self.lora = (lora.LoraConfig(rank=tc.lora_rank, alpha=tc.lora_alpha, targets=tuple(tc.lora_targets),
+                                     experts=tc.lora_experts) if tc.lora_rank else None)
+        if cfg.expert_format != "bf16" and self.lora is None:
+            raise ValueError(f"full training needs expert_format='bf16' (MXFP4 codes are not trainable; LoRA "
+                             f"keeps them frozen), got {cfg.expert_format!r}")
         self.cfg: K3Config = cfg
         self.image_text = cfg.vision is not None  # a vision config trains on the bundled image-text example
         self.model = K3ForConditionalGeneration(cfg) if self.image_text else K3ForCausalLM(cfg)
@@ -153,9 +163,15 @@ class Trainer:
                              f"data={tc.data}, accum={tc.accum}, mesh={tc.mesh}")
         self.rules_ctx = None
         abstract = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((1, tc.seq_len), jnp.int32))
+        self._abstract_base = nn.unbox(abstract)["params"]  # what an init_from checkpoint must hold
+        if self.lora is not None:
+            abstract = {**abstract, "params": lora.with_adapters(
+                abstract["params"], lora.adapter_shapes(abstract["params"], self.lora))}
         self.abstract_params_boxed = abstract["params"]  # shapes + logical axis names (for sharding elsewhere)
         abstract_params = nn.unbox(abstract)["params"]
-        self.labels = param_labels(abstract_params, cfg, tc.optimizer)
+        self.trainable = None if self.lora is None else lora.trainable_mask(abstract_params)
+        self.labels = (param_labels(abstract_params, cfg, tc.optimizer) if self.lora is None
+                       else lora.labels(abstract_params, self.trainable))
         self.optim_cfg = OptimConfig(name=tc.optimizer, lr=tc.lr, min_lr_ratio=tc.min_lr_ratio,
                                      warmup_frac=tc.warmup_frac, total_steps=tc.steps,
                                      weight_decay=tc.weight_decay, clip_norm=tc.clip_norm,
@@ -165,7 +181,8 @@ class Trainer:
         self.step_cfg = StepConfig(accum=tc.accum, loss_chunk=tc.loss_chunk, qb=tc.qb,
                                    qb_method=tc.qb_method, weight_clip=tc.weight_clip,
                                    pad_id=cfg.pad_token_id, preset=tc.preset)
-        self.param_groups = count_groups(self.labels, abstract_params)
+        self.param_groups = (count_groups(self.labels, abstract_params) if self.lora is None else
+                             lora.count_trainable(abstract_params, self.trainable))
         self._param_shardings = None
         if self.mesh is not None:
             from sharding.rules import param_shardings
@@ -173,7 +190,7 @@ class Trainer:
             self._param_shardings = param_shardings(abstract["params"], self.mesh, tc.preset)
         self.flops = flops_per_token(cfg, tc.seq_len)
         self.optimizer_flops = (muon_flops_per_step(abstract_params, self.labels, self.optim_cfg.ns_steps)
-                                if tc.optimizer == "muon" else 0.0)
+                                if tc.optimizer == "muon" and self.lora is None else 0.0)
         self.peak = peak_flops_per_device(tc.peak_tflops)
 
     # ------------------------------------------------------------------ setup
@@ -204,12 +221,19 @@ class Trainer:
             # the init forward's dummy batch: one row per device, so every batch sharding of the mesh divides it
             rows = 1 if self.mesh is None else self.mesh.size
 
-            def init_params(r):
-                return nn.unbox(model.init(r, jnp.zeros((rows, tc.seq_len), jnp.int32)))["params"]
+            def init_params(r, base):
+                if base is None:
+                    base = nn.unbox(model.init(r, jnp.zeros((rows, tc.seq_len), jnp.int32)))["params"]
+                if self.lora is None:
+                    return base
+                return lora.with_adapters(base, lora.init_adapters(base, self.lora, jax.random.fold_in(r, 1)))
 
-            self._init_fns = (jax.jit(init_params, out_shardings=self._param_shardings), jax.jit(tx.init))
+            def init_opt(params):
+                return tx.init(params if self.trainable is None else lora.split(params, self.trainable)[0])
+
+            self._init_fns = (jax.jit(init_params, out_shardings=self._param_shardings), jax.jit(init_opt))
         with self._context():
-            params = self._init_fns[0](init_rng)
+            params = self._init_fns[0](init_rng, self._load_base())
             opt_state = self._init_fns[1](params)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state,
                  "rng": jax.random.key_data(state_rng)}
@@ -226,6 +250,16 @@ class Trainer:
 
             state = jax.tree.map(place, state)
         return state
+
+    def _load_base(self) -> dict | None:
+        """The ``init_from`` checkpoint's params (experts as ``cfg.expert_format``), or None."""
+        if not self.tc.init_from:
+            return None
+        from k3_jax.convert.hf import load_checkpoint  # noqa: PLC0415
+
+        _, base = load_checkpoint(self.tc.init_from, experts=self.cfg.expert_format, vision=False)
+        return jax.tree.map(lambda w, x: np.asarray(x, w.dtype) if np.issubdtype(w.dtype, np.floating) else x,
+                            self._abstract_base, base)
 
     def _batch_sharding(self):
         return None if self.mesh is None else batch_sharding(self.mesh)
@@ -262,7 +296,7 @@ class Trainer:
             from k3_jax.vision.train import make_multimodal_loss_fn  # noqa: PLC0415
 
             loss_fn = make_multimodal_loss_fn(self.model, self.step_cfg)
-        train = make_train_step(self.model, self.tx, self.labels, self.cfg, self.step_cfg, loss_fn)
+        train = make_train_step(self.model, self.tx, self.labels, self.cfg, self.step_cfg, self.trainable, loss_fn)
         evals = make_eval_step(self.model, self.step_cfg, loss_fn)
         if shardings is None:
             return jax.jit(train, donate_argnums=0), jax.jit(evals)
@@ -289,6 +323,9 @@ class Trainer:
         compile); closes ``ckpt`` when it raises."""
         tc = self.tc
         ckpt.run_config = run_config(tc, self.cfg, muon_dtype=self.optim_cfg.muon_dtype)
+        if tc.init_from or tc.lora_rank:  # fine-tuning fields (absent from plain runs' stored configs)
+            ckpt.run_config["train"].update(json.loads(json.dumps(
+                {k: getattr(tc, k) for k in ("init_from", "lora_rank", "lora_alpha", "lora_targets", "lora_experts")})))
         try:
             if not tc.resume:
                 if tc.resume_step is not None:

@@ -140,11 +140,21 @@ def _split_micro(batch: dict, accum: int) -> dict:
 
 
 def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, cfg: Any,
-                    step_cfg: StepConfig, loss_fn: Callable | None = None) -> Callable:
-    """``train_step(state, batch) -> (state, metrics)`` (pure; jit it with shardings). ``loss_fn``: default
-    :func:`make_loss_fn`'s (e.g. :func:`k3_jax.vision.train.make_multimodal_loss_fn` for image-text batches)."""
+                    step_cfg: StepConfig, trainable: Any = None, loss_fn: Callable | None = None) -> Callable:
+    """``train_step(state, batch) -> (state, metrics)`` (pure; jit it with shardings).
+
+    ``trainable`` (bool pytree like the params, e.g. :func:`k3_jax.training.lora.trainable_mask`): only those
+    leaves are differentiated and updated; ``tx`` and ``state["opt_state"]`` then cover just that subtree
+    (``lora.split(params, trainable)[0]``) and weight clipping is off. None: every leaf, as labelled.
+    ``loss_fn``: default :func:`make_loss_fn`'s (e.g. :func:`k3_jax.vision.train.make_multimodal_loss_fn` for
+    image-text batches).
+    """
+    from k3_jax.training import lora  # noqa: PLC0415
+
     loss_fn = loss_fn or make_loss_fn(model, step_cfg)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = (jax.value_and_grad(loss_fn, has_aux=True) if trainable is None
+               else lora.value_and_grad_trainable(loss_fn, trainable))
+    master_of = (lambda p: p) if trainable is None else (lambda p: lora.split(p, trainable)[0])
     k = cfg.num_experts_per_token
 
     compute_dtype = jnp.dtype(cfg.dtype)
@@ -163,17 +173,21 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
             return (g_acc, l_acc + loss_sum, n_acc + n, c_acc + correct), scores
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        master = master_of(params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), master)
         z = jnp.zeros((), jnp.float32)
         (grads, loss_sum, n, correct), scores = jax.lax.scan(body, (zeros, z, z, z), micro)
         denom = jnp.maximum(n, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        new_params = clip_weights(new_params, labels, step_cfg.weight_clip)
+        updates, opt_state = tx.update(grads, state["opt_state"], master)
+        new_params = optax.apply_updates(master, updates)
+        if trainable is None:
+            new_params = clip_weights(new_params, labels, step_cfg.weight_clip)
+        else:
+            new_params = lora.join(new_params, lora.split(params, trainable)[1])
 
         metrics = {"loss": loss_sum / denom, "accuracy": correct / denom, "tokens": n,
-                   "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(new_params)}
+                   "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(master_of(new_params))}
         max_mean, max_mean_nobias, dead, n_layers = [], [], jnp.zeros((), jnp.int32), 0
         dead_per, layer_ids = [], []  # per MoE layer, and each entry's model layer index
         for path, s in scores.items():  # s: [accum, R, N, E]
