@@ -9,9 +9,8 @@ Starts ``--processes`` copies of ``python <program...>`` with the ``jax.distribu
 On ``--platform cpu`` (the default) each process gets ``--devices-per-process`` virtual CPU devices
 (``--xla_force_host_platform_device_count``) and gloo CPU collectives, so cross-process all-reduces,
 all-to-alls and gathers run for real; ``--platform gpu`` gives process ``i`` GPUs
-``i·D … i·D+D-1`` (``CUDA_VISIBLE_DEVICES``). Compiled executables are shared between the processes
-(``jax_share_binary_between_hosts``: the first process compiles, the others receive the binary) whenever
-the persistent compilation cache is on.
+``i·D … i·D+D-1`` (``CUDA_VISIBLE_DEVICES``). Every process compiles its own executables (with the
+persistent compilation cache on, process 0 writes it and later runs of any process read it).
 
 Output: every line of every process is forwarded as ``[p<i>] line``. Failure: when a process exits
 non-zero or is killed, the launcher says which and how, sends SIGTERM to the others, SIGKILL after
