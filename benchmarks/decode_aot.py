@@ -1,0 +1,111 @@
+"""The engine's one-token decode step compiled ahead of time for a TPU chip, on a CPU-only host: XLA's bytes
+accessed per step against the bytes the step must read and the chip's HBM roofline.
+
+    python benchmarks/decode_aot.py --targets v5p,v6e --config configs/k3.json --layers kda,mla --vocab 1024 \
+        --experts mxfp4 --batch 64 --prompt-len 1024
+
+One JSON line per target. The program is the model step the engine's decode runs (``model.apply`` on a
+``[B, 1]`` token batch with the cache donated, greedy argmax; the engine's sampling is left out), compiled for
+one chip of the topology (``jax.experimental.topologies``; needs ``libtpu``, extra ``aot``) with the kernels the
+TPU gets (``platform="tpu"``: ``auto`` picks the Mosaic TPU kernels). Reported: ``bytes_accessed`` and ``flops``
+from ``compiled.cost_analysis()``, the memory analysis, ``must_bytes`` (``benchmarks/decode.py``'s count of
+the weights, states and latents the step must move), their ratio, and ``roofline_ms = must_bytes / HBM`` /
+``xla_bytes_ms = bytes_accessed / HBM`` at the chip's datasheet HBM bandwidth (:data:`HBM_GBPS`).
+
+XLA's cost analysis counts a ``while`` body once, not once per trip: use a config whose segments do not repeat
+(``--layers kda,mla``: one layer of each at the config's widths) for per-layer figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes on the host may hold libtpu
+REPO = Path(__file__).resolve().parents[1]
+
+TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "v5e": "v5e:2x2"}
+HBM_GBPS = {"v5p": 2765.0, "v6e": 1640.0, "v5e": 819.0}
+"""Datasheet HBM bandwidth per chip (GB/s): TPU v5p 2,765; Trillium (v6e) 1,640; v5e 819."""
+
+
+def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int) -> dict:
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from benchmarks.decode import step_bytes
+    from k3_jax.cache import init_cache
+    from k3_jax.model import K3ForCausalLM
+
+    topo = topologies.get_topology_desc(topology_name=TOPOLOGIES[target], platform="tpu")
+    dev = SingleDeviceSharding(topo.devices[0])
+    model = K3ForCausalLM(cfg)
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
+    params = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, max_len))
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=dev)
+
+    def decode(variables, cache, tokens):
+        logits, cache = model.apply(variables, tokens[:, None], cache=cache)
+        return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache
+
+    t0 = time.perf_counter()
+    lowered = jax.jit(decode, donate_argnums=(1,)).lower(abstract(params), abstract(cache), tokens)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    ma = compiled.memory_analysis()
+    must = step_bytes(cfg, params["params"], cache, batch, prompt_len)
+    accessed = float(cost.get("bytes accessed", float("nan")))
+    hbm = HBM_GBPS[target] * 1e9
+    return {
+        "bench": "decode_aot", "target": target, "topology": TOPOLOGIES[target], "batch": batch,
+        "prompt_len": prompt_len, "max_len": max_len, "experts": cfg.expert_format,
+        "layers": [f"{m}+{f}" for m, f in cfg.layer_kinds()],
+        "bytes_accessed": accessed, "flops": float(cost.get("flops", float("nan"))), "must_bytes": must,
+        "accessed_over_must": round(accessed / must["total"], 3),
+        "roofline_ms": round(must["total"] / hbm * 1e3, 3), "xla_bytes_ms": round(accessed / hbm * 1e3, 3),
+        "hbm_gbps": HBM_GBPS[target], "argument_bytes": ma.argument_size_in_bytes,
+        "temp_bytes": ma.temp_size_in_bytes, "output_bytes": ma.output_size_in_bytes,
+        "alias_bytes": getattr(ma, "alias_size_in_bytes", None),
+        "mosaic_kernels": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+        "compile_s": round(compile_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="v5p,v6e")
+    ap.add_argument("--config", default="configs/k3.json")
+    ap.add_argument("--layers", default="kda,mla", help="comma list of kda | mla ('' = the config's layers)")
+    ap.add_argument("--vocab", type=int, default=1024, help="vocabulary size (per-layer figures: keep it small)")
+    ap.add_argument("--experts", default="mxfp4", help="bf16 | mxfp4")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--gen", type=int, default=1024, help="cache room beyond the prompt")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from benchmarks.decode import layer_config
+    from k3_jax.config import load_config
+
+    cfg = load_config(args.config).replace(expert_format=args.experts, param_dtype="bfloat16", platform="tpu")
+    if args.layers:
+        cfg = layer_config(cfg, args.layers.split(","), args.vocab)
+    for target in args.targets.split(","):
+        try:
+            rec = compile_decode(target, cfg, args.batch, args.prompt_len, args.prompt_len + args.gen)
+        except Exception as e:  # noqa: BLE001 - report the target and go on with the next
+            rec = {"bench": "decode_aot", "target": target, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+        print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
