@@ -12,8 +12,8 @@ leaves it when it finishes; nothing recompiles when requests come and go:
   ``prefill_chunk`` prompt tokens, then runs one decode step of the requests past their prefill, so a long
   prompt never stalls the others (its first token comes with its last piece);
 * decode is one jitted function over all ``max_batch`` slots with the cache donated; idle and prefilling slots
-  compute garbage that is discarded (their KDA rows and length are kept as they were; their row is zeroed
-  when a request arrives);
+  compute garbage that is discarded (their length is kept; the KDA rows of a prefilling slot are saved before
+  the call and put back after it; an idle row is zeroed when a request arrives);
 * with ``prefix_cache`` (paged only; :mod:`k3_jax.serving.prefix_cache`) an admitted request starts from the
   longest cached prefix of its prompt: the KDA snapshot is restored into its row, the full MLA pages are
   shared, the partial page is copied, and only the rest is prefilled; prefill pieces end on the snapshot
@@ -336,7 +336,10 @@ class Engine:
 
         def decode(variables, cache, tokens, active, samp, num_top, table):
             logits, new = run(variables, cache, tokens[:, None], table, active)
-            return sample(logits[:, 0], samp, num_top_logprobs=num_top), _keep_inactive_rows(cache, new, active)
+            # rows not decoded keep their length; the KDA rows of prefilling slots are restored by the host
+            # (_decode_step), so no where() over every slot's state runs per step
+            new = {**new, "lengths": jnp.where(active, new["lengths"], cache["lengths"])}
+            return sample(logits[:, 0], samp, num_top_logprobs=num_top), new
 
         def decode_multi(variables, cache, tokens, active, samp, num_top, table, n):
             """``n`` decode steps, each feeding its sampled tokens to the next; outputs stacked ``[n, B, ...]``."""
@@ -675,6 +678,10 @@ class Engine:
             step=jnp.asarray(steps),
         )
         n = self._block_size()
+        # a decode step writes every row; the KDA state/conv of a request still prefilling is saved and put back
+        prefilling = [(jnp.asarray(slot, jnp.int32), r.pos) for slot, r in enumerate(self._slots)
+                      if r is not None and r.prefilling]
+        saved = [(slot, pos, self._take_kda(self.cache, slot)) for slot, pos in prefilling]
         try:
             args = (self.variables, self.cache, jnp.asarray(self._last_token), jnp.asarray(active), samp,
                     self.max_logprobs, self._table)  # max_logprobs: always computed, one compiled decode step
@@ -685,6 +692,8 @@ class Engine:
                 stacked, self.cache = self._decode_multi(*args, n)
                 stacked = jax.device_get(stacked)
                 outs = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
+            for slot, pos, snap in saved:
+                self.cache = self._put_kda(self.cache, snap, slot, jnp.asarray(pos, jnp.int32))
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: fail its requests, keep the engine
             self.step_failures += 1
             self.last_step_error = f"{type(e).__name__}: {e}"
@@ -847,21 +856,6 @@ def _absorb(paged: dict, new: dict, table: jax.Array, start: jax.Array, t: int, 
 
     segs = [{k: entry(o[k], f[k]) for k in o} for o, f in zip(paged["segments"], new["segments"], strict=True)]
     return {**new, "segments": segs}
-
-
-def _keep_inactive_rows(old: dict, new: dict, active: jax.Array) -> dict:
-    """``new`` with the KDA state/conv and the length of rows where ``active [B]`` is False taken from ``old``:
-    a decode step leaves idle and prefilling slots as they were (MLA writes of those rows land past their
-    length, or on the null page when paged, and are overwritten or never read)."""
-
-    def entry(o: dict, n: dict) -> dict:
-        if "state" not in o:
-            return n
-        keep = lambda a, b: jnp.where(active.reshape((1, -1) + (1,) * (a.ndim - 2)), b, a)  # [R, B, ...]
-        return {k: keep(o[k], n[k]) for k in n}
-
-    segs = [{k: entry(o[k], f[k]) for k in o} for o, f in zip(old["segments"], new["segments"], strict=True)]
-    return {**new, "segments": segs, "lengths": jnp.where(active, new["lengths"], old["lengths"])}
 
 
 def _page_bytes(spec: PagedCacheSpec) -> int:
