@@ -8,7 +8,10 @@ the gate bound ``cfg.gate_lower_bound``); this module is the layer around it and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
@@ -21,6 +24,23 @@ from k3_jax.parallel.sequence import kda_sequence_parallel, short_conv_sequence_
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import reference as kda_reference
 from sharding.local_kernels import per_shard
+
+
+_POSITION_STATES = contextvars.ContextVar("kda_position_states", default=False)
+
+
+@contextlib.contextmanager
+def record_position_states() -> Iterator[None]:
+    """While tracing inside this context, a cached KDA call over ``T > 1`` tokens runs the recurrent form token
+    by token (as ``T`` decode steps would) and adds to its cache entry ``state_trace [B, T, H, K, V]`` f32 (the
+    state after each token) and ``conv_trace [B, W-1+T, 3·H·K]`` (the conv inputs: the tail after ``i + 1``
+    tokens is ``conv_trace[:, i + 1 : i + W]``), so a caller can keep any prefix of the ``T`` tokens
+    (speculative verification, :mod:`k3_jax.serving.speculative`)."""
+    token = _POSITION_STATES.set(True)
+    try:
+        yield
+    finally:
+        _POSITION_STATES.reset(token)
 
 
 def causal_depthwise_conv(
@@ -142,8 +162,12 @@ class KimiDeltaAttention(nn.Module):
 
         kernels = [conv_kernel(n) for n in ("q_conv1d", "k_conv1d", "v_conv1d")]
         conv_states = [None, None, None]
+        trace = cache is not None and t > 1 and _POSITION_STATES.get()
         if cache is not None:
             conv_states = jnp.split(cache["conv"], 3, axis=-1)
+        if trace:
+            conv_trace = jnp.concatenate([cache["conv"], jnp.concatenate([q, k, v], axis=-1).astype(
+                cache["conv"].dtype)], axis=1)
         outs, new_conv = [], []
         seq_parallel = cache is None and axis_size("sequence") > 1
         for u, ker, st, normalize in zip((q, k, v), kernels, conv_states, (True, True, False), strict=True):
@@ -180,6 +204,16 @@ class KimiDeltaAttention(nn.Module):
         elif cache is not None and t == 1:  # decode step: one token per sequence, the recurrent form
             o, final_state = _kernel_per_shard(kda_ops.recurrent_kda, q, k, v, g, beta, cfg.kda_implementation,
                                                **kwargs)
+        elif trace:  # T decode steps in a row, keeping every state (see record_position_states)
+            outs, states, final_state = [], [], initial_state
+            for i in range(t):
+                step = {**kwargs, "initial_state": final_state}
+                o_i, final_state = _kernel_per_shard(
+                    kda_ops.recurrent_kda, *(a[:, i:i + 1] for a in (q, k, v, g, beta)), cfg.kda_implementation,
+                    **step)
+                outs.append(o_i)
+                states.append(final_state.astype(jnp.float32))
+            o, state_trace = jnp.concatenate(outs, axis=1), jnp.stack(states, axis=1)
         else:
             o, final_state = _kernel_per_shard(kda_ops.chunk_kda, q, k, v, g, beta, cfg.kda_implementation,
                                                chunk_size=cfg.kda_chunk_size, gate_bound=cfg.gate_lower_bound,
@@ -194,4 +228,6 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None:
             new_cache = {"state": final_state.astype(jnp.float32),
                          "conv": jnp.concatenate(new_conv, axis=-1).astype(cache["conv"].dtype)}
+            if trace:
+                new_cache.update(state_trace=state_trace, conv_trace=conv_trace)
         return y, new_cache
