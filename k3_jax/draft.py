@@ -114,7 +114,8 @@ class DraftModel(nn.Module):
     ``(logits [B, T, V] f32, hidden [B, T, D] cfg.dtype, new_cache or None)``.
 
     ``inputs``: target features ``[B, T, n·D]`` (:func:`target_features`) or, with ``from_draft``, the draft's own
-    hidden ``[B, T, D]``; ``tokens [B, T]`` i32: the token after each feature's position.
+    hidden ``[B, T, D]``; ``tokens [B, T]`` i32: the token after each feature's position; ``segment_ids [B, T]``
+    (training on packed rows, no cache): the mixer never crosses a document.
     """
 
     cfg: K3Config
@@ -122,7 +123,8 @@ class DraftModel(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, tokens: jax.Array, embedding: jax.Array, lm_head: jax.Array,
-                 cache: dict | None = None, from_draft: bool = False) -> tuple[jax.Array, jax.Array, dict | None]:
+                 cache: dict | None = None, from_draft: bool = False,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict | None]:
         cfg, d = self.cfg, self.cfg.hidden_size
         dt, pd, eps = compute_dtype(cfg), cfg.param_dtype, cfg.rms_norm_eps
         e = jnp.take(jax.lax.stop_gradient(embedding), tokens, axis=0).astype(dt)
@@ -140,9 +142,9 @@ class DraftModel(nn.Module):
         h = RMSNorm(eps, ("embed",), pd, name="input_layernorm")(x)
         entry = None if cache is None else cache["layer"]
         if self.dcfg.mixer == "kda":
-            a, entry = KimiDeltaAttention(cfg, name="self_attn")(h, None, entry)
+            a, entry = KimiDeltaAttention(cfg, name="self_attn")(h, segment_ids, entry)
         else:
-            a, entry = KimiMLAAttention(cfg, name="self_attn")(h, None, entry,
+            a, entry = KimiMLAAttention(cfg, name="self_attn")(h, segment_ids, entry,
                                                                None if cache is None else cache["lengths"])
         x = (x + a).astype(dt)
         m = SituMLP(cfg, self.dcfg.mlp_size(cfg), name="mlp")(

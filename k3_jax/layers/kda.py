@@ -25,7 +25,6 @@ from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import reference as kda_reference
 from sharding.local_kernels import per_shard
 
-
 _POSITION_STATES = contextvars.ContextVar("kda_position_states", default=False)
 
 

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import flax.linen as nn
