@@ -45,6 +45,11 @@ from sharding.local_kernels import active_mesh_size
 
 LayerKind = tuple[MixerKind, FfnKind]
 
+FEATURES = "draft_features"
+"""Opt-in collection: with ``mutable=[FEATURES]`` every layer sows ``residual`` [B, T, D] (cfg.dtype), the sum of
+its AttnRes source slots after the layer (embedding + every sub-layer output so far, i.e. the plain residual
+stream), stacked ``[repeats, ...]`` per segment; :mod:`k3_jax.draft` reads the layers a draft model fuses."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
@@ -129,6 +134,8 @@ class DecoderLayer(nn.Module):
         else:
             f = LatentMoE(cfg, name="block_sparse_moe")(m)
         sources = _add_to_slot(sources, slot, f)
+        if self.is_mutable_collection(FEATURES):
+            self.sow(FEATURES, "residual", jnp.sum(sources.astype(jnp.float32), axis=0).astype(sources.dtype))
         return constrain(sources, (None, "batch", "length", "embed")), new_cache
 
 
@@ -213,7 +220,7 @@ class K3Model(nn.Module):
         for s, seg in enumerate(layer_plan(cfg)):
             scanned = nn.scan(
                 LayerGroup,
-                variable_axes={"params": 0, "intermediates": 0},
+                variable_axes={"params": 0, "intermediates": 0, FEATURES: 0},
                 split_rngs={"params": True},
                 in_axes=(0, 0, nn.broadcast, nn.broadcast),
                 length=seg.repeats,

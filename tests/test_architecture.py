@@ -12,7 +12,8 @@ functions and ``if TYPE_CHECKING:`` blocks, so a back edge cannot hide in a func
 | 3 | quant        | ``k3_jax.quant`` (public names of the codecs)                                        |
 | 4 | parallel     | ``k3_jax.parallel`` (sequence-, expert- and vocab-parallel forms of the layers)      |
 | 5 | layers       | ``k3_jax.layers``, ``k3_jax.vision`` (tower, packed attention, media plan)            |
-| 6 | model        | ``k3_jax.model``, ``.cache``, ``.multimodal``, ``.kernels`` (what a config will run)  |
+| 6 | model        | ``k3_jax.model``, ``.cache``, ``.multimodal``, ``.kernels`` (what a config will run), |
+|   |              | ``.draft`` (the speculative-decoding draft model)                                   |
 | 7 | programs     | ``k3_jax.training``, ``k3_jax.serving``, ``k3_jax.convert``, ``k3_jax.vision.train``, |
 |   |              | ``k3_jax.vision.shapes_data`` (the bundled image-text example)                        |
 | 8 | entry points | ``k3_jax.cli``, ``k3_jax.launch``, ``sharding.plan``, ``train``, ``serve`` (scripts) |
@@ -34,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("quant", ("k3_jax.quant",)),
     ("parallel", ("k3_jax.parallel",)),
     ("layers", ("k3_jax.layers", "k3_jax.vision")),
-    ("model", ("k3_jax.model", "k3_jax.cache", "k3_jax.multimodal", "k3_jax.kernels")),
+    ("model", ("k3_jax.model", "k3_jax.cache", "k3_jax.multimodal", "k3_jax.kernels", "k3_jax.draft")),
     ("programs", ("k3_jax.training", "k3_jax.serving", "k3_jax.convert", "k3_jax.vision.train",
                   "k3_jax.vision.shapes_data")),
     ("entry points", ("k3_jax.cli", "k3_jax.launch", "sharding.plan", "train", "serve")),

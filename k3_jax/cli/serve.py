@@ -5,6 +5,7 @@
     python serve.py --checkpoint DIR --port 8000                        # /v1/completions, /v1/chat/completions
     python serve.py --config configs/k3-tiny.json --prompt "def f("     # RANDOM weights (demo only)
     python serve.py --checkpoint DIR --chat --prompt "What is this?" --image cat.png   # a vision model
+    python serve.py --checkpoint DIR --draft DRAFT_DIR --prompt "Hi"    # speculative decoding with a draft
 
 ``--checkpoint`` accepts an HF checkpoint directory (``config.json`` + safetensors index, loaded with
 :func:`k3_jax.convert.load_checkpoint`; MXFP4 experts stay packed with ``--experts mxfp4``) or an orbax
@@ -60,6 +61,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-stride", type=int, default=8192, help="prefix cache: KDA snapshot stride (tokens)")
     p.add_argument("--decode-block", type=int, default=1,
                    help="decode steps per device call (tokens stream in bursts of this size; see Engine)")
+    p.add_argument("--draft", default=None,
+                   help="speculative decoding with this draft dir (from python -m k3_jax.training.draft)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="with --draft: tokens drafted per round (k)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="HTTP request bodies over this many bytes get 413 before parsing (default: 4 MiB)")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random init (no checkpoint)")
@@ -162,19 +166,24 @@ def main(argv: list[str] | None = None) -> int:
                                    kda_budget_bytes=int(args.prefix_kda_gb * 1e9),
                                    page_size=args.page_size or 6144, block_size=args.prefix_block,
                                    stride=args.prefix_stride)
-    engine = Engine(
-        cfg,
-        params,
-        max_batch=args.max_batch,
-        max_len=args.max_len,
-        prefill_chunk=args.prefill_chunk,
-        tokenizer=tok,
-        eos_ids=eos,
-        decode_block=args.decode_block,
-        paged=prefix is not None,
-        page_size=args.page_size,
-        prefix_cache=prefix,
-    )
+    engine_kwargs = dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                         tokenizer=tok, eos_ids=eos)
+    if args.draft:
+        if args.decode_block != 1:
+            raise SystemExit("--draft emits up to --draft-tokens + 1 tokens per step already: drop --decode-block")
+        if prefix is not None:
+            raise SystemExit("--draft and --prefix-cache cannot be combined yet (the speculative engine has no "
+                             "paged cache)")
+        from k3_jax.serving.speculative import SpeculativeEngine, load_draft
+
+        try:
+            dcfg, dparams = load_draft(args.draft, cfg)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"--draft {args.draft}: {e}") from None
+        engine = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=args.draft_tokens, **engine_kwargs)
+    else:
+        engine = Engine(cfg, params, decode_block=args.decode_block, paged=prefix is not None,
+                        page_size=args.page_size, prefix_cache=prefix, **engine_kwargs)
 
     if args.port is not None:
         import uvicorn
@@ -243,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\n[{n} tokens, finish_reason={reason}, {dt:.2f}s incl. compile, time to first token {first - t0:.2f}s]",
         file=sys.stderr,
     )
+    if args.draft:
+        print(f"[speculative: {engine.spec.as_dict()}]", file=sys.stderr)
     return 0
 
 

@@ -8,7 +8,10 @@ the gate bound ``cfg.gate_lower_bound``); this module is the layer around it and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
@@ -21,6 +24,22 @@ from k3_jax.parallel.sequence import kda_sequence_parallel, short_conv_sequence_
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import reference as kda_reference
 from sharding.local_kernels import per_shard
+
+_POSITION_STATES = contextvars.ContextVar("kda_position_states", default=False)
+
+
+@contextlib.contextmanager
+def record_position_states() -> Iterator[None]:
+    """While tracing inside this context, a cached KDA call over ``T > 1`` tokens runs the recurrent form token
+    by token (as ``T`` decode steps would) and adds to its cache entry ``state_trace [B, T, H, K, V]`` f32 (the
+    state after each token) and ``conv_trace [B, W-1+T, 3·H·K]`` (the conv inputs: the tail after ``i + 1``
+    tokens is ``conv_trace[:, i + 1 : i + W]``), so a caller can keep any prefix of the ``T`` tokens
+    (speculative verification, :mod:`k3_jax.serving.speculative`)."""
+    token = _POSITION_STATES.set(True)
+    try:
+        yield
+    finally:
+        _POSITION_STATES.reset(token)
 
 
 def causal_depthwise_conv(
@@ -151,8 +170,12 @@ class KimiDeltaAttention(nn.Module):
         if cache_index is not None:
             conv_cache = jax.lax.dynamic_index_in_dim(conv_cache, cache_index, 0, keepdims=False)
         conv_states = [None, None, None]
+        trace = cache is not None and t > 1 and _POSITION_STATES.get()
         if cache is not None:
             conv_states = jnp.split(conv_cache, 3, axis=-1)
+        if trace:
+            conv_trace = jnp.concatenate([conv_cache, jnp.concatenate([q, k, v], axis=-1).astype(
+                conv_cache.dtype)], axis=1)
         outs, new_conv = [], []
         seq_parallel = cache is None and axis_size("sequence") > 1
         for u, ker, st, normalize in zip((q, k, v), kernels, conv_states, (True, True, False), strict=True):
@@ -196,6 +219,16 @@ class KimiDeltaAttention(nn.Module):
         elif cache is not None and t == 1:  # decode step: one token per sequence, the recurrent form
             o, final_state = _kernel_per_shard(kda_ops.recurrent_kda, q, k, v, g, beta, cfg.kda_implementation,
                                                **kwargs)
+        elif trace:  # T decode steps in a row, keeping every state (see record_position_states)
+            outs, states, final_state = [], [], initial_state
+            for i in range(t):
+                step = {**kwargs, "initial_state": final_state}
+                o_i, final_state = _kernel_per_shard(
+                    kda_ops.recurrent_kda, *(a[:, i:i + 1] for a in (q, k, v, g, beta)), cfg.kda_implementation,
+                    **step)
+                outs.append(o_i)
+                states.append(final_state.astype(jnp.float32))
+            o, state_trace = jnp.concatenate(outs, axis=1), jnp.stack(states, axis=1)
         else:
             o, final_state = _kernel_per_shard(kda_ops.chunk_kda, q, k, v, g, beta, cfg.kda_implementation,
                                                chunk_size=cfg.kda_chunk_size, gate_bound=cfg.gate_lower_bound,
@@ -212,4 +245,6 @@ class KimiDeltaAttention(nn.Module):
             if cache_index is not None:
                 conv = jax.lax.dynamic_update_index_in_dim(cache["conv"], conv, cache_index, 0)
             new_cache = {"state": final_state.astype(jnp.float32), "conv": conv}
+            if trace:
+                new_cache.update(state_trace=state_trace, conv_trace=conv_trace)
         return y, new_cache

@@ -678,10 +678,7 @@ class Engine:
             step=jnp.asarray(steps),
         )
         n = self._block_size()
-        # a decode step writes every row; the KDA state/conv of a request still prefilling is saved and put back
-        prefilling = [(jnp.asarray(slot, jnp.int32), r.pos) for slot, r in enumerate(self._slots)
-                      if r is not None and r.prefilling]
-        saved = [(slot, pos, self._take_kda(self.cache, slot)) for slot, pos in prefilling]
+        saved = self._save_prefilling_rows()
         try:
             args = (self.variables, self.cache, jnp.asarray(self._last_token), jnp.asarray(active), samp,
                     self.max_logprobs, self._table)  # max_logprobs: always computed, one compiled decode step
@@ -692,8 +689,7 @@ class Engine:
                 stacked, self.cache = self._decode_multi(*args, n)
                 stacked = jax.device_get(stacked)
                 outs = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
-            for slot, pos, snap in saved:
-                self.cache = self._put_kda(self.cache, snap, slot, jnp.asarray(pos, jnp.int32))
+            self._restore_prefilling_rows(saved)
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: fail its requests, keep the engine
             self.step_failures += 1
             self.last_step_error = f"{type(e).__name__}: {e}"
@@ -712,6 +708,16 @@ class Engine:
                         events.append(self._fail(req, e))
                     self.stats["decode_tokens"] += 1
         return events
+
+    def _save_prefilling_rows(self) -> list[tuple[jax.Array, int, Any]]:
+        """``(slot, prompt tokens in the cache, KDA rows)`` of every request still prefilling: a decode call
+        writes every row, so these are put back after it (:meth:`_restore_prefilling_rows`)."""
+        return [(jnp.asarray(slot, jnp.int32), r.pos, self._take_kda(self.cache, jnp.asarray(slot, jnp.int32)))
+                for slot, r in enumerate(self._slots) if r is not None and r.prefilling]
+
+    def _restore_prefilling_rows(self, saved: list[tuple[jax.Array, int, Any]]) -> None:
+        for slot, pos, snap in saved:
+            self.cache = self._put_kda(self.cache, snap, slot, jnp.asarray(pos, jnp.int32))
 
     def _emit(self, req: _Request, token: int, out: Any, row: int) -> TokenEvent:
         p = req.params

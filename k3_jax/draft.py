@@ -1,0 +1,218 @@
+"""EAGLE-3 style draft model for speculative decoding of a K3 target.
+
+The draft sees, per position ``i``, the target's residual stream at a few of its layers (low, middle, high;
+:attr:`DraftConfig.feature_layers`) after token ``i`` and the embedding of token ``i + 1``, and predicts token
+``i + 2``:
+
+    f  = fc(concat(residual_l for l in feature_layers))           [B, T, n·D] -> [B, T, D]
+    x  = fuse(concat(norm(embed(token_{i+1})), norm(f)))           [B, T, 2·D] -> [B, T, D]
+    x += mixer(norm(x))          one MLA or KDA layer of the target's shape (own cache)
+    x += SituMLP(norm(x))        dense, ``intermediate_size``
+    logits = norm(x) · lm_head   the target's frozen lm_head (and embedding table)
+
+``x`` (before the final norm) is the draft's hidden state: chained drafting (and the training-time test unroll)
+feeds it back in place of ``f`` for the next position (``from_draft=True`` skips ``fc``).
+
+Parameters are the draft's own (``fc``, ``fuse``, norms, mixer, mlp); the embedding table and the lm_head kernel
+are arguments, taken from the target's parameters with :func:`target_head`. Residual features come from the
+target's opt-in :data:`k3_jax.model.FEATURES` collection (:func:`target_features`).
+
+Cache (decode): ``{"lengths": [B] i32, "layer": entry}`` with the KDA or MLA entry of :mod:`k3_jax.cache`
+without the ``repeats`` axis (:func:`init_draft_cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3_jax.config import K3Config
+from k3_jax.layers.common import Linear, RMSNorm, compute_dtype, einsum_f32
+from k3_jax.layers.kda import KimiDeltaAttention
+from k3_jax.layers.mla import KimiMLAAttention
+from k3_jax.layers.moe import SituMLP
+from k3_jax.model import FEATURES, layer_plan
+
+MIXERS = ("mla", "kda")
+DRAFT_CONFIG_FILE = "draft_config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """What the draft fuses and how it is built.
+
+    ``feature_layers``: target layer indices (0-based, each in ``[0, num_layers)``) whose residual stream is fused,
+    in order; ``mixer``: ``"mla"`` (default: its latent cache rolls back by truncating ``lengths``, so drafting
+    needs no state trace; one latent row of ``kv_lora + rope`` values per token) or ``"kda"``;
+    ``intermediate_size``: the dense MLP width (0: the target's ``intermediate_size``).
+    """
+
+    feature_layers: tuple[int, ...]
+    mixer: str = "mla"
+    intermediate_size: int = 0
+
+    @staticmethod
+    def default_for(cfg: K3Config, mixer: str = "mla") -> DraftConfig:
+        """Low / middle / high layers as EAGLE-3 picks them: ``(1, L // 2, L - 2)`` (clipped, deduplicated)."""
+        n = cfg.num_hidden_layers
+        layers = tuple(dict.fromkeys(min(max(i, 0), n - 1) for i in (1, n // 2, n - 2)))
+        return DraftConfig(layers, mixer)
+
+    def validate(self, cfg: K3Config) -> DraftConfig:
+        """Raise ``ValueError`` naming the bad field against the target ``cfg``; return self."""
+        if self.mixer not in MIXERS:
+            raise ValueError(f"draft mixer must be one of {MIXERS}, got {self.mixer!r}")
+        if not self.feature_layers:
+            raise ValueError("draft feature_layers is empty: at least one target layer is needed")
+        bad = [i for i in self.feature_layers if not 0 <= i < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"draft feature_layers {bad} outside the target's layers [0, {cfg.num_hidden_layers})")
+        if self.intermediate_size < 0:
+            raise ValueError(f"draft intermediate_size must be >= 0, got {self.intermediate_size}")
+        return self
+
+    def mlp_size(self, cfg: K3Config) -> int:
+        return self.intermediate_size or cfg.intermediate_size
+
+    def to_json(self) -> dict:
+        return {"feature_layers": list(self.feature_layers), "mixer": self.mixer,
+                "intermediate_size": self.intermediate_size}
+
+    @staticmethod
+    def from_json(d: dict) -> DraftConfig:
+        unknown = set(d) - {"feature_layers", "mixer", "intermediate_size"}
+        if unknown:
+            raise ValueError(f"draft config has unknown fields {sorted(unknown)}")
+        return DraftConfig(tuple(int(i) for i in d["feature_layers"]), str(d.get("mixer", "mla")),
+                           int(d.get("intermediate_size", 0)))
+
+    def save(self, directory: str | Path) -> None:
+        path = Path(directory) / DRAFT_CONFIG_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2))
+        tmp.rename(path)
+
+    @staticmethod
+    def load(directory: str | Path) -> DraftConfig:
+        path = Path(directory) / DRAFT_CONFIG_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no draft config (is {directory} a draft directory?)")
+        try:
+            return DraftConfig.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: bad draft config: {e}") from None
+
+
+class DraftModel(nn.Module):
+    """``(inputs, tokens, embedding [V, D], lm_head [D, V], cache=None, from_draft=False)`` ->
+    ``(logits [B, T, V] f32, hidden [B, T, D] cfg.dtype, new_cache or None)``.
+
+    ``inputs``: target features ``[B, T, n·D]`` (:func:`target_features`) or, with ``from_draft``, the draft's own
+    hidden ``[B, T, D]``; ``tokens [B, T]`` i32: the token after each feature's position; ``segment_ids [B, T]``
+    (training on packed rows, no cache): the mixer never crosses a document.
+    """
+
+    cfg: K3Config
+    dcfg: DraftConfig
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, tokens: jax.Array, embedding: jax.Array, lm_head: jax.Array,
+                 cache: dict | None = None, from_draft: bool = False,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict | None]:
+        cfg, d = self.cfg, self.cfg.hidden_size
+        dt, pd, eps = compute_dtype(cfg), cfg.param_dtype, cfg.rms_norm_eps
+        e = jnp.take(jax.lax.stop_gradient(embedding), tokens, axis=0).astype(dt)
+        want = d if from_draft else d * len(self.dcfg.feature_layers)
+        if inputs.shape[-1] != want:
+            raise ValueError(f"draft inputs have {inputs.shape[-1]} features, expected {want} "
+                             f"({'draft hidden' if from_draft else 'target features'})")
+        if from_draft:
+            f = inputs.astype(dt)
+        else:
+            f = Linear(d, (None, "embed"), cfg, name="fc")(inputs.astype(dt))
+        pair = jnp.concatenate([RMSNorm(eps, ("embed",), pd, name="embed_norm")(e),
+                                RMSNorm(eps, ("embed",), pd, name="feature_norm")(f)], axis=-1)
+        x = Linear(d, (None, "embed"), cfg, name="fuse")(pair)
+        h = RMSNorm(eps, ("embed",), pd, name="input_layernorm")(x)
+        entry = None if cache is None else cache["layer"]
+        if self.dcfg.mixer == "kda":
+            a, entry = KimiDeltaAttention(cfg, name="self_attn")(h, segment_ids, entry)
+        else:
+            a, entry = KimiMLAAttention(cfg, name="self_attn")(h, segment_ids, entry,
+                                                               None if cache is None else cache["lengths"])
+        x = (x + a).astype(dt)
+        m = SituMLP(cfg, self.dcfg.mlp_size(cfg), name="mlp")(
+            RMSNorm(eps, ("embed",), pd, name="post_attention_layernorm")(x))
+        x = (x + m).astype(dt)
+        out = RMSNorm(eps, ("embed",), pd, name="norm")(x)
+        logits = einsum_f32("btd,dv->btv", out.astype(dt), jax.lax.stop_gradient(lm_head).astype(dt))
+        new_cache = None
+        if cache is not None:
+            new_cache = {"lengths": cache["lengths"] + tokens.shape[1], "layer": entry}
+        return logits, x, new_cache
+
+
+def init_draft_cache(cfg: K3Config, dcfg: DraftConfig, batch: int, max_len: int,
+                     dtype: str | jnp.dtype | None = None) -> dict:
+    """An empty draft cache for ``batch`` rows of up to ``max_len`` positions."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    if dcfg.mixer == "kda":
+        h, k = cfg.kda_num_heads, cfg.kda_head_dim
+        entry = {"state": jnp.zeros((batch, h, k, k), jnp.float32),
+                 "conv": jnp.zeros((batch, cfg.short_conv_kernel_size - 1, 3 * h * k), dtype)}
+    else:
+        entry = {"latent": jnp.zeros((batch, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype)}
+    return {"lengths": jnp.zeros((batch,), jnp.int32), "layer": entry}
+
+
+def target_head(cfg: K3Config, target_params: dict) -> tuple[jax.Array, jax.Array]:
+    """``(embedding [V, D], lm_head [D, V])`` from the target's ``params`` tree (boxed or plain)."""
+    target_params = nn.unbox(target_params)
+    emb = target_params["model"]["embed_tokens"]["embedding"]
+    head = emb.T if cfg.tie_word_embeddings else target_params["lm_head"]["kernel"]
+    return emb, head
+
+
+def _layer_locations(cfg: K3Config) -> dict[int, tuple[int, int, int]]:
+    """``{layer: (segment, position in the group, repeat)}`` of :func:`k3_jax.model.layer_plan`."""
+    out = {}
+    for s, seg in enumerate(layer_plan(cfg)):
+        for r in range(seg.repeats):
+            for j in range(seg.period):
+                out[seg.layer(r, j)] = (s, j, r)
+    return out
+
+
+def target_features(cfg: K3Config, dcfg: DraftConfig, collected: dict) -> jax.Array:
+    """Concatenate the residuals of ``dcfg.feature_layers`` from the target's ``mutable=[FEATURES]`` output
+    (the returned variables dict or its :data:`~k3_jax.model.FEATURES` entry) -> ``[B, T, n·D]``."""
+    tree = collected.get(FEATURES, collected)
+    segs = tree["model"]
+    where = _layer_locations(cfg)
+    parts = []
+    for layer in dcfg.feature_layers:
+        s, j, r = where[layer]
+        # sow appends to a tuple (a rematerialised layer sows once per trace): the last entry, [repeats, B, T, D]
+        parts.append(segs[f"segment_{s}"][f"layer_{j}"]["residual"][-1][r])
+    return jnp.concatenate(parts, axis=-1)
+
+
+def draft_param_count(cfg: K3Config, dcfg: DraftConfig) -> int:
+    """Parameters the draft adds (the embedding and lm_head are the target's)."""
+    shapes = jax.eval_shape(lambda: DraftModel(cfg, dcfg).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, 1, cfg.hidden_size * len(dcfg.feature_layers))),
+        jnp.zeros((1, 1), jnp.int32), jnp.zeros((cfg.vocab_size, cfg.hidden_size)),
+        jnp.zeros((cfg.hidden_size, cfg.vocab_size))))
+    return sum(int(x.size) for x in jax.tree.leaves(nn.unbox(shapes)))
+
+
+def unbox_params(variables: Any) -> Any:
+    """``params`` of a (possibly boxed) variables dict or params tree."""
+    variables = nn.unbox(variables)
+    return variables["params"] if "params" in variables else variables

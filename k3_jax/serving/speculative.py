@@ -1,0 +1,472 @@
+"""Speculative decoding: an EAGLE-3 style draft (:mod:`k3_jax.draft`) proposes ``k`` tokens per row, the target
+verifies them in one batched forward over ``k + 1`` positions, and a lossless rule keeps a prefix.
+
+One decode round (:func:`speculative_round`, one jitted call for all slots):
+
+1. **Draft catch-up + first draft.** The draft consumes the (target feature, token) pairs the target produced
+   since the last round (``1 .. k + 1`` per row, padded to ``k + 1``) and drafts ``d_1`` from its output at the
+   last real pair. Its cache keeps exactly those pairs: an MLA draft by its ``lengths`` (padding entries lie
+   beyond them and are overwritten later), a KDA draft by the per-position state trace.
+2. **Chain.** ``k - 1`` more one-token draft steps, each fed the draft's own hidden state and its last token.
+   The chain's cache writes are dropped (step 1's committed draft cache is returned).
+3. **Verify.** The target runs once over ``[last token, d_1 .. d_k]`` (``T = k + 1``) with the opt-in residual
+   features and KDA position traces (:func:`k3_jax.layers.kda.record_position_states`).
+4. **Accept** (:func:`speculative_accept`): greedy rows keep drafts while they equal the target's argmax; sampled
+   rows keep ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))`` and at the first rejection draw from the
+   residual ``max(p_i - q_i, 0)``; after ``n`` accepted drafts the row emits ``d_1 .. d_n`` and one more token
+   (the correction, or a bonus draw from ``p_n`` when all ``k_b`` drafts were kept). ``p``/``q`` are the target's
+   and the draft's *sampling* distributions (temperature, top-k, top-p applied), so each emitted token has
+   exactly the distribution plain sampling gives.
+5. **Rollback.** The target cache keeps ``n + 1`` of the ``k + 1`` verified tokens per row: MLA latents by setting
+   ``lengths`` (entries past it are masked and overwritten later), KDA by taking the state the verify pass
+   recorded after token ``n`` and the conv tail at that position. Keeping the per-position states (not
+   restoring the pre-verify state and recomputing the accepted prefix) costs ``k + 1`` KDA states per row of
+   device memory during the verify call but no second target forward, and rows with different acceptance
+   need no per-row-length recompute; the verify pass runs the recurrent form token by token, exactly the
+   arithmetic of plain decode steps.
+
+Per-request draft length: ``k_b <= k`` per row (drafts past ``k_b`` are ignored); rows accept independently.
+Randomness: the keys of a row come from ``fold_in(key(seed), step)`` (``step`` = tokens generated so far), so
+a request's draws do not depend on its batch row or its neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3_jax.config import K3Config
+from k3_jax.draft import DraftConfig, DraftModel, init_draft_cache, target_features, target_head, unbox_params
+from k3_jax.layers.kda import record_position_states
+from k3_jax.model import FEATURES, K3ForCausalLM
+from k3_jax.serving import media as media_lib
+from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces
+from k3_jax.serving.sampling import SampleOutput, SamplingArrays, SamplingParams, _filtered_sorted_logits
+
+__all__ = ["SpeculativeEngine", "speculative_accept", "sampling_probs", "RoundOutput", "SpecStats"]
+
+_TAG_DRAFT, _TAG_ACCEPT, _TAG_NEXT = 1, 2, 3
+
+
+def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The distribution :func:`k3_jax.serving.sampling.sample` draws from, ``[B, T, V]`` f32 for ``logits
+    [B, T, V]`` and per-row ``[B]`` parameters: temperature / top-k / top-p applied, one-hot argmax where
+    ``temperature == 0``."""
+    logits = logits.astype(jnp.float32)
+    b, t, v = logits.shape
+
+    def one(lg: jax.Array) -> jax.Array:  # [B, V]
+        masked, order = _filtered_sorted_logits(lg, temperature, top_k, top_p)
+        probs_sorted = jax.nn.softmax(masked, axis=-1)
+        probs = jnp.zeros_like(probs_sorted).at[jnp.arange(b)[:, None], order].set(probs_sorted)
+        greedy = jax.nn.one_hot(jnp.argmax(lg, axis=-1), v, dtype=jnp.float32)
+        return jnp.where((temperature > 0)[:, None], probs, greedy)
+
+    return jax.vmap(one, in_axes=1, out_axes=1)(logits)
+
+
+def _draw(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per row from ``probs [B, V]`` with per-row ``keys [B]``."""
+    logp = jnp.log(jnp.maximum(probs, 0.0))
+    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+
+
+def speculative_accept(p: jax.Array, q: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
+                       keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The lossless acceptance rule of speculative sampling.
+
+    Args:
+      p: ``[B, K+1, V]`` the target's sampling distributions (``p[:, i]`` is the one draft ``i`` is judged by;
+        ``p[:, K]`` is for the bonus token).  q: ``[B, K, V]`` the draft distributions ``drafts`` were drawn from.
+      drafts: ``[B, K]`` i32.  num_drafts: ``[B]`` i32 in ``[0, K]``, drafts that count per row.
+      keys: ``[B]`` per-row PRNG keys.
+    Returns:
+      ``(accepted [B] i32 in [0, num_drafts], next_token [B] i32)``: the row keeps ``drafts[:, :accepted]`` and
+      then ``next_token``, drawn from ``max(p_n - q_n, 0)`` (normalised) after a rejection at ``n = accepted``
+      or from ``p_n`` when every counted draft was kept. With one-hot ``p`` and ``q`` (greedy) this keeps drafts
+      while they equal ``argmax p`` and then emits ``argmax p_n``.
+    """
+    b, k1, _ = p.shape
+    k = k1 - 1
+    u_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, _TAG_ACCEPT))(keys)
+    n_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, _TAG_NEXT))(keys)
+    u = 1.0 - jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(u_keys)  # (0, 1]
+    p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    ok = (u * q_d <= p_d) & (jnp.arange(k)[None, :] < num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    p_n = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
+    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)
+    q_n = jnp.take_along_axis(q_pad, accepted[:, None, None], axis=1)[:, 0]
+    rejected = accepted < num_drafts
+    residual = jnp.maximum(p_n - q_n, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    # a rejection implies p_n(d) < q_n(d), hence mass > 0; the guard only covers float round-off
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+    dist = jnp.where(rejected[:, None], residual, p_n)
+    return accepted, _draw(n_keys, dist)
+
+
+class RoundOutput(NamedTuple):
+    """One speculative round, per row: ``tokens [B, K+1]`` (the first ``emitted`` are new output),
+    ``emitted [B]`` (accepted drafts + 1), and the model log-probs of each emitted token (``logprob [B, K+1]``,
+    ``top_ids``/``top_logprobs [B, K+1, n]``)."""
+
+    tokens: jax.Array
+    emitted: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def _keep_trace_prefix(entry: dict, keep: jax.Array, lead: int) -> dict:
+    """A KDA entry after ``keep [B]`` (>= 1) of the traced tokens: ``state_trace [*lead, B, T, H, K, V]`` ->
+    ``state``, ``conv_trace [*lead, B, W-1+T, C]`` -> ``conv``. ``lead``: leading axes before the batch."""
+    st, ct = entry["state_trace"], entry["conv_trace"]
+    w1 = entry["conv"].shape[lead + 1]
+    pre = (1,) * lead
+    idx = (keep - 1).reshape(pre + (-1, 1, 1, 1, 1))
+    state = jnp.take_along_axis(st, idx, axis=lead + 1).squeeze(lead + 1)
+    pos = (keep[:, None] + jnp.arange(w1)[None, :]).reshape(pre + (-1, w1, 1))
+    conv = jnp.take_along_axis(ct, pos, axis=lead + 1)
+    return {"state": state, "conv": conv.astype(entry["conv"].dtype)}
+
+
+def _rollback_target(new: dict, keep: jax.Array, lengths: jax.Array) -> dict:
+    """The target cache after keeping ``keep [B]`` verified tokens per row, with ``lengths [B]``."""
+    segs = []
+    for seg in new["segments"]:
+        segs.append({name: (_keep_trace_prefix(e, keep, 1) if "state_trace" in e else e) for name, e in seg.items()})
+    return {"lengths": lengths, "segments": segs}
+
+
+def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfig, variables: dict,
+                      draft_variables: dict, cache: dict, dcache: dict, last_token: jax.Array,
+                      pend_feat: jax.Array, pend_tok: jax.Array, pend_n: jax.Array, active: jax.Array,
+                      num_drafts: jax.Array, samp: SamplingArrays, num_top: int):
+    """One round for all rows (see the module docstring). Shapes: ``last_token [B]``, ``pend_feat [B, K+1, F]``,
+    ``pend_tok [B, K+1]`` and ``pend_n [B]`` (pairs the draft has not consumed), ``active [B]`` bool,
+    ``num_drafts [B]`` in ``[0, K]``. Returns ``(RoundOutput, cache, dcache, pend_feat, pend_tok, pend_n)``."""
+    cfg = target.cfg
+    k = pend_tok.shape[1] - 1
+    b = last_token.shape[0]
+    rows = jnp.arange(b)
+    emb, head = target_head(cfg, variables["params"])
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(samp.seed, samp.step)
+
+    def q_of(logits: jax.Array) -> jax.Array:
+        return sampling_probs(logits, samp.temperature, samp.top_k, samp.top_p)[:, 0]
+
+    def draw_draft(logits: jax.Array, i: int) -> tuple[jax.Array, jax.Array]:
+        q = q_of(logits)
+        dk = jax.vmap(lambda kk: jax.random.fold_in(jax.random.fold_in(kk, _TAG_DRAFT), i))(keys)
+        return q, _draw(dk, q)
+
+    # 1. catch-up on the pending pairs, first draft from the last real one
+    last = jnp.clip(pend_n - 1, 0, k)
+    if dcfg.mixer == "kda":
+        with record_position_states():
+            logits_c, hid_c, dc_new = draft.apply(draft_variables, pend_feat, pend_tok, emb, head, cache=dcache)
+        layer = _keep_trace_prefix(dc_new["layer"], jnp.maximum(pend_n, 1), 0)
+        # rows without pending pairs (idle slots) keep their entry
+        layer = jax.tree.map(lambda new, old: jnp.where(
+            (pend_n > 0).reshape((-1,) + (1,) * (new.ndim - 1)), new, old), layer, dcache["layer"])
+    else:
+        logits_c, hid_c, dc_new = draft.apply(draft_variables, pend_feat, pend_tok, emb, head, cache=dcache)
+        layer = dc_new["layer"]
+    committed = {"lengths": jnp.where(active, dcache["lengths"] + pend_n, 0), "layer": layer}
+    logits_1 = logits_c[rows, last][:, None]
+    hidden = hid_c[rows, last][:, None]
+    q1, d1 = draw_draft(logits_1, 0)
+    qs, ds = [q1], [d1]
+
+    # 2. chain: the draft's own hidden state and token
+    dc = committed
+    for i in range(1, k):
+        logits_i, hidden, dc = draft.apply(draft_variables, hidden, ds[-1][:, None], emb, head, cache=dc,
+                                           from_draft=True)
+        qi, di = draw_draft(logits_i, i)
+        qs.append(qi)
+        ds.append(di)
+    drafts = jnp.stack(ds, axis=1)  # [B, K]
+    q = jnp.stack(qs, axis=1)  # [B, K, V]
+
+    # 3. verify all k + 1 positions at once
+    tokens = jnp.concatenate([last_token[:, None], drafts], axis=1)
+    with record_position_states():
+        (logits_v, new_cache), collected = target.apply(variables, tokens, cache=cache, mutable=[FEATURES])
+    feats = target_features(cfg, dcfg, collected).astype(pend_feat.dtype)
+    p = sampling_probs(logits_v, samp.temperature, samp.top_k, samp.top_p)
+
+    # 4. accept
+    n, nxt = speculative_accept(p, q, drafts, jnp.clip(num_drafts, 0, k), keys)
+    pos = jnp.arange(k + 1)[None, :]
+    out_tokens = jnp.where(pos < n[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
+                           jnp.where(pos == n[:, None], nxt[:, None], 0)).astype(jnp.int32)
+
+    # 5. roll back the target to the n + 1 kept tokens
+    keep = n + 1
+    cache = _rollback_target(new_cache, keep, jnp.where(active, cache["lengths"] + keep, 0))
+
+    logp = jax.nn.log_softmax(logits_v.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, out_tokens[..., None], axis=-1)[..., 0]
+    if num_top > 0:
+        top_lp, top_ids = jax.lax.top_k(logp, num_top)
+    else:
+        top_lp = jnp.zeros((b, k + 1, 0), jnp.float32)
+        top_ids = jnp.zeros((b, k + 1, 0), jnp.int32)
+    out = RoundOutput(out_tokens, keep.astype(jnp.int32), chosen, top_ids.astype(jnp.int32), top_lp)
+    return out, cache, committed, feats, out_tokens, jnp.where(active, keep, 0).astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters of the speculative rounds: ``rounds`` (row-rounds), ``drafted``, ``accepted`` (drafts kept;
+    ``accepted_hist``: row-rounds per number kept),
+    ``emitted`` (tokens output), ``seconds`` (wall time of the rounds, host sync included)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted_hist: dict[int, int] = dataclasses.field(default_factory=dict)  # drafts kept in a row-round -> count
+    accepted: int = 0
+    emitted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per row per round (1 = no draft accepted; at most ``k + 1``)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens emitted by the rounds per second of round time."""
+        return self.emitted / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"rounds": self.rounds, "accepted_hist": dict(sorted(self.accepted_hist.items())),
+                "drafted": self.drafted, "accepted": self.accepted, "emitted": self.emitted,
+                "acceptance_length": self.acceptance_length, "acceptance_rate": self.acceptance_rate,
+                "accepted_tokens_per_s": self.tokens_per_second}
+
+
+class SpeculativeEngine(Engine):
+    """:class:`~k3_jax.serving.engine.Engine` whose decode step is a speculative round (module docstring).
+
+    Args (beyond the engine's): ``draft_params`` (the draft's params or variables), ``draft_config``
+    (:class:`~k3_jax.draft.DraftConfig`), ``num_draft_tokens`` (``k``, the most drafts per round).
+    ``max_len`` is the per-request limit as for the engine; the cache holds ``k`` more positions, the
+    room a verify pass needs at the end of a request. The contiguous cache only (``paged=False``) and
+    ``decode_block=1`` (a round already emits up to ``k + 1`` tokens per call). :meth:`add_request` takes
+    ``draft_tokens`` (``0 .. k``) per request. :attr:`spec` holds the round counters (:class:`SpecStats`).
+    """
+
+    def __init__(self, cfg: K3Config, params: Any, draft_params: Any, draft_config: DraftConfig,
+                 num_draft_tokens: int = 4, max_len: int = 512, **kwargs: Any):
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if kwargs.get("paged"):
+            raise ValueError("speculative decoding runs on the contiguous cache: pass paged=False")
+        if kwargs.get("decode_block", 1) != 1:
+            raise ValueError("speculative decoding emits up to k + 1 tokens per call already: decode_block must be 1")
+        self.dcfg = draft_config.validate(cfg)
+        self.k = num_draft_tokens
+        self.request_max_len = max_len
+        self.draft = DraftModel(cfg, self.dcfg)
+        self.draft_variables = {"params": unbox_params(draft_params)}
+        super().__init__(cfg, params, max_len=max_len + num_draft_tokens, **kwargs)
+        self._dcache_len = self.max_len + num_draft_tokens + 1
+        self.dcache = init_draft_cache(cfg, self.dcfg, self.max_batch, self._dcache_len, self._cache_dtype)
+        nf = cfg.hidden_size * len(self.dcfg.feature_layers)
+        self._pend = (jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
+                      jnp.zeros((self.max_batch, self.k + 1), jnp.int32),
+                      jnp.zeros((self.max_batch,), jnp.int32))
+        self._draft_len = np.full(self.max_batch, self.k, np.int32)
+        self._draft_len_by_id: dict[str, int] = {}
+        self._feats_of: dict[str, list[jax.Array]] = {}  # target features of each prefilling request's pieces
+        self.spec = SpecStats()
+
+    # ------------------------------------------------------------------ jitted functions
+    def _build_fns(self) -> None:
+        super()._build_fns()
+        model, draft, dcfg, cfg = self.model, self.draft, self.dcfg, self.cfg
+
+        def prefill(variables, cache, slot, tokens, table, media=None):
+            """As the engine's prefill, also returning the prompt piece's target features [1, T, F]."""
+            del table  # contiguous cache only
+            row = jax.tree.map(lambda x, ax: jax.lax.dynamic_slice_in_dim(x, slot, 1, ax), cache, self._axes)
+            hook = media_lib.media_embeds_hook(media, tokens, cfg.pad_token_id)
+            (logits, row), collected = model.apply(variables, tokens, cache=row, embeds_hook=hook,
+                                                   mutable=[FEATURES])
+            cache = jax.tree.map(lambda x, r, ax: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax),
+                                 cache, row, self._axes)
+            return logits[0, -1].astype(jnp.float32), cache, target_features(cfg, dcfg, collected)
+
+        def draft_prefill(dvars, variables, dcache, slot, feats, tokens):
+            """The draft consumes prompt pairs ``feats [1, T, F]`` / ``tokens [1, T]`` into row ``slot``."""
+            emb, head = target_head(cfg, variables["params"])
+            row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, 0), dcache)
+            _, _, row = draft.apply(dvars, feats, tokens, emb, head, cache=row)
+            return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, 0),
+                                dcache, row)
+
+        def draft_reset(dcache, pend, slot, feat, token):
+            """Zero draft row ``slot`` and make ``(feat [F], token)`` its only pending pair."""
+            dcache = jax.tree.map(lambda x: x.at[slot].set(jnp.zeros_like(x[slot])), dcache)
+            pf, pt, pn = pend
+            return dcache, (pf.at[slot].set(0).at[slot, 0].set(feat.astype(pf.dtype)),
+                            pt.at[slot].set(0).at[slot, 0].set(token), pn.at[slot].set(1))
+
+        def round_fn(variables, dvars, cache, dcache, last, pend, active, num_drafts, samp, num_top):
+            out, cache, dcache, pf, pt, pn = speculative_round(
+                model, draft, dcfg, variables, dvars, cache, dcache, last, *pend, active, num_drafts, samp, num_top)
+            return out, cache, dcache, (pf, pt, pn)
+
+        jit_prefill = jax.jit(prefill, donate_argnums=(1,))
+
+        def prefill_collecting(variables, cache, slot, tokens, table, media=None):
+            logits, cache, feats = jit_prefill(variables, cache, slot, tokens, table, media)
+            self._prefill_feats.append(feats)
+            return logits, cache
+
+        self._prefill = prefill_collecting
+        self._prefill_feats: list[jax.Array] = []
+        self._draft_prefill = jax.jit(draft_prefill, donate_argnums=(2,))
+        self._draft_reset = jax.jit(draft_reset, donate_argnums=(0, 1))
+        self._round = jax.jit(round_fn, donate_argnums=(2, 3, 5), static_argnums=(9,))
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, prompt: Sequence[int], params: SamplingParams, media: Any = None) -> None:
+        super().validate(prompt, params, media)
+        if len(prompt) >= self.request_max_len:
+            raise RequestError(f"prompt has {len(prompt)} tokens; this engine's max_len is {self.request_max_len} "
+                               f"(prompt + at least one generated token)")
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    media: Any = None, draft_tokens: int | None = None) -> str:
+        """As :meth:`Engine.add_request`; ``draft_tokens`` (``0 .. k``, default ``k``) drafts per round."""
+        if draft_tokens is not None and not (isinstance(draft_tokens, int) and 0 <= draft_tokens <= self.k):
+            raise RequestError(f"draft_tokens must be an integer in [0, {self.k}], got {draft_tokens!r}")
+        rid = super().add_request(prompt, params, request_id, media)
+        req = self._by_id[rid]
+        req.max_tokens = min(req.max_tokens, self.request_max_len - len(req.prompt))
+        self._draft_len_by_id[rid] = self.k if draft_tokens is None else draft_tokens
+        return rid
+
+    def _start(self, req, slot: int, hit: Any) -> None:
+        super()._start(req, slot, hit)
+        self._draft_len[slot] = self._draft_len_by_id.pop(req.id, self.k)
+        self._feats_of[req.id] = []
+
+    def _prefill_some(self, req) -> list:
+        """The engine's prefill pieces (collecting the target features of each); once the prompt is in, the
+        draft consumes the prompt's (feature, next token) pairs and its last feature becomes the pending one."""
+        slot = req.slot
+        self._prefill_feats = self._feats_of.setdefault(req.id, [])
+        try:
+            events = super()._prefill_some(req)
+        finally:
+            self._prefill_feats = []
+        if req.prefilling:
+            return events
+        feats = jnp.concatenate(self._feats_of.pop(req.id), axis=1)
+        if self._slots[slot] is not req:  # finished with its first token
+            return events
+        slot_arr = jnp.asarray(slot, jnp.int32)
+        self.dcache, self._pend = self._draft_reset(self.dcache, self._pend, slot_arr, feats[0, -1],
+                                                    jnp.asarray(self._last_token[slot], jnp.int32))
+        prompt = np.asarray(req.prompt, np.int32)
+        pos = 0
+        for n in _prefill_pieces(len(prompt) - 1, self.prefill_chunk, self.prefill_mode):
+            self.dcache = self._draft_prefill(self.draft_variables, self.variables, self.dcache, slot_arr,
+                                              feats[:, pos:pos + n], jnp.asarray(prompt[None, pos + 1:pos + 1 + n]))
+            pos += n
+        return events
+
+    def _free_slot(self, slot: int) -> None:
+        req = self._slots[slot]
+        if req is not None:
+            self._feats_of.pop(req.id, None)
+        super()._free_slot(slot)
+
+    def _fail_running(self, exc: BaseException) -> list:
+        events = super()._fail_running(exc)
+        leaves = jax.tree.leaves((self.dcache, self._pend))
+        if any(x.is_deleted() for x in leaves if isinstance(x, jax.Array)):
+            self.dcache = init_draft_cache(self.cfg, self.dcfg, self.max_batch, self._dcache_len, self._cache_dtype)
+            nf = self._pend[0].shape[-1]
+            self._pend = (jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
+                          jnp.zeros((self.max_batch, self.k + 1), jnp.int32), jnp.zeros((self.max_batch,), jnp.int32))
+        return events
+
+    # ------------------------------------------------------------------ decoding
+    def _decode_step(self) -> list:
+        t0 = time.perf_counter()
+        active = np.asarray([r is not None and not r.prefilling for r in self._slots])
+        steps = np.asarray([len(r.output) if r is not None else 0 for r in self._slots], np.int32)
+        left = np.asarray([r.max_tokens - len(r.output) if r is not None else 1 for r in self._slots], np.int32)
+        num_drafts = np.minimum(self._draft_len, np.maximum(left - 1, 0)).astype(np.int32)
+        samp = SamplingArrays(
+            temperature=jnp.asarray(self._samp["temperature"]), top_k=jnp.asarray(self._samp["top_k"]),
+            top_p=jnp.asarray(self._samp["top_p"]), seed=jnp.asarray(self._samp["seed"]), step=jnp.asarray(steps))
+        saved = self._save_prefilling_rows()
+        try:
+            out, self.cache, self.dcache, self._pend = self._round(
+                self.variables, self.draft_variables, self.cache, self.dcache, jnp.asarray(self._last_token),
+                self._pend, jnp.asarray(active), jnp.asarray(num_drafts), samp, self.max_logprobs)
+            out = jax.device_get(out)
+            self._restore_prefilling_rows(saved)
+        except Exception as e:  # noqa: BLE001 - the batch's state is lost: fail its requests, keep the engine
+            self.step_failures += 1
+            self.last_step_error = f"{type(e).__name__}: {e}"
+            return self._fail_running(e)
+        self.step_failures = 0
+        self.last_step_error = None
+        self.stats["decode_steps"] += 1
+        events = []
+        for slot, req in enumerate(self._slots):
+            if req is None or not active[slot]:
+                continue
+            emitted = int(out.emitted[slot])
+            self.spec.rounds += 1
+            self.spec.drafted += int(num_drafts[slot])
+            self.spec.accepted += emitted - 1
+            self.spec.accepted_hist[emitted - 1] = self.spec.accepted_hist.get(emitted - 1, 0) + 1
+            for i in range(emitted):
+                tok = SampleOutput(out.tokens[:, i], out.logprob[:, i], out.top_ids[:, i], out.top_logprobs[:, i])
+                try:
+                    ev = self._emit(req, int(out.tokens[slot, i]), tok, slot)
+                except Exception as e:  # noqa: BLE001 - this request alone fails
+                    events.append(self._fail(req, e))
+                    break
+                events.append(ev)
+                self.stats["decode_tokens"] += 1
+                self.spec.emitted += 1
+                if ev.finished:
+                    break
+        self.spec.seconds += time.perf_counter() - t0
+        return events
+
+
+def load_draft(directory: str, cfg: K3Config) -> tuple[DraftConfig, Any]:
+    """``(DraftConfig, params)`` of a draft directory written by ``python -m k3_jax.training.draft``
+    (``draft_config.json`` + the orbax ``params`` of the draft)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    dcfg = DraftConfig.load(directory).validate(cfg)
+    path = Path(directory).absolute() / "params"
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no draft params (expected the orbax directory the draft trainer exports)")
+    params = ocp.StandardCheckpointer().restore(path)
+    return dcfg, nn.unbox(params)

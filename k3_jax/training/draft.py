@@ -1,0 +1,321 @@
+"""Train a speculative-decoding draft (:mod:`k3_jax.draft`) against a frozen K3 target.
+
+    python -m k3_jax.training.draft --target runs/k3-small --out runs/k3-small-draft --steps 2000
+    python -m k3_jax.training.draft --config configs/k3-tiny.json --out /tmp/d --steps 20   # random target (smoke)
+
+Labels are the target's own next-token distributions on the corpus (self-distillation; no corpus labels).
+Loss per position (``--loss``): ``lk`` (default) ``-log Σ_x min(p(x), q(x))``, the log of the probability that
+speculative sampling accepts the draft's token; ``kl`` ``KL(p || q)``; ``ce`` cross-entropy against the target's
+argmax token. ``p``, ``q``: target / draft softmax at temperature 1.
+
+Training-time test (``--ttt-steps S``): step 1 runs the draft over the sequence of (target feature at ``t``,
+token ``t + 1``) pairs and predicts token ``t + 2`` (label: the target's distribution at ``t + 1``); step ``j > 1``
+feeds the draft's own step ``j - 1`` hidden states with token ``t + j`` and predicts token ``t + j + 1`` (label at
+``t + j``), as chained drafting does at inference. Every step runs causally over the whole row (its context is
+the draft's own step-``j - 1`` states, where inference has target features: a cheaper stand-in for EAGLE-3's
+tree-masked unroll). The loss is the mean over steps of the masked mean over positions.
+
+Checkpoints: orbax via :class:`k3_jax.training.checkpoint.Checkpointer` in ``OUT/checkpoints`` (state = step,
+draft params, optimizer state; data = the grain iterator state; run = the target's model config + every
+:class:`DraftTrainConfig` field). Re-running with the same ``--out`` resumes from the latest checkpoint through
+:func:`k3_jax.training.resume.resume` (a changed config is refused, naming the fields) and continues the
+straight run's losses exactly. At the end ``OUT/draft`` holds ``draft_config.json`` and ``params`` (orbax), what
+``serve.py --draft OUT/draft`` loads.
+
+``--target`` is a training workdir of ``train.py`` (``checkpoints/<step>/state`` + its stored model config) or a
+converted orbax checkpoint (``--config`` or ``DIR/config.json`` gives the architecture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from k3_jax.config import K3Config, load_config
+from k3_jax.draft import DraftConfig, DraftModel, target_features, target_head
+from k3_jax.model import FEATURES, K3ForCausalLM
+from k3_jax.training.checkpoint import Checkpointer
+from k3_jax.training.data import DataConfig, DataIterator, make_dataset
+from k3_jax.training.resume import RUN_CONFIG_FORMAT, resume
+
+LOSSES = ("lk", "kl", "ce")
+
+
+# ------------------------------------------------------------------------------------------------ losses
+def lk_loss(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
+    """``-log Σ_x min(p(x), q(x))`` per position, f32 ``[...]`` for logits ``[..., V]`` (softmax over V)."""
+    p = jax.nn.softmax(p_logits.astype(jnp.float32), axis=-1)
+    q = jax.nn.softmax(q_logits.astype(jnp.float32), axis=-1)
+    return -jnp.log(jnp.maximum(jnp.sum(jnp.minimum(p, q), axis=-1), 1e-30))
+
+
+def kl_loss(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
+    """``KL(p || q)`` per position."""
+    lp = jax.nn.log_softmax(p_logits.astype(jnp.float32), axis=-1)
+    lq = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
+
+
+def ce_loss(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
+    """Cross-entropy of the draft against the target's argmax token, per position."""
+    lq = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(lq, jnp.argmax(p_logits, axis=-1)[..., None], axis=-1)[..., 0]
+
+
+def draft_loss(kind: str, p_logits: jax.Array, q_logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked mean of the per-position loss ``kind`` (one of :data:`LOSSES`)."""
+    fn = {"lk": lk_loss, "kl": kl_loss, "ce": ce_loss}.get(kind)
+    if fn is None:
+        raise ValueError(f"draft loss must be one of {LOSSES}, got {kind!r}")
+    m = mask.astype(jnp.float32)
+    return jnp.sum(fn(p_logits, q_logits) * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+# ------------------------------------------------------------------------------------------------ config
+@dataclasses.dataclass(frozen=True)
+class DraftTrainConfig:
+    """Options of one draft-training run (all stored in each checkpoint's run config)."""
+
+    target: str = ""  # train.py workdir or converted orbax dir; "" = a random target of `config` (smoke only)
+    config: str = "configs/k3-tiny.json"  # the target architecture (ignored for a train.py workdir)
+    out: str = "runs/draft"
+    mixer: str = "mla"
+    feature_layers: tuple[int, ...] = ()  # () = DraftConfig.default_for(target)
+    intermediate_size: int = 0
+    loss: str = "lk"
+    ttt_steps: int = 3
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    clip_norm: float = 1.0
+    seed: int = 0
+    save_every: int = 50
+    dtype: str = ""  # compute dtype ("" = the target config's; float32 on CPU)
+
+    def validate(self) -> DraftTrainConfig:
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {LOSSES}, got {self.loss!r}")
+        for name in ("ttt_steps", "steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.ttt_steps >= self.seq_len:
+            raise ValueError(f"--ttt-steps {self.ttt_steps} must be < --seq-len {self.seq_len}")
+        return self
+
+
+def load_target(dtc: DraftTrainConfig) -> tuple[K3Config, Any]:
+    """``(cfg, params)`` of the target named by ``dtc.target`` (see the module docstring)."""
+    overrides = {"dtype": dtc.dtype} if dtc.dtype else {}
+    if not overrides and jax.default_backend() == "cpu":
+        overrides = {"dtype": "float32"}  # XLA:CPU cannot run bf16 x bf16 -> f32 dots
+    if not dtc.target:
+        cfg = load_config(dtc.config, **overrides)
+        return cfg, _random_target(cfg, dtc.seed + 1)
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    path = Path(dtc.target).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"--target {path}: no such directory")
+    if (path / "checkpoints").is_dir():
+        ckpt = Checkpointer(path / "checkpoints", async_save=False)
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"--target {path}: no checkpoint in {path / 'checkpoints'}")
+        run = ckpt.saved_run_config(step)
+        if run is None:
+            raise ValueError(f"--target {path}: checkpoint step {step} stores no model config")
+        cfg = K3Config(**{**_tuples(run["model"]), **overrides})
+        state = ocp.StandardCheckpointer().restore(ckpt.step_dir(step) / "state")
+        ckpt.close()
+        return cfg, state["params"]
+    cfg_path = path / "config.json" if (path / "config.json").exists() else Path(dtc.config)
+    cfg = load_config(cfg_path, **overrides)
+    return cfg, ocp.StandardCheckpointer().restore(path)
+
+
+@functools.lru_cache(maxsize=2)
+def _random_target(cfg: K3Config, seed: int) -> Any:
+    variables = jax.jit(K3ForCausalLM(cfg).init)(jax.random.PRNGKey(seed), jnp.zeros((1, 8), jnp.int32))
+    return nn.unbox(variables)["params"]
+
+
+def _tuples(d: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+# ------------------------------------------------------------------------------------------------ step
+def unrolled_loss(draft: DraftModel, dcfg: DraftConfig, cfg: K3Config, kind: str, ttt_steps: int,
+                  draft_params: Any, target_logits: jax.Array, feats: jax.Array, tokens: jax.Array,
+                  segment_ids: jax.Array, emb: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(loss, per-step losses [ttt_steps])`` of the training-time-test unroll over rows ``tokens [B, S]``
+    with the target's ``target_logits [B, S, V]`` and ``feats [B, S, F]`` (module docstring)."""
+    s = tokens.shape[1]
+    losses = []
+    inputs, from_draft = feats[:, :-1], False
+    for j in range(1, ttt_steps + 1):
+        n = s - j
+        seg = segment_ids[:, :n]
+        logits, hidden, _ = draft.apply({"params": draft_params}, inputs[:, :n], tokens[:, j:], emb, head,
+                                        from_draft=from_draft, segment_ids=seg)
+        mask = (segment_ids[:, :n] == segment_ids[:, j:]) & (segment_ids[:, j:] > 0)
+        losses.append(draft_loss(kind, target_logits[:, j:], logits, mask))
+        inputs, from_draft = hidden, True
+    per_step = jnp.stack(losses)
+    return jnp.mean(per_step), per_step
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled_step(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig):
+    """The jitted train step of one (target, draft, options) combination (cached: resumes reuse the compile)."""
+    target, draft, tx = K3ForCausalLM(cfg), DraftModel(cfg, dcfg), make_optimizer(dtc)
+
+    def step(state: dict, target_params: Any, tokens: jax.Array, segment_ids: jax.Array):
+        logits, collected = target.apply({"params": target_params}, tokens, segment_ids, mutable=[FEATURES])
+        logits = jax.lax.stop_gradient(logits)
+        feats = jax.lax.stop_gradient(target_features(cfg, dcfg, collected))
+        emb, head = target_head(cfg, target_params)
+        (loss, per_step), grads = jax.value_and_grad(
+            lambda p: unrolled_loss(draft, dcfg, cfg, dtc.loss, dtc.ttt_steps, p, logits, feats, tokens,
+                                    segment_ids, emb, head), has_aux=True)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, loss, per_step
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def make_optimizer(dtc: DraftTrainConfig) -> optax.GradientTransformation:
+    warm = min(dtc.warmup_steps, max(dtc.steps - 1, 1))
+    sched = optax.warmup_cosine_decay_schedule(0.0, dtc.lr, warm, max(dtc.steps, warm + 1), dtc.lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(dtc.clip_norm), optax.adamw(sched, weight_decay=0.0))
+
+
+def draft_config_of(cfg: K3Config, dtc: DraftTrainConfig) -> DraftConfig:
+    base = DraftConfig.default_for(cfg, dtc.mixer)
+    layers = tuple(dtc.feature_layers) or base.feature_layers
+    return DraftConfig(layers, dtc.mixer, dtc.intermediate_size).validate(cfg)
+
+
+@functools.lru_cache(maxsize=4)
+def _draft_init(cfg: K3Config, dcfg: DraftConfig):
+    return jax.jit(DraftModel(cfg, dcfg).init)
+
+
+def init_state(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, target_params: Any) -> dict:
+    emb, head = target_head(cfg, target_params)
+    nf = cfg.hidden_size * len(dcfg.feature_layers)
+    variables = _draft_init(cfg, dcfg)(jax.random.PRNGKey(dtc.seed), jnp.zeros((1, 2, nf), cfg.dtype),
+                                       jnp.zeros((1, 2), jnp.int32), emb, head)
+    params = nn.unbox(variables)["params"]
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": make_optimizer(dtc).init(params)}
+
+
+def run_config(cfg: K3Config, dtc: DraftTrainConfig) -> dict:
+    return json.loads(json.dumps({"format": RUN_CONFIG_FORMAT, "model": dataclasses.asdict(cfg),
+                                  "train": dataclasses.asdict(dtc) | {"out": "(any)"}}))
+
+
+def export_draft(directory: Path, dcfg: DraftConfig, params: Any) -> Path:
+    """Write ``directory/{draft_config.json, params}`` (built under a temp name, renamed when complete)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    directory = directory.absolute()
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    dcfg.save(tmp)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp / "params", jax.device_get(params))
+    ckptr.wait_until_finished()
+    if directory.exists():
+        shutil.rmtree(directory)
+    tmp.rename(directory)
+    return directory
+
+
+def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> dict[str, Any]:
+    """Train (or resume) the draft; returns ``{"losses": [per step of this call], "step", "draft_dir"}``.
+    ``stop_at``: save and return after that step (as a preemption would), without exporting."""
+    dtc = dtc.validate()
+    cfg, target_params = load_target(dtc)
+    dcfg = draft_config_of(cfg, dtc)
+    out = Path(dtc.out)
+    out.mkdir(parents=True, exist_ok=True)
+    it = DataIterator(make_dataset(DataConfig(seq_len=dtc.seq_len, batch_size=dtc.batch_size, seed=dtc.seed,
+                                              bos_id=cfg.bos_token_id or 1, eos_id=cfg.eos_token_id or 2)))
+    ckpt = Checkpointer(out / "checkpoints", keep=2, save_every=dtc.save_every, async_save=False)
+    ckpt.run_config = run_config(cfg, dtc)
+    state = init_state(cfg, dcfg, dtc, target_params)
+    start = 0
+    if ckpt.latest_step() is not None:
+        state, data_state, start, _ = resume(ckpt, state, ckpt.run_config, say=say)
+        it.set_state(data_state)
+    step_fn = _compiled_step(cfg, dcfg, dataclasses.replace(dtc, out="", target=""))  # the step ignores both
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(start + 1, dtc.steps + 1):
+        batch = next(it)
+        state, loss, per_step = step_fn(state, target_params, jnp.asarray(batch["tokens"]),
+                                        jnp.asarray(batch["segment_ids"]))
+        losses.append(float(loss))
+        if step == 1 or step % 10 == 0 or step == dtc.steps:
+            say(f"draft step {step}/{dtc.steps} loss({dtc.loss}) {losses[-1]:.4f} per TTT step "
+                f"{np.round(np.asarray(per_step), 4).tolist()} ({time.perf_counter() - t0:.1f}s)")
+        if ckpt.should_save(step) or step == dtc.steps or step == stop_at:
+            if step not in ckpt.all_steps():
+                ckpt.save(step, state, it.get_state())
+                ckpt.wait()
+        if step == stop_at:
+            ckpt.close()
+            return {"losses": losses, "step": step, "draft_dir": None}
+    ckpt.close()
+    draft_dir = export_draft(out / "draft", dcfg, state["params"])
+    say(f"draft written to {draft_dir} (serve with: python serve.py ... --draft {draft_dir})")
+    return {"losses": losses, "step": dtc.steps, "draft_dir": str(draft_dir)}
+
+
+def _parse(argv: list[str] | None) -> DraftTrainConfig:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = DraftTrainConfig()
+    for f in dataclasses.fields(DraftTrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "feature_layers":
+            p.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",") if x), default=(),
+                           help="comma-separated target layers (default: low, middle, high)")
+        elif f.name == "loss":
+            p.add_argument(flag, choices=LOSSES, default=d.loss)
+        elif f.name == "mixer":
+            p.add_argument(flag, choices=("mla", "kda"), default=d.mixer)
+        else:
+            p.add_argument(flag, type=type(getattr(d, f.name)), default=getattr(d, f.name))
+    return DraftTrainConfig(**vars(p.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    dtc = _parse(argv)
+    try:
+        train(dtc)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
