@@ -134,7 +134,7 @@ class DecoderLayer(nn.Module):
         else:
             f = LatentMoE(cfg, name="block_sparse_moe")(m)
         sources = _add_to_slot(sources, slot, f)
-        if self.is_mutable_collection(FEATURES):
+        if self.is_mutable_collection(FEATURES) and not self.is_initializing():  # init returns params only
             self.sow(FEATURES, "residual", jnp.sum(sources.astype(jnp.float32), axis=0).astype(sources.dtype))
         return constrain(sources, (None, "batch", "length", "embed")), new_cache
 
