@@ -134,10 +134,7 @@ def test_bf16_model_carries_bf16_sources_and_stays_close_to_fp32_sources(monkeyp
     from k3_jax.model import K3ForCausalLM
     from tests._model_fixtures import REPO
 
-    # k3-tiny cut to 6 layers in 3 AttnRes blocks of 2 (KDA, MLA and MoE layers all present): the source array
-    # the scans carry has 4 slots, as with the full config's 10 layers in blocks of 4
-    cfg = load_config(REPO / "configs" / "k3-tiny.json", dtype="bfloat16").replace(
-        num_hidden_layers=6, kda_layers=(0, 1, 2, 4, 5), mla_layers=(3,), attn_res_block_size=2)
+    cfg = load_config(REPO / "configs" / "k3-tiny.json", dtype="bfloat16")
     tokens = jax.random.randint(jax.random.PRNGKey(9), (2, 16), 0, cfg.vocab_size)
     model = K3ForCausalLM(cfg)
     variables = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens))
