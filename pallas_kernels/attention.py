@@ -98,14 +98,21 @@ class AttentionCall:
     compute_capability: float | None
 
 
-def _cudnn_reason(call: AttentionCall) -> str | None:
-    if call.platform != "gpu":
-        return f"needs target platform gpu, target is {call.platform}"
+def cudnn_platform_reason(platform: str, compute_capability: float | None) -> str | None:
+    """Why cuDNN fused attention cannot run on this target (None: it can): a GPU target, a jaxlib with the
+    cuDNN lowering, compute capability >= 9.0 (Hopper; the MLA head dims Dqk != Dv need it too)."""
+    if platform != "gpu":
+        return f"needs target platform gpu, target is {platform}"
     if not _has_cudnn_lowering():
         return "this jaxlib has no cuDNN fused-attention lowering"
-    if call.compute_capability is None or call.compute_capability < 9.0:
-        return f"needs compute capability >= 9.0 (Dqk != Dv), the target GPU has {call.compute_capability}"
-    return _shape_reason(call.dtype, call.shape[1], call.documents)
+    if compute_capability is None or compute_capability < 9.0:
+        return f"needs compute capability >= 9.0, the target GPU has {compute_capability}"
+    return None
+
+
+def _cudnn_reason(call: AttentionCall) -> str | None:
+    return cudnn_platform_reason(call.platform, call.compute_capability) or _shape_reason(
+        call.dtype, call.shape[1], call.documents)
 
 
 ATTENTION = Registry("mla.attention", (

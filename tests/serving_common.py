@@ -1,7 +1,13 @@
 """Shared tiny-model engine for the serving tests (one per pytest process: each model compile costs ~12 s of
 CPU, so the engine, server and reference-forward tests reuse the same compiled functions)."""
 
+import contextlib
 import functools
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,3 +61,28 @@ def reference_greedy_check(fwd, variables, prompt, output):
     want = logits[len(prompt) - 1 : len(seq) - 1].argmax(-1)
     mismatch = np.nonzero(want != np.asarray(output))[0]
     assert mismatch.size == 0, f"first divergence at step {mismatch[0]}: want {want[mismatch[0]]}"
+
+
+@contextlib.contextmanager
+def running_server(app: Any, log_level: str = "warning", timeout: float = 300) -> Iterator[tuple[Any, int]]:
+    """Serve ``app`` with uvicorn on a free localhost port in a daemon thread; yields ``(httpx client, port)`` once
+    the server has started, and stops it on exit (httpx/uvicorn are imported here: the serve extra)."""
+    import httpx  # noqa: PLC0415
+    import uvicorn  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started, "uvicorn did not start"
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=timeout) as c:
+            yield c, port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -9,7 +9,6 @@ request answers exactly what it answered before.
 import concurrent.futures
 import json
 import socket
-import threading
 import time
 
 import jax
@@ -20,7 +19,7 @@ import pytest
 from k3_jax.model import K3ForCausalLM, check_token_ids
 from k3_jax.serving.engine import RequestError, RequestFailed
 from k3_jax.serving.sampling import SamplingParams
-from tests.serving_common import MAX_LEN, reference_greedy_check, tiny_setup
+from tests.serving_common import MAX_LEN, reference_greedy_check, running_server, tiny_setup
 
 fastapi = pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -213,20 +212,8 @@ def server(setup):
     engine = setup[2]
     _assert_no_leak(engine)  # the engine tests above left it clean; from here on the server owns it
     app = create_app(engine, engine.tokenizer, model_name=MODEL, max_body_bytes=BODY_LIMIT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started, "uvicorn did not start"
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+    with running_server(app, log_level="critical", timeout=120) as (c, port):
         yield c, port, engine, app.state.runner
-    srv.should_exit = True
-    thread.join(timeout=30)
     _assert_no_leak(engine)
 
 

@@ -9,9 +9,6 @@ import base64
 import dataclasses
 import functools
 import io
-import socket
-import threading
-import time
 
 import jax
 import numpy as np
@@ -27,6 +24,7 @@ from k3_jax.serving.sampling import SamplingParams
 from k3_jax.tokenizer import Tokenizer
 from k3_jax.vision.processor import ImageError, MediaProcConfig
 from tests._model_fixtures import REPO
+from tests.serving_common import running_server
 
 MICRO_TEXT = {"hidden_size": 64, "num_hidden_layers": 1, "kda_layers": (), "mla_layers": (0,),
               "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
@@ -114,9 +112,8 @@ def test_engine_refuses_inconsistent_media():
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    fastapi = pytest.importorskip("fastapi")  # noqa: F841
-    httpx = pytest.importorskip("httpx")
-    uvicorn = pytest.importorskip("uvicorn")
+    for name in ("fastapi", "httpx", "uvicorn"):
+        pytest.importorskip(name)
     from k3_jax.serving.server import create_app
 
     cfg, _, tok, engine = _setup()
@@ -124,20 +121,8 @@ def client(tmp_path_factory):
     Image.new("RGB", (28, 28), (9, 9, 9)).save(allowed / "ok.png")
     app = create_app(engine, tok, model_name="mm", media=MediaServingConfig(proc=PROC, max_items=2,
                                                                            allow_dir=str(allowed)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started, "uvicorn did not start"
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
+    with running_server(app) as (c, _):
         yield c, allowed
-    server.should_exit = True
-    thread.join(timeout=30)
     assert not engine.has_work
 
 

@@ -3,9 +3,7 @@ models/health, completions and chat completions (plain and SSE-streamed), concur
 for bad requests after which the server keeps serving."""
 
 import json
-import socket
 import threading
-import time
 
 import pytest
 
@@ -14,7 +12,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from k3_jax.serving.server import create_app  # noqa: E402
-from tests.serving_common import tiny_setup  # noqa: E402
+from tests.serving_common import running_server, tiny_setup  # noqa: E402
 
 MODEL = "k3-tiny-test"
 
@@ -23,20 +21,8 @@ MODEL = "k3-tiny-test"
 def client():
     _, _, engine, _ = tiny_setup()
     app = create_app(engine, engine.tokenizer, model_name=MODEL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started, "uvicorn did not start"
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
+    with running_server(app) as (c, _):
         yield c
-    server.should_exit = True
-    thread.join(timeout=30)
     assert not engine.has_work
 
 

@@ -20,7 +20,7 @@ leaves it when it finishes; nothing recompiles when requests come and go:
   endpoints, and the state after such a piece is stored as a new entry (no second prefill);
 * sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`).
 * images (a vision model): a request's ``media`` (:class:`k3_jax.serving.media.RequestMedia`, its prompt holding
-  one ``<|media_pad|>`` per media token) is encoded once at admission, and each prefill chunk splices the
+  one ``<|media_pad|>`` per media token) is encoded once, at its first prefill piece, and each prefill chunk splices the
   embeddings of its own pad positions into the token embeddings.
 
 Failure isolation: every request is validated when it is added (:meth:`Engine.validate`: prompt ids in the
@@ -625,7 +625,7 @@ class Engine:
         return [self._emit(req, int(out.tokens[0]), out, 0)]
 
     def _encode_media(self, media: media_lib.RequestMedia | None) -> np.ndarray | None:
-        """The request's media embeddings (the vision encoder runs once per request, at admission)."""
+        """The request's media embeddings (the vision encoder runs once per request, at its first prefill piece)."""
         if media is None:
             return None
         if media.embeds is None:

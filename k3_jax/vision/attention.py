@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.layers.common import einsum_f32
-from pallas_kernels.attention import _has_cudnn_lowering, visible_gpu_compute_capability
+from pallas_kernels.attention import cudnn_platform_reason, visible_gpu_compute_capability
 from pallas_kernels.registry import Backend, Registry, target_platform
 
 QUERY_BLOCK = 512
@@ -86,12 +86,9 @@ def _mosaic_reason(call: VisionAttentionCall) -> str | None:
 
 
 def _cudnn_reason(call: VisionAttentionCall) -> str | None:
-    if call.platform != "gpu":
-        return f"needs target platform gpu, target is {call.platform}"
-    if not _has_cudnn_lowering():
-        return "this jaxlib has no cuDNN fused-attention lowering"
-    if call.compute_capability is None or call.compute_capability < 9.0:
-        return f"needs a GPU of compute capability >= 9.0, the target has {call.compute_capability}"
+    reason = cudnn_platform_reason(call.platform, call.compute_capability)
+    if reason is not None:
+        return reason
     if call.dtype not in ("bfloat16", "float16"):
         return f"takes bfloat16/float16, got {call.dtype}"
     if call.n_rows * call.window > MAX_CUDNN_MASK_BYTES:
