@@ -644,17 +644,10 @@ class Engine:
         self.prefix.insert(req.prompt, req.pos, self.allocator.owned[req.slot], snap, nbytes, media)
 
     def _media_spans(self, req: _Request) -> tuple:
-        """``(start, end, digest)`` token spans of the media in ``req``'s prompt, part of its prefix identity
-        (:mod:`k3_jax.serving.prefix_cache`); text-only requests have none. Item ``i`` holds the next
-        ``num_tokens[i]`` ``<|media_pad|>`` positions of the prompt."""
-        if req.media is None:
-            return ()
-        pads = np.flatnonzero(np.asarray(req.prompt) == self.cfg.media_placeholder_token_id)
-        spans, k = [], 0
-        for n, digest in zip(req.media.num_tokens, req.media.digests, strict=True):
-            spans.append((int(pads[k]), int(pads[k + n - 1]) + 1, digest.encode()))
-            k += n
-        return tuple(spans)
+        """The spans by which ``req``'s embeddings differ from its token ids' (media items, zeroed
+        ``pad_token_id`` positions): part of its prefix identity (:func:`k3_jax.serving.media.prefix_media_spans`)."""
+        return media_lib.prefix_media_spans(req.prompt, req.media, self.cfg.media_placeholder_token_id,
+                                            self.cfg.pad_token_id)
 
     def _block_size(self) -> int:
         """Decode steps of the next device call: ``decode_block`` when no admission is pending and every running
