@@ -1,7 +1,7 @@
 """Prefix cache with images: media digests are part of the prefix identity (``Engine._media_spans``).
 
 A micro multimodal model (one KDA + one MLA layer, the tiny vision tower) in one paged engine (pages of 16, hash
-blocks of 4, snapshots every 8 tokens, prefill pieces of 8 + single tokens). Two requests sharing a text+image
+blocks of 4, snapshots every 8 tokens, prefill pieces of 8; 24-token prompts). Two requests sharing a text+image
 prefix: the second hits the cache and gives the same greedy tokens and log-probs as its cold run (the engine with
 the cache detached: same pieces, same compiled functions). The same token ids with a different image do not hit,
 nor does a text-only entry serve a media request whose ``pad_token_id`` embeddings are zeroed.
@@ -74,8 +74,8 @@ def test_image_prefix_hits_and_a_different_image_does_not(setup):
     n_img = img_a.num_tokens[0]
     assert n_img == 6 and img_b.grid_thws.tolist() == img_a.grid_thws.tolist()  # same token ids for both
     head = [1, 40, 41, 42, 43] + [pad] * n_img + [44, 45, 46, 47, 48]  # image at [5, 11), 16 tokens
-    first = head + [50, 51, 52, 53, 54, 55]
-    second = head + [60, 61, 62, 63, 64, 65, 66]
+    first = head + [50, 51, 52, 53, 54, 55, 56, 57]  # 24 tokens: prefill pieces of 8 only (one compile)
+    second = head + [60, 61, 62, 63, 64, 65, 66, 67]
 
     out, _, cached = _run(engine, first, _media(img_a))  # fills the cache: entries at 8 and 16
     assert cached == 0 and len(out) == GREEDY.max_tokens
