@@ -40,7 +40,8 @@ from k3_jax.vision.plan import MediaError, bucket, build_plan, check_grid
 from k3_jax.vision.processor import MEDIA_PAD, ImageError, MediaProcConfig, ProcessedMedia, expand_media_pads
 
 __all__ = ["MediaServingConfig", "RequestMedia", "MediaEncoder", "chat_request_ids", "check_request_media",
-           "check_media_tokenizer", "chunk_media", "media_embeds_hook", "media_digest", "prefix_media_spans"]
+           "check_media_tokenizer", "chunk_media", "media_embeds_hook", "media_digest", "prefix_media_spans",
+           "ZEROED_PAD_DIGEST"]
 
 ZEROED_PAD_DIGEST = b"pad_token_id embedding zeroed"  # prefix identity of a pad_token_id position in a media request
 
