@@ -80,8 +80,10 @@ def test_image_prefix_hits_and_a_different_image_does_not(setup):
     out, _, cached = _run(engine, first, _media(img_a))  # fills the cache: entries at 8 and 16
     assert cached == 0 and len(out) == GREEDY.max_tokens
     cold_tokens, cold_logprobs, _ = _run(engine, second, _media(img_a), cold=True)
-    tokens, logprobs, cached = _run(engine, second, _media(img_a))
+    hit_media = _media(img_a)
+    tokens, logprobs, cached = _run(engine, second, hit_media)
     assert cached == 16  # the image and the text around it came from the cache
+    assert hit_media.embeds is None  # every item was in the cached prefix: the tower did not run
     assert tokens == cold_tokens
     np.testing.assert_allclose(logprobs, cold_logprobs, rtol=1e-5, atol=1e-5)
 
