@@ -20,8 +20,9 @@ leaves it when it finishes; nothing recompiles when requests come and go:
   endpoints, and the state after such a piece is stored as a new entry (no second prefill);
 * sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`).
 * images (a vision model): a request's ``media`` (:class:`k3_jax.serving.media.RequestMedia`, its prompt holding
-  one ``<|media_pad|>`` per media token) is encoded once, at its first prefill piece, and each prefill chunk splices the
-  embeddings of its own pad positions into the token embeddings.
+  one ``<|media_pad|>`` per media token) is encoded once, at its first prefill piece (not at all when a prefix-cache
+  hit covers every item), and each prefill chunk splices the embeddings of its own pad positions into the token
+  embeddings.
 
 Failure isolation: every request is validated when it is added (:meth:`Engine.validate`: prompt ids in the
 vocabulary, sampling values in their ranges). An unexpected exception while admitting or emitting one request
@@ -602,7 +603,7 @@ class Engine:
         prompt = np.asarray(req.prompt, np.int32)
         slot_arr = jnp.asarray(req.slot, jnp.int32)
         done, logits = 0, None
-        embeds = self._encode_media(req.media)
+        embeds = self._encode_media(req.media, prompt[req.pos:])
         while req.pieces and done < self.prefill_chunk:
             n, snapshot = req.pieces.pop(0)
             toks = jnp.asarray(prompt[None, req.pos : req.pos + n])
@@ -624,10 +625,15 @@ class Engine:
             req.progress.close()
         return [self._emit(req, int(out.tokens[0]), out, 0)]
 
-    def _encode_media(self, media: media_lib.RequestMedia | None) -> np.ndarray | None:
-        """The request's media embeddings (the vision encoder runs once per request, at its first prefill piece)."""
+    def _encode_media(self, media: media_lib.RequestMedia | None, rest: np.ndarray) -> np.ndarray | None:
+        """The request's media embeddings (the vision encoder runs once per request, at its first prefill piece).
+        When ``rest`` (the prompt still to prefill) holds no ``<|media_pad|>`` (a prefix-cache hit covered every
+        item), the encoder is skipped: an empty ``[0, D]`` array stands in, so the chunks still zero the
+        ``pad_token_id`` positions of a media request."""
         if media is None:
             return None
+        if media.embeds is None and not np.any(rest == self.cfg.media_placeholder_token_id):
+            return np.zeros((0, self.cfg.hidden_size), np.float32)
         if media.embeds is None:
             if self._media_encoder is None:
                 self._media_encoder = media_lib.MediaEncoder(self.cfg, self.variables)
@@ -644,17 +650,10 @@ class Engine:
         self.prefix.insert(req.prompt, req.pos, self.allocator.owned[req.slot], snap, nbytes, media)
 
     def _media_spans(self, req: _Request) -> tuple:
-        """``(start, end, digest)`` token spans of the media in ``req``'s prompt, part of its prefix identity
-        (:mod:`k3_jax.serving.prefix_cache`); text-only requests have none. Item ``i`` holds the next
-        ``num_tokens[i]`` ``<|media_pad|>`` positions of the prompt."""
-        if req.media is None:
-            return ()
-        pads = np.flatnonzero(np.asarray(req.prompt) == self.cfg.media_placeholder_token_id)
-        spans, k = [], 0
-        for n, digest in zip(req.media.num_tokens, req.media.digests, strict=True):
-            spans.append((int(pads[k]), int(pads[k + n - 1]) + 1, digest.encode()))
-            k += n
-        return tuple(spans)
+        """The spans by which ``req``'s embeddings differ from its token ids' (media items, zeroed
+        ``pad_token_id`` positions): part of its prefix identity (:func:`k3_jax.serving.media.prefix_media_spans`)."""
+        return media_lib.prefix_media_spans(req.prompt, req.media, self.cfg.media_placeholder_token_id,
+                                            self.cfg.pad_token_id)
 
     def _block_size(self) -> int:
         """Decode steps of the next device call: ``decode_block`` when no admission is pending and every running

@@ -40,7 +40,10 @@ from k3_jax.vision.plan import MediaError, bucket, build_plan, check_grid
 from k3_jax.vision.processor import MEDIA_PAD, ImageError, MediaProcConfig, ProcessedMedia, expand_media_pads
 
 __all__ = ["MediaServingConfig", "RequestMedia", "MediaEncoder", "chat_request_ids", "check_request_media",
-           "check_media_tokenizer", "chunk_media", "media_embeds_hook", "media_digest"]
+           "check_media_tokenizer", "chunk_media", "media_embeds_hook", "media_digest", "prefix_media_spans",
+           "ZEROED_PAD_DIGEST"]
+
+ZEROED_PAD_DIGEST = b"pad_token_id embedding zeroed"  # prefix identity of a pad_token_id position in a media request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +193,26 @@ def chunk_media(prompt: np.ndarray, embeds: np.ndarray, start: int, n: int, medi
     rows = np.zeros((n, embeds.shape[1]), np.float32)
     rows[mask] = embeds[first:first + int(mask.sum())]
     return rows, mask
+
+
+def prefix_media_spans(prompt: Sequence[int], media: RequestMedia | None, media_pad_id: int,
+                       pad_token_id: int | None) -> tuple[tuple[int, int, bytes], ...]:
+    """The ``(start, end, digest)`` token spans by which a request's embeddings differ from its token ids' (the
+    prefix cache hashes them with the tokens): item ``i`` covers the next ``num_tokens[i]`` ``<|media_pad|>``
+    positions with its content digest, and, as :func:`media_embeds_hook` zeroes the ``pad_token_id`` positions of a
+    request with media, each of those is a one-token span of :data:`ZEROED_PAD_DIGEST` (the same ids without media
+    are embedded, so they must not share a prefix entry). Sorted by start; text-only requests have none."""
+    if media is None:
+        return ()
+    prompt = np.asarray(prompt)
+    pads = np.flatnonzero(prompt == media_pad_id)
+    spans, k = [], 0
+    for n, digest in zip(media.num_tokens, media.digests, strict=True):
+        spans.append((int(pads[k]), int(pads[k + n - 1]) + 1, digest.encode()))
+        k += n
+    if pad_token_id is not None:
+        spans += [(int(i), int(i) + 1, ZEROED_PAD_DIGEST) for i in np.flatnonzero(prompt == pad_token_id)]
+    return tuple(sorted(spans))
 
 
 def media_embeds_hook(media: tuple[jax.Array, jax.Array] | None, tokens: jax.Array, pad_token_id: int | None):
