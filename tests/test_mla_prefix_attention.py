@@ -67,13 +67,17 @@ def test_reference_equals_absorbed_form(lengths: tuple[int, int], key_block: int
 
 def test_merge_of_empty_and_full_partials():
     """A row with no key in one part takes the other part alone (weights exactly 0 and 1)."""
-    ks = jax.random.split(jax.random.PRNGKey(1), 3)
-    q, k = (jax.random.normal(kk, (1, 4, 2, 8)) for kk in ks[:2])
-    v = jax.random.normal(ks[2], (1, 4, 2, 5))
-    o, lse = pa.partial_attention_xla(q, k, v, 0.5, causal=True)
-    o0, lse0 = pa.partial_attention_xla(q, k, v, 0.5, kv_len=jnp.zeros((1,), jnp.int32))
+    rs = np.random.RandomState(1)
+    q, k, v = (jnp.asarray(rs.randn(1, 4, 2, d), jnp.float32) for d in (8, 8, 5))
+
+    @jax.jit
+    def parts(q, k, v):
+        o, lse = pa.partial_attention_xla(q, k, v, 0.5, causal=True)
+        o0, lse0 = pa.partial_attention_xla(q, k, v, 0.5, kv_len=jnp.zeros((1,), jnp.int32))
+        return o, lse, o0, lse0, *pa.merge_partials(o0, lse0, o, lse)
+
+    o, lse, o0, lse0, om, lsem = parts(q, k, v)
     assert np.all(np.asarray(o0) == 0) and np.all(np.asarray(lse0) == pa.NEG_INF)
-    om, lsem = pa.merge_partials(o0, lse0, o, lse)
     np.testing.assert_array_equal(np.asarray(om), np.asarray(o))
     np.testing.assert_allclose(np.asarray(lsem), np.asarray(lse), rtol=1e-6)
 
