@@ -1,31 +1,36 @@
 """Long-context serving: prefix-cache TTFT (cold vs hit), multi-turn replay, and a chunked 1M-token prefill.
 
     python benchmarks/prefix_cache.py --config configs/k3-tiny.json                      # CPU smoke (small sizes)
-    python benchmarks/prefix_cache.py --config configs/k3-slice.json --dtype bfloat16 \\
-        --prefix 131072 --suffix 2048 --turns 10 --turn-tokens 4096 --prompt 1048576 --prefill-chunk 8192
+    XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false" K3_COMPILATION_CACHE=off \
+    python benchmarks/prefix_cache.py --config configs/k3-slice.json --dtype bfloat16 --cases long \
+        --prompt 1048576 --prefill-chunk 8192 --page-size 6144 --block-size 512 --budget-s 170   # 1M prefill
+    ... --cases multiturn --turns 8 --turn-tokens 4096 --gen 4 --prefill-chunk 8192 --page-size 6144 \
+        --block-size 512                                                                        # multi-turn replay
+    ... --cases prefix --prefix 131072 --suffix 2048 --prefill-chunk 8192 --page-size 6144 --block-size 512
 
 One JSON line per case; the peer of every cache measurement is the same engine (same compiled functions, same
 weights) with its prefix cache detached, in the same run. Random weights (``random_params``, bf16 experts).
+Every line carries ``kernel_choices``: the registry choices made so far (which MLA prefill attention ran).
 
 * ``prefix``: TTFT of ``prefix + suffix`` tokens served cold (cache off) vs from the cache (a request with the
   same prefix and another suffix ran before); target on the H200: hit <= 5% of cold. Also the cold TTFT with
   the cache on (the snapshot overhead of the first request).
-* ``multiturn``: ``--turns`` turns, each adding ``--turn-tokens`` tokens to the history and generating
-  ``--gen`` tokens (appended to the history); total prefill time (sum of TTFTs) with and without the cache.
+* ``multiturn``: ``--turns`` turns of a conversation whose history grows by ``--turn-tokens`` per turn: the
+  previous turn's ``--gen`` generated tokens plus new user tokens (so every prompt is a multiple of
+  ``--turn-tokens`` and few prefill shapes compile); total prefill time (sum of TTFTs) with and without the
+  cache, and per turn the TTFT and the share of the prompt served from the cache (hit rate).
 * ``long`` (``--prompt N``, 0 = skipped): one N-token prompt, chunked prefill (``--prefill-chunk``), cache off:
-  wall, tokens/s, peak device memory, then ``--decode-steps`` decode steps (ms per token); and the logits at
-  the chunk ends within the first ``--check-tokens`` tokens vs one unchunked forward of those tokens.
-  ``--budget-s`` stops the prefill early (``completed: false`` with the rate so far).
+  wall, tokens/s, peak device memory, the MLA attention FLOPs (causal, expanded form) and their rate over the
+  whole prefill (a lower bound of the attention's own rate), then ``--decode-steps`` decode steps (ms per
+  token); and the logits at the chunk ends within the first ``--check-tokens`` tokens vs one unchunked forward
+  of those tokens. ``--budget-s`` stops the prefill early (``completed: false`` with the rate so far).
 
 Every case runs once with other token values first, so compiles are outside the timings.
 
-At long T the cached prefill's MLA attention dominates: it runs in the absorbed form (scores and values over
-the 512-wide latent for each of the 96 heads: ~2·96·(2·512 + 64) FLOP per query-key pair, ~3.4x the expanded
-form's 2·96·(192 + 128)) in XLA's key-blocked online softmax. ``pallas_kernels.attention.ATTENTION`` (cuDNN
-flash attention) takes the expanded form with ``T_q == T_kv`` under a causal mask; jax's cuDNN call also has
-``NO_MASK`` with ``T_q != T_kv``, padding lengths and ``return_residual`` (the softmax statistics), which is
-what a chunk against a cached prefix needs: expand the cached latent's K/V per chunk (``kv_b_proj``), attend
-chunk-vs-prefix unmasked and chunk-vs-itself causally, and merge the two by their log-sum-exp.
+At long T the cached prefill's MLA attention dominates. On Hopper it runs in the expanded form through
+``pallas_kernels.prefix_attention`` (cuDNN flash attention of the chunk against up-projected key blocks of the
+cached prefix and causally against itself, merged by log-sum-exp: ``2·H·(Dqk + Dv)`` FLOP per query-key pair);
+``--prefix-attention xla`` gives the absorbed form in XLA (``2·H·(2·C + Dr)``, ~3.4x).
 """
 
 from __future__ import annotations
@@ -46,11 +51,13 @@ from k3_jax.model import K3ForCausalLM
 from k3_jax.serving.engine import Engine
 from k3_jax.serving.prefix_cache import PrefixCacheConfig
 from k3_jax.serving.sampling import SamplingParams
+from pallas_kernels.registry import selections
 
 GB = 1e9
 
 
 def emit(rec: dict[str, Any]) -> None:
+    rec["kernel_choices"] = list(dict.fromkeys(sel.describe() for sel in selections()))
     print(json.dumps(rec), flush=True)
 
 
@@ -69,13 +76,21 @@ def cache_off(engine: Engine):
         engine.prefix = prefix
 
 
+def _checked(events: list) -> list:
+    """The step's events; a failed request stops the benchmark with its error."""
+    for ev in events:
+        if ev.finish_reason == "error":
+            raise RuntimeError(f"request {ev.request_id} failed: {ev.error}")
+    return events
+
+
 def serve_one(engine: Engine, prompt: list[int], gen: int) -> tuple[float, list[int], list[float]]:
     """(TTFT seconds, generated tokens, seconds between consecutive tokens) of one greedy request run alone."""
     t0 = time.perf_counter()
     rid = engine.add_request(prompt, SamplingParams(max_tokens=gen, ignore_eos=True))
     times, toks = [], []
     while engine.has_work:
-        for ev in engine.step():
+        for ev in _checked(engine.step()):
             if ev.request_id == rid:
                 times.append(time.perf_counter())
                 toks.append(ev.token)
@@ -106,27 +121,29 @@ def case_prefix(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[st
 
 
 def case_multiturn(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    def replay(seed: int, on: bool) -> tuple[float, list[float], int]:
+    def replay(seed: int, on: bool, turns: int) -> tuple[float, list[float], list[float]]:
+        """(total TTFT, TTFT per turn, share of each turn's prompt served from the cache)."""
         rs = np.random.RandomState(seed)
         history: list[int] = []
-        ttfts, cached0 = [], engine.prefix.stats["cached_tokens"]
+        ttfts, hit_rates, out = [], [], []
+        stats = engine.prefix.stats  # the cache's counters (engine.prefix is None while detached)
         ctx = contextlib.nullcontext(engine) if on else cache_off(engine)
         with ctx:
-            for _ in range(args.turns):
-                history += tokens(rs, vocab, args.turn_tokens)
+            for _ in range(turns):
+                history += out + tokens(rs, vocab, args.turn_tokens - len(out))  # the reply + new user tokens
+                before = stats["cached_tokens"]
                 ttft, out, _ = serve_one(engine, history, args.gen)
                 ttfts.append(ttft)
-                history += out
-        return sum(ttfts), ttfts, engine.prefix.stats["cached_tokens"] - cached0
+                hit_rates.append((stats["cached_tokens"] - before) / len(history))
+        return sum(ttfts), ttfts, hit_rates
 
-    replay(10, True)  # warm: compiles the piece shapes of both paths
-    replay(11, False)
+    replay(10, True, min(args.turns, 3))  # warm: compiles the piece shapes (cold, and after a hit) and decode
     engine.prefix.clear()
-    on_total, on_ttfts, cached = replay(12, True)
-    off_total, off_ttfts, _ = replay(13, False)
+    on_total, on_ttfts, hit_rates = replay(12, True, args.turns)
+    off_total, off_ttfts, _ = replay(13, False, args.turns)
     return {"case": "multiturn", "turns": args.turns, "turn_tokens": args.turn_tokens, "gen": args.gen,
             "prefill_total_s_cache_on": on_total, "prefill_total_s_cache_off": off_total,
-            "on_over_off": on_total / off_total, "cached_tokens": cached,
+            "on_over_off": on_total / off_total, "hit_rate_per_turn": hit_rates,
             "ttft_s_cache_on": on_ttfts, "ttft_s_cache_off": off_ttfts}
 
 
@@ -136,21 +153,21 @@ def case_long(engine: Engine, variables: Any, cfg: Any, args: argparse.Namespace
     piece_logits: list[tuple[int, np.ndarray]] = []
     prefill = engine._prefill
 
-    def recording_prefill(variables, cache, slot, toks, table):  # last logits of every piece within `check`
-        logits, cache = prefill(variables, cache, slot, toks, table)
+    def recording_prefill(variables, cache, slot, toks, table, media=None):  # last logits of pieces in `check`
+        logits, cache = prefill(variables, cache, slot, toks, table, media)
         end = int(cache["lengths"][slot])
         if end <= check:
             piece_logits.append((end, np.asarray(logits)))
         return logits, cache
 
     with cache_off(engine):
-        serve_one(engine, tokens(np.random.RandomState(21), cfg.vocab_size, engine.prefill_chunk + 1), 2)  # warm
+        serve_one(engine, tokens(np.random.RandomState(21), cfg.vocab_size, engine.prefill_chunk), 2)  # warm
         engine._prefill = recording_prefill
         t0 = time.perf_counter()
         rid = engine.add_request(prompt, SamplingParams(max_tokens=args.decode_steps + 1, ignore_eos=True))
         times, completed = [], True
         while engine.has_work:
-            evs = engine.step()
+            evs = _checked(engine.step())
             times += [time.perf_counter() for ev in evs if ev.request_id == rid]
             if not times and time.perf_counter() - t0 > args.budget_s:
                 done = engine._by_id[rid].pos
@@ -159,9 +176,12 @@ def case_long(engine: Engine, variables: Any, cfg: Any, args: argparse.Namespace
         engine._prefill = prefill
     wall = (times[0] if times else time.perf_counter()) - t0
     done = n if completed else done
+    mla_layers = sum(m == "mla" for m, _ in cfg.layer_kinds())
+    attn_flop = mla_layers * done * done / 2 * 2 * cfg.num_attention_heads * (cfg.q_head_dim + cfg.v_head_dim)
     rec = {"case": "long", "prompt_tokens": n, "completed": completed, "prefilled_tokens": done,
            "prefill_chunk": engine.prefill_chunk, "ttft_s": wall, "prefill_tokens_per_s": done / wall,
-           "peak_device_bytes": peak_bytes(),
+           "peak_device_bytes": peak_bytes(), "mla_attention_pflop": attn_flop / 1e15,
+           "mla_attention_tflop_per_s_over_prefill": attn_flop / wall / 1e12,
            "decode_ms_per_token": float(np.mean(np.diff(times)) * 1e3) if len(times) > 1 else None}
     if piece_logits:  # unchunked forward of the first `check` tokens (no cache)
         fwd = jax.jit(lambda v, x: K3ForCausalLM(cfg).apply(v, x))
@@ -197,10 +217,13 @@ def main() -> None:
     ap.add_argument("--kda-budget-gb", type=float, default=8.0)
     ap.add_argument("--mla-budget-gb", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-attention", default="auto",
+                    help="K3Config.mla_prefix_attention_implementation: auto | cudnn | xla (absorbed form)")
     a = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     dtype = a.dtype or ("bfloat16" if on_gpu else "float32")
-    cfg = load_config(a.config).replace(expert_format="bf16", dtype=dtype)
+    cfg = load_config(a.config).replace(expert_format="bf16", dtype=dtype,
+                                        mla_prefix_attention_implementation=a.prefix_attention)
     params = jax.device_put(random_params(cfg, seed=a.seed, experts="bf16"))
     variables = {"params": params}
     cases = a.cases.split(",")

@@ -3,7 +3,8 @@
     python -m k3_jax.kernels --config configs/k3.json [--platform tpu] [--seq-len 8192] [--compute-capability 9.0]
 
 :func:`explain` asks each op's registry (``pallas_kernels.kda.ops.CHUNK`` / ``DECODE``,
-``pallas_kernels.moe.ops.EXPERT_FFN``, ``pallas_kernels.attention.ATTENTION``, the vision tower's
+``pallas_kernels.moe.ops.EXPERT_FFN``, ``pallas_kernels.attention.ATTENTION``,
+``pallas_kernels.prefix_attention.PREFIX_ATTENTION`` (a prefill chunk against a cached prefix), the vision tower's
 ``k3_jax.vision.attention.VISION_ATTENTION``) what ``cfg``'s implementation
 field selects for a call of the config's shapes, without running anything: the backend, or the reason an
 explicit choice cannot run, and why the backends ahead of it were passed over. At run time the same registries
@@ -20,7 +21,7 @@ from typing import Any
 
 from k3_jax.config import K3Config, load_config
 from k3_jax.vision.attention import VISION_ATTENTION, VisionAttentionCall
-from pallas_kernels import attention
+from pallas_kernels import attention, prefix_attention
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.registry import PLATFORMS, KernelUnavailable, Registry, normalize_platform
@@ -87,6 +88,10 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
             call = attention.AttentionCall(p, dt, (batch, seq_len, cfg.num_attention_heads, cfg.q_head_dim,
                                                    cfg.v_head_dim), True, cc)
             out.append(_choose("mla (train/prefill)", attention.ATTENTION, cfg.mla_attention_implementation, call))
+            call = prefix_attention.PrefixAttentionCall(p, dt, (batch, seq_len, cfg.num_attention_heads,
+                                                                cfg.q_head_dim, cfg.v_head_dim), cc)
+            out.append(_choose("mla (cached prefill)", prefix_attention.PREFIX_ATTENTION,
+                               cfg.mla_prefix_attention_implementation, call))
         if has_moe:
             rows = batch * seq_len * cfg.num_experts_per_token
             call = moe_ops.MoeCall(p, dt, (rows, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),

@@ -117,6 +117,22 @@ def test_snapshot_equals_separately_computed_state(eng):
     assert gap > 1e-2  # the tolerance above tells snapshots of different endpoints apart
 
 
+def test_generated_tokens_are_reused_by_the_next_turn(eng):
+    """A 20-token prompt generating 5 tokens: the decode step that brings its cache to 24 tokens stores the
+    entry of prompt + 4 generated tokens; the next turn (prompt + reply + 7 new tokens) starts at 24, not at the
+    prompt's last endpoint 16, and equals its cold run (the snapshot came from decode steps, so the logits
+    agree to rounding, not bit for bit)."""
+    p = _prompt(20, 21)
+    reply, _, _ = _run(eng, p)
+    assert eng.prefix.has_entry(p + reply, 24) and not eng.prefix.has_entry(p + reply, 32)
+    turn2 = p + reply + _prompt(7, 22)
+    cold, cold_logits, _ = _run(eng, turn2, cold=True)
+    out, logits, cached = _run(eng, turn2)
+    assert cached == 24 and out == cold
+    np.testing.assert_allclose(logits, cold_logits, rtol=1e-4, atol=1e-4)
+    _assert_pool_consistent(eng)
+
+
 def test_concurrent_requests_share_prefix_pages(eng):
     """A request that has prefilled 16 tokens (entries at 8 and 16) is joined by two with the same 20-token
     prefix: they map its page 0 (count 3 + the cache), copy nothing, and all three equal their cold runs."""

@@ -13,6 +13,12 @@ Cached prefill (T > 1) against a latent cache longer than :data:`KEY_BLOCK` also
 (:func:`absorbed_attention_key_blocked`): an online softmax (running max / denominator / output in fp32) over
 key blocks, so a query block holds ``[B, H, blk, KEY_BLOCK]`` scores instead of ``[B, H, blk, S]``, and key
 blocks past the last query position are never visited. It is forward-only (a ``lax.while_loop``).
+
+A cached prefill call of at least :data:`pallas_kernels.prefix_attention.MIN_QUERIES` queries goes through
+the registry :data:`pallas_kernels.prefix_attention.PREFIX_ATTENTION` (``cfg.mla_prefix_attention_implementation``):
+``cudnn`` = the expanded form (the cached latent up-projected per key block, :func:`expand_latent`, then cuDNN
+flash attention against the prefix and causally within the chunk, merged by log-sum-exp), ``xla`` = the
+absorbed form above.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from k3_jax.config import K3Config
 from k3_jax.layers.common import Linear, LinearKernel, RMSNorm, compute_dtype, einsum_f32, matmul_precision
 from k3_jax.layers.parallel import axis_size
 from k3_jax.parallel.sequence import mla_sequence_parallel
-from pallas_kernels import attention
+from pallas_kernels import attention, prefix_attention
 from pallas_kernels.registry import platform_scope
 
 NEG_INF = -1e30
@@ -208,6 +214,49 @@ def absorbed_attention_key_blocked(
     return einsum_f32("bthc,chd->bthd", o_lat, w_uv.astype(dt)).astype(dt)
 
 
+def _absorbed_cached_attention(q_nope: jax.Array, q_rot: jax.Array, store: jax.Array, kv_kernel: jax.Array,
+                               lengths: jax.Array, scale: float) -> jax.Array:
+    """Queries at ``lengths .. lengths+T-1`` against the latent ``store [B, S, C+Dr]`` (which holds them) in the
+    absorbed form; ``kv_kernel [C, H, Dn+Dv]``. Decode (T = 1) is one direct call; a longer call goes in query
+    blocks (and key blocks when S > :data:`KEY_BLOCK`)."""
+    b, t = q_nope.shape[:2]
+    dn, c = q_nope.shape[-1], kv_kernel.shape[0]
+    s_max = store.shape[1]
+    pos_q = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+
+    def attend_cached(qn: jax.Array, qr: jax.Array, pos: jax.Array) -> jax.Array:
+        if t > 1 and s_max > KEY_BLOCK:  # long cache: online softmax over key blocks (forward only)
+            return absorbed_attention_key_blocked(qn, qr, store, kv_kernel[..., :dn], kv_kernel[..., dn:],
+                                                  pos, scale)
+        mask = jnp.arange(s_max)[None, None, :] <= pos[:, :, None]  # [B, blk, S]
+        return absorbed_attention(qn, qr, store[..., :c], store[..., c:], kv_kernel[..., :dn],
+                                  kv_kernel[..., dn:], mask, scale)
+
+    return map_query_blocks(attend_cached, [q_nope, q_rot, pos_q], QUERY_BLOCK)
+
+
+def expand_latent(block: jax.Array, kv_kernel: jax.Array, heads: int, nope_dim: int, dtype: jnp.dtype,
+                  precision: jax.lax.Precision) -> tuple[jax.Array, jax.Array]:
+    """Per-head K/V of cached positions: ``block [B, S, C+Dr]`` (latent ĉ then the shared key part),
+    ``kv_kernel [C, H·(Dn+Dv)]`` -> k ``[B, S, H, Dn+Dr]`` (the shared part broadcast), v ``[B, S, H, Dv]`` in
+    ``dtype``; the same up-projection as the layer's cache-free path."""
+    b, s, _ = block.shape
+    c = kv_kernel.shape[0]
+    lat, rot = block[..., :c].astype(dtype), block[..., c:].astype(dtype)
+    kv = jnp.matmul(lat, kv_kernel.astype(dtype), precision=precision).reshape(b, s, heads, -1)
+    k = jnp.concatenate([kv[..., :nope_dim], jnp.broadcast_to(rot[:, :, None, :], (b, s, heads, rot.shape[-1]))],
+                        axis=-1)
+    return k, kv[..., nope_dim:]
+
+
+def prefix_attention_backend(cfg: K3Config, q: jax.Array, dv: int) -> str:
+    """The backend of :data:`pallas_kernels.prefix_attention.PREFIX_ATTENTION` that
+    ``cfg.mla_prefix_attention_implementation`` selects for queries ``q [B, T, H, Dqk]`` (raises
+    ``KernelUnavailable`` with the reason for an explicit choice that cannot run)."""
+    call = prefix_attention.make_call(q, dv, cfg.platform)
+    return prefix_attention.PREFIX_ATTENTION.select(cfg.mla_prefix_attention_implementation, call).backend
+
+
 @functools.partial(jax.checkpoint, static_argnums=(2,))
 def sigmoid_gate(o: jax.Array, gate: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """``f32(o) · sigmoid(f32(gate))`` in ``dtype``; recomputed in the backward (no f32 ``[B, T, H·Dv]`` kept)."""
@@ -288,20 +337,16 @@ class KimiMLAAttention(nn.Module):
                 store = jax.vmap(lambda s, n, pos: jax.lax.dynamic_update_slice(s, n, (pos, 0)))(
                     store, new_entries, lengths)
                 new_cache = {"latent": store}
-            s_max = store.shape[1]
-            pos_q = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
-            kv_kernel = kv_kernel.reshape(c, h, dn + dv)
-
-            def attend_cached(qn: jax.Array, qr: jax.Array, pos: jax.Array) -> jax.Array:
-                if t > 1 and s_max > KEY_BLOCK:  # long cache: online softmax over key blocks (forward only)
-                    return absorbed_attention_key_blocked(qn, qr, store, kv_kernel[..., :dn], kv_kernel[..., dn:],
-                                                          pos, scale)
-                mask = jnp.arange(s_max)[None, None, :] <= pos[:, :, None]  # [B, blk, S]
-                return absorbed_attention(qn, qr, store[..., :c], store[..., c:], kv_kernel[..., :dn],
-                                          kv_kernel[..., dn:], mask, scale)
-
-            # decode (T = 1) is one direct call; a long prefill goes in query blocks (and key blocks, S > KEY_BLOCK)
-            o = map_query_blocks(attend_cached, [q_nope.astype(dt), q_rot.astype(dt), pos_q], QUERY_BLOCK)
+            if (cache_index is None and t >= prefix_attention.MIN_QUERIES
+                    and prefix_attention_backend(cfg, q.astype(dt), dv) == "cudnn"):
+                expand = functools.partial(expand_latent, kv_kernel=kv_kernel, heads=h, nope_dim=dn, dtype=dt,
+                                           precision=matmul_precision(cfg))
+                k_self, v_self = expand(new_entries)
+                o = prefix_attention.chunk_prefix_attention(q.astype(dt), k_self, v_self, store, expand, lengths,
+                                                            scale, prefix_attention.partial_attention_cudnn)
+            else:
+                o = _absorbed_cached_attention(q_nope.astype(dt), q_rot.astype(dt), store,
+                                               kv_kernel.reshape(c, h, dn + dv), lengths, scale)
 
         gate = Linear(h * dv, ("embed", "heads"), cfg, name="g_proj")(x)
         y = sigmoid_gate(o.reshape(b, t, h * dv), gate, dt)

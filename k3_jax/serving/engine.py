@@ -17,7 +17,9 @@ leaves it when it finishes; nothing recompiles when requests come and go:
 * with ``prefix_cache`` (paged only; :mod:`k3_jax.serving.prefix_cache`) an admitted request starts from the
   longest cached prefix of its prompt: the KDA snapshot is restored into its row, the full MLA pages are
   shared, the partial page is copied, and only the rest is prefilled; prefill pieces end on the snapshot
-  endpoints, and the state after such a piece is stored as a new entry (no second prefill);
+  endpoints, and the state after such a piece is stored as a new entry (no second prefill); so is the state
+  after a decode step that reaches an endpoint (prompt + generated tokens: the next turn of a conversation
+  reuses its reply; a multi-step decode block is cut to single steps up to the endpoint);
 * sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`).
 * images (a vision model): a request's ``media`` (:class:`k3_jax.serving.media.RequestMedia`, its prompt holding
   one ``<|media_pad|>`` per media token) is encoded once, at its first prefill piece (not at all when a prefix-cache
@@ -640,14 +642,28 @@ class Engine:
             media.embeds = self._media_encoder(media)
         return media.embeds
 
-    def _snapshot(self, req: _Request) -> None:
-        """Store the prefix-cache entry of ``req.prompt[:req.pos]`` (an endpoint): KDA snapshot + its pages."""
+    def _snapshot(self, req: _Request, tokens: Sequence[int] | None = None, end: int | None = None) -> None:
+        """Store the prefix-cache entry of ``tokens[:end]`` (an endpoint; default the prompt up to ``req.pos``),
+        which ``req``'s slot holds now: KDA snapshot + its pages."""
+        tokens = req.prompt if tokens is None else tokens
+        end = req.pos if end is None else end
         media = self._media_spans(req)
-        if self.prefix.has_entry(req.prompt, req.pos, media):
+        if self.prefix.has_entry(tokens, end, media):
             return
         snap = self._take_kda(self.cache, jnp.asarray(req.slot, jnp.int32))
         nbytes = sum(x.nbytes for x in jax.tree.leaves(snap))
-        self.prefix.insert(req.prompt, req.pos, self.allocator.owned[req.slot], snap, nbytes, media)
+        self.prefix.insert(tokens, end, self.allocator.owned[req.slot], snap, nbytes, media)
+
+    def _snapshot_decoded(self, active: np.ndarray) -> None:
+        """After a one-step decode call: a decoding request whose cache now holds a stride endpoint's worth of
+        tokens (prompt + every token generated so far, the last one fed by this call) stores that entry, so a
+        later prompt that repeats the generated tokens (the next turn of a conversation) reuses them too."""
+        stride = self.prefix.config.stride
+        for slot, req in enumerate(self._slots):
+            if active[slot] and req is not None:
+                end = len(req.prompt) + len(req.output)
+                if end % stride == 0:
+                    self._snapshot(req, req.prompt + req.output, end)
 
     def _media_spans(self, req: _Request) -> tuple:
         """The spans by which ``req``'s embeddings differ from its token ids' (media items, zeroed
@@ -663,8 +679,16 @@ class Engine:
             return 1
         if any(r is not None and r.prefilling for r in self._slots):
             return 1
+        if self.prefix is not None and any(self._endpoint_within(r, n) for r in self._slots if r is not None):
+            return 1  # single steps up to the endpoint: its snapshot is taken after a one-step call
         left = min(r.max_tokens - len(r.output) for r in self._slots if r is not None)
         return n if left >= n else 1
+
+    def _endpoint_within(self, req: _Request, n: int) -> bool:
+        """True when ``n`` decode steps of ``req`` would reach a snapshot endpoint (its cache holds prompt +
+        output minus the last token before them)."""
+        held, stride = len(req.prompt) + len(req.output) - 1, self.prefix.config.stride
+        return (held + n) // stride > held // stride
 
     def _decode_step(self) -> list[TokenEvent]:
         active = np.asarray([r is not None and not r.prefilling for r in self._slots])
@@ -696,6 +720,8 @@ class Engine:
             return self._fail_running(e)
         self.step_failures = 0
         self.last_step_error = None
+        if self.prefix is not None and n == 1:
+            self._snapshot_decoded(active)
         self.stats["decode_steps"] += n
         events = []
         for out in outs:
