@@ -67,3 +67,22 @@ def test_which_experts_are_handed_over_stacked():
     assert stacked_routed_experts(cfg, {**bf16, "w1_lora_a": jnp.zeros(1)}) is None  # adapters merged per layer
     assert stacked_routed_experts(cfg.replace(qat="mxfp4"), bf16) is None  # fake quantised per layer
     assert stacked_routed_experts(cfg, None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+def test_stacked_expert_ffn_compiled_on_gpu(mxfp4):
+    """The compiled Triton kernels (bf16 activations) on the stack at a traced layer equal them on its slice."""
+    x = jax.random.normal(jax.random.key(5), (64, LAT), jnp.bfloat16)
+    w = jax.tree.map(lambda a: a if a.dtype == jnp.uint8 else a.astype(jnp.bfloat16), _stacks(jax.random.key(6), mxfp4))
+    gs = jnp.array([20, 0, 30, 10], jnp.int32)
+    ffn = lambda w1, w3, w2, layer=None: moe.expert_ffn(x, gs, w1, w3, w2, implementation="triton", layer=layer)
+
+    @jax.jit
+    def both(layer):
+        one = jax.tree.map(lambda a: a[1], w)
+        return ffn(w["w1"], w["w3"], w["w2"], layer), ffn(one["w1"], one["w3"], one["w2"])
+
+    got, want = both(jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.abs(np.asarray(got[:60], np.float32)).max() > 0
