@@ -23,11 +23,23 @@ One JSON line per case (``batch:prompt_len``, expert format, steps per call):
 ``--xla-flags`` is appended to ``XLA_FLAGS`` before JAX starts (compare XLA options in separate processes).
 ``--layers kda,mla`` builds a config of those layers at the config's widths (e.g. the release's exact shapes
 from ``configs/k3.json``: one KDA and one MLA layer, 896 experts top-16) instead of the config's own layers.
+
+Parameters (:func:`init_params`): the model's own init of a copy of the config with ``num_experts`` cut to the
+top-k (the release's 896-expert init would need hundreds of GB of temporaries), then the router and the routed
+experts at full size filled with random values leaf by leaf (router ``normal(0.02)``, correction bias 0; bf16
+experts random signs and mantissas in ``[2^-7, 2^-6)``; MXFP4 random codes, scales ``2^-5``).
+
+Several processes may share the GPU (e.g. two trees, or two configs, compiling in parallel): with
+``K3_BENCH_LOCK=FILE`` each holds that file lock for all its device work (copy bandwidth, init, warm-up,
+timing, profile) and releases it only to compile, so no two processes time at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import functools
 import json
 import os
 import sys
@@ -57,6 +69,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def emit(rec: dict) -> None:
     print(json.dumps(rec), flush=True)
+
+
+@contextlib.contextmanager
+def device_lock():
+    """Hold the file lock ``K3_BENCH_LOCK`` names (if set) for a stretch of device work (see the module doc)."""
+    path = os.environ.get("K3_BENCH_LOCK")
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def init_params(cfg, seed: int = 0):
+    """Random parameters of ``K3ForCausalLM(cfg)`` without the full-size expert init (see the module doc)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from k3_jax.model import K3ForCausalLM
+
+    key, tokens = jax.random.PRNGKey(seed), jnp.zeros((1, 1), jnp.int32)
+    full = jax.eval_shape(lambda: nn.unbox(K3ForCausalLM(cfg).init(key, tokens)))
+    small = cfg.replace(num_experts=cfg.num_experts_per_token)
+    params = nn.unbox(jax.jit(K3ForCausalLM(small).init)(key, tokens))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def fill(k, shape, dtype, name):
+        if name == "e_score_correction_bias":
+            return jnp.zeros(shape, dtype)
+        if name == "weight_packed":
+            return jax.random.bits(k, shape, jnp.uint8)
+        if name == "weight_scale":
+            return jnp.full(shape, 122, jnp.uint8)
+        if name == "kernel":  # the router
+            return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        bits = jax.random.bits(k, shape, jnp.uint16) & 0x807F | 0x3C00  # +-[2^-7, 2^-6) in bf16
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(dtype)
+
+    flat_full = jax.tree_util.tree_flatten_with_path(full)[0]
+    leaves, tree = jax.tree.flatten(params)
+    out = []
+    for i, ((path, want), have) in enumerate(zip(flat_full, leaves, strict=True)):
+        if want.shape == have.shape:
+            out.append(have)
+            continue
+        name = str(getattr(path[-1], "key", path[-1]))
+        out.append(fill(jax.random.fold_in(key, i), tuple(want.shape), jnp.dtype(want.dtype), name))
+        del have
+    return jax.tree.unflatten(tree, out)
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -168,6 +234,27 @@ def profile_breakdown(fn, args_fn, calls: int, steps_per_call: int, out_dir: str
 
 def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Namespace, gbps: float,
              first: bool) -> dict:
+    """One ``batch:prompt_len`` case at ``n`` steps per call: set up and time under the device lock, compile
+    without it; returns its JSON record."""
+    max_len = prompt_len + args.gen
+    with device_lock():
+        eng, state, inputs, nbytes = _prepare_case(cfg, params, batch, prompt_len, max_len, n)
+    t0 = time.perf_counter()
+    lowered = (eng._decode.lower(eng.variables, state["cache"], *inputs, 5, None) if n == 1 else
+               eng._decode_multi.lower(eng.variables, state["cache"], *inputs, 5, None, n))
+    compiled = lowered.compile()  # static arguments (top logprobs, steps per call) are baked in
+    compile_s = time.perf_counter() - t0
+
+    def call():
+        out, state["cache"] = compiled(eng.variables, state["cache"], *inputs, None)
+        return out
+
+    with device_lock():
+        return _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gbps, compile_s, first)
+
+
+def _prepare_case(cfg, params, batch: int, prompt_len: int, max_len: int, n: int):
+    """``(engine, {"cache": filled cache}, (tokens, active, sampling arrays), bytes per step)``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -175,8 +262,8 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
     from k3_jax.serving.engine import Engine
     from k3_jax.serving.sampling import SamplingArrays
 
-    max_len = prompt_len + args.gen
     eng = Engine(cfg, params, max_batch=batch, max_len=max_len, eos_ids=(), max_logprobs=5, decode_block=n)
+
     def fill(cache):  # random states, conv tails and latents (never time on zeros), every row at prompt_len
         leaves, tree = jax.tree.flatten(cache)
         keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
@@ -184,25 +271,22 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
                   if jnp.issubdtype(x.dtype, jnp.floating) else x for k, x in zip(keys, leaves, strict=True)]
         return {**jax.tree.unflatten(tree, leaves), "lengths": jnp.full((batch,), prompt_len, jnp.int32)}
 
-    eng.cache = jax.jit(fill, donate_argnums=(0,))(eng.cache)
+    eng.cache = jax.block_until_ready(jax.jit(fill, donate_argnums=(0,))(eng.cache))
     nbytes = step_bytes(cfg, eng.variables["params"], eng.cache, batch, prompt_len)
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, cfg.vocab_size, batch), jnp.int32)
     active = jnp.ones((batch,), bool)
     samp = SamplingArrays(temperature=jnp.zeros(batch), top_k=jnp.zeros(batch, jnp.int32),
                           top_p=jnp.ones(batch), seed=jnp.zeros(batch, jnp.uint32),
                           step=jnp.zeros(batch, jnp.int32))
-    state = {"cache": eng.cache}
+    return eng, {"cache": eng.cache}, (tokens, active, samp), nbytes
 
-    def call():
-        if n == 1:
-            out, state["cache"] = eng._decode(eng.variables, state["cache"], tokens, active, samp, 5, None)
-        else:
-            out, state["cache"] = eng._decode_multi(eng.variables, state["cache"], tokens, active, samp, 5, None, n)
-        return out
 
-    t0 = time.perf_counter()
-    jax.block_until_ready(call())  # compile + first call
-    compile_s = time.perf_counter() - t0
+def _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gbps, compile_s, first):
+    """Warm-up, timed calls and (first case) the profile of one compiled case; returns its JSON record."""
+    import jax
+    import jax.numpy as jnp
+
+    jax.block_until_ready(call())
     jax.block_until_ready(call())
     # lengths grow by n per call: keep every call at ~prompt_len by resetting them (a device scalar op)
     reset = jax.jit(lambda c: {**c, "lengths": jnp.full((batch,), prompt_len, jnp.int32)}, donate_argnums=(0,))
@@ -235,14 +319,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
     sys.path.insert(0, str(REPO))
-    import flax.linen as nn
     import jax
-    import jax.numpy as jnp
 
     from k3_jax.config import load_config
-    from k3_jax.model import K3ForCausalLM
 
-    gbps = copy_bandwidth_gbps()
+    with device_lock():
+        gbps = copy_bandwidth_gbps()
     emit({"bench": "decode", "label": args.label, "copy_gbps": round(gbps, 1), "device": jax.devices()[0].device_kind})
     cases = [[int(v) for v in c.split(":")] for c in args.cases.split(",") if c]
     cases = [(c[0], c[1], c[2] if len(c) > 2 else args.decode_block) for c in cases]
@@ -252,8 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.layers:
             cfg = layer_config(cfg, args.layers.split(","), args.vocab)
         t0 = time.perf_counter()
-        params = nn.unbox(jax.jit(K3ForCausalLM(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
-        jax.block_until_ready(params)
+        with device_lock():
+            params = jax.block_until_ready(init_params(cfg))
         emit({"bench": "decode", "label": args.label, "event": "init", "experts": experts,
               "param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
               "init_s": round(time.perf_counter() - t0, 1)})

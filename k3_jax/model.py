@@ -38,7 +38,7 @@ from k3_jax.layers.attn_res import (
 from k3_jax.layers.common import LinearKernel, RMSNorm, compute_dtype, einsum_f32, logical, param_dtype
 from k3_jax.layers.kda import KimiDeltaAttention
 from k3_jax.layers.mla import KimiMLAAttention
-from k3_jax.layers.moe import LatentMoE, SituMLP
+from k3_jax.layers.moe import LatentMoE, SituMLP, stacked_routed_experts
 from k3_jax.layers.parallel import axis_size, constrain
 from k3_jax.parallel.vocab import vocab_parallel_embed
 from sharding.local_kernels import active_mesh_size
@@ -110,9 +110,12 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, sources: jax.Array, layer: jax.Array, segment_ids: jax.Array | None,
                  cache: dict | None, lengths: jax.Array | None,
-                 cache_index: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+                 cache_index: jax.Array | None = None,
+                 stacked_experts: dict | None = None) -> tuple[jax.Array, dict | None]:
         """``cache_index``: with a decode cache, ``cache`` is the segment's stacked entry ``[R, ...]`` and this
-        layer reads and writes its repeat ``cache_index`` in place (see :class:`LayerGroup`)."""
+        layer reads and writes its repeat ``cache_index`` in place (see :class:`LayerGroup`);
+        ``stacked_experts`` (with ``cache_index``): the segment's stacked routed-expert weights of this layer,
+        read at repeat ``cache_index`` in place (see :class:`LatentMoE`)."""
         cfg = self.cfg
         mixer_kind, ffn_kind = self.kind
         bs = cfg.attn_res_block_size
@@ -132,7 +135,7 @@ class DecoderLayer(nn.Module):
         if ffn_kind == "dense":
             f = SituMLP(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
-            f = LatentMoE(cfg, name="block_sparse_moe")(m)
+            f = LatentMoE(cfg, name="block_sparse_moe")(m, stacked_experts, cache_index)
         sources = _add_to_slot(sources, slot, f)
         if self.is_mutable_collection(FEATURES) and not self.is_initializing():  # init returns params only
             self.sow(FEATURES, "residual", jnp.sum(sources.astype(jnp.float32), axis=0).astype(sources.dtype))
@@ -152,7 +155,9 @@ class LayerGroup(nn.Module):
     segment's cache ``[R, ...]``; each layer updates its repeat inside it (KDA states through the decode
     kernel's state pool, conv tails and latents by dynamic-update-slice), so the donated cache buffers are
     updated in place and no per-repeat cache slice is copied in or stacked out. Returns ``((sources, stacked),
-    None)`` then.
+    None)`` then. ``experts`` (broadcast, in place only): ``{layer_{j}: stacked routed-expert weights}`` of the
+    segment's MoE layers (:func:`k3_jax.layers.moe.stacked_routed_experts`), read by the expert kernel at this
+    repeat instead of the scan step's weight slice.
     """
 
     cfg: K3Config
@@ -161,7 +166,8 @@ class LayerGroup(nn.Module):
 
     @nn.compact
     def __call__(self, sources: Any, repeat: jax.Array, cache: dict | None,
-                 segment_ids: jax.Array | None, lengths: jax.Array | None) -> tuple[Any, dict | None]:
+                 segment_ids: jax.Array | None, lengths: jax.Array | None,
+                 experts: dict | None = None) -> tuple[Any, dict | None]:
         stacked = None
         if self.in_place:
             sources, stacked = sources
@@ -171,7 +177,8 @@ class LayerGroup(nn.Module):
             layer = self.segment.start + repeat * self.segment.period + j
             if stacked is not None:
                 sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
-                    sources, layer, segment_ids, stacked[f"layer_{j}"], lengths, repeat)
+                    sources, layer, segment_ids, stacked[f"layer_{j}"], lengths, repeat,
+                    (experts or {}).get(f"layer_{j}"))
                 stacked = {**stacked, f"layer_{j}": entry}
                 continue
             entry = None if cache is None else cache[f"layer_{j}"]
@@ -222,7 +229,7 @@ class K3Model(nn.Module):
                 LayerGroup,
                 variable_axes={"params": 0, "intermediates": 0, FEATURES: 0},
                 split_rngs={"params": True},
-                in_axes=(0, 0, nn.broadcast, nn.broadcast),
+                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=seg.repeats,
                 metadata_params={nn.PARTITION_NAME: "layers"},
                 # The broadcast inputs (segment ids, lengths) are plain arguments, never derived from the carry:
@@ -232,11 +239,12 @@ class K3Model(nn.Module):
             )
             seg_cache = None if cache is None else cache["segments"][s]
             if in_place:
+                experts = None if self.is_initializing() else _segment_experts(cfg, self.variables, s, seg)
                 (sources, seg_new), _ = scanned(cfg, seg, in_place=True, name=f"segment_{s}")(
-                    (sources, seg_cache), jnp.arange(seg.repeats), None, segment_ids, lengths)
+                    (sources, seg_cache), jnp.arange(seg.repeats), None, segment_ids, lengths, experts)
             else:
                 sources, seg_new = scanned(cfg, seg, name=f"segment_{s}")(
-                    sources, jnp.arange(seg.repeats), seg_cache, segment_ids, lengths)
+                    sources, jnp.arange(seg.repeats), seg_cache, segment_ids, lengths, None)
             new_segments.append(seg_new)
 
         out = attn_res_point(cfg, "output_attn_res", sources, num_sources(cfg))
@@ -245,6 +253,19 @@ class K3Model(nn.Module):
         if cache is not None:
             new_cache = {"lengths": cache["lengths"] + t, "segments": new_segments}
         return hidden, new_cache
+
+
+def _segment_experts(cfg: K3Config, variables: Any, s: int, seg: Segment) -> dict | None:
+    """``{layer_{j}: stacked routed-expert weights [R, ...]}`` of segment ``s``'s MoE layers, taken from the
+    parameters as they are (no copy), for the expert kernel to read each repeat in place; None when none apply."""
+    group = variables.get("params", {}).get(f"segment_{s}", {})
+    out = {}
+    for j, (_, ffn_kind) in enumerate(seg.kinds):
+        moe = group.get(f"layer_{j}", {}).get("block_sparse_moe", {})
+        experts = stacked_routed_experts(cfg, moe.get("experts")) if ffn_kind != "dense" else None
+        if experts is not None:
+            out[f"layer_{j}"] = experts
+    return out or None
 
 
 def _embedding_init(cfg: K3Config):

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
+import pytest
 
 from pallas_kernels.moe import ops
 
@@ -58,12 +59,18 @@ def test_k3_routing_weight_generator_temporaries_are_small():
     assert mem.temp_size_in_bytes < GIB, f"temporaries {mem.temp_size_in_bytes / GIB:.1f} GiB"
 
 
-def test_k3_routing_triton_dispatch_materialises_no_weight_copy():
+@pytest.mark.parametrize("layers", [None, 3], ids=["one_layer", "stacked"])
+def test_k3_routing_triton_dispatch_materialises_no_weight_copy(layers):
     """Dispatch + fused MXFP4 FFN + combine traced for the GPU kernels: no value of the program is larger than
-    64 MiB (the packed weights are arguments; a dequantised or widened copy of one expert tensor is >= 4.6 GiB)."""
+    64 MiB (the packed weights are arguments; a dequantised or widened copy of one expert tensor is >= 4.6 GiB).
+    ``stacked``: the weights of 3 layers ``[3, E, ...]`` read at a layer index, with no slice of one layer."""
+    stack = (lambda d: d) if layers is None else (
+        lambda d: {k: jax.ShapeDtypeStruct((layers, *v.shape), v.dtype) for k, v in d.items()})
     args = (jax.ShapeDtypeStruct((T, LAT), jnp.bfloat16), jax.ShapeDtypeStruct((T, TOPK), jnp.int32),
             jax.ShapeDtypeStruct((T, TOPK), jnp.float32),
-            {"w1": _mx(E, INTER, LAT), "w3": _mx(E, INTER, LAT), "w2": _mx(E, LAT, INTER)})
-    fn = lambda z, ids, w, ex: ops.moe_dispatch_combine(z, ids, w, ex, implementation="triton", platform="gpu")
+            {"w1": stack(_mx(E, INTER, LAT)), "w3": stack(_mx(E, INTER, LAT)), "w2": stack(_mx(E, LAT, INTER))})
+    layer = None if layers is None else jnp.int32(1)
+    fn = lambda z, ids, w, ex: ops.moe_dispatch_combine(z, ids, w, ex, implementation="triton", platform="gpu",
+                                                        layer=layer)
     nbytes, what = _largest_intermediate(jax.make_jaxpr(fn)(*args).jaxpr)
     assert nbytes <= 64 * 2**20, what

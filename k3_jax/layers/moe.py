@@ -161,12 +161,17 @@ class LatentMoE(nn.Module):
 
     Sows ``intermediates/router_scores`` [B·T, E] f32 and ``intermediates/expert_ids`` [B·T, k] i32 for
     Quantile Balancing and load statistics.
+
+    ``stacked_experts`` (one-token decode, see :func:`stacked_routed_experts`): this layer's ``experts`` params
+    as the whole scanned segment's stack ``[R, ...]``, with ``layer`` (i32 scalar) its repeat; the expert kernel
+    then reads the layer in place (no per-layer weight copy) instead of this scan step's slice.
     """
 
     cfg: K3Config
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, stacked_experts: dict | None = None,
+                 layer: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
@@ -174,8 +179,11 @@ class LatentMoE(nn.Module):
         self.sow("intermediates", "router_scores", scores)
         self.sow("intermediates", "expert_ids", expert_ids)
         z = Linear(cfg.routed_expert_hidden_size, ("embed", "latent"), cfg, name="routed_expert_down_proj")(flat)
-        experts = RoutedExperts(cfg, name="experts")()
         strategy = expert_parallel_strategy(cfg)
+        if stacked_experts is not None and strategy is None:
+            experts = stacked_experts
+        else:
+            experts, layer = RoutedExperts(cfg, name="experts")(), None
         if strategy is not None:  # experts split over the `expert` mesh axis
             u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=strategy,
                                         beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
@@ -185,7 +193,7 @@ class LatentMoE(nn.Module):
                 return moe_ops.moe_dispatch_combine(
                     z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
                     mxfp8_activations=cfg.qat == "mxfp4", implementation=cfg.moe_implementation,
-                    platform=cfg.platform)
+                    platform=cfg.platform, layer=layer)
 
             tok = ("batch", None)
             u = per_shard(dispatch, (z, expert_ids, weights, experts), (tok, tok, tok, None), (tok,))
@@ -195,6 +203,15 @@ class LatentMoE(nn.Module):
         if cfg.num_shared_experts > 0:
             y = y + SituMLP(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size, name="shared_experts")(flat)
         return y.reshape(b, t, d)
+
+
+def stacked_routed_experts(cfg: K3Config, experts: dict | None) -> dict | None:
+    """The ``experts`` params of a scanned MoE layer (stacks ``[R, ...]``) as the dict :class:`LatentMoE` takes
+    for ``stacked_experts``, or None where :class:`RoutedExperts` must build the weights per layer (LoRA
+    adapters, QAT fake quantisation) or there are none. Boxed (partitioned) leaves are unboxed."""
+    if experts is None or cfg.qat == "mxfp4" or set(experts) != {"w1", "w2", "w3"}:
+        return None
+    return nn.meta.unbox(dict(experts))
 
 
 def expert_parallel_strategy(cfg: K3Config) -> str | None:

@@ -12,6 +12,11 @@ under ``jit`` with a static upper bound of ``ceil(M / tm) + E`` tiles; programs 
 - :func:`gmm_mxfp4`: grouped matmul whose weights stay MXFP4 in HBM (HF ``[E, N, K/2]`` codes + ``[E, N, K/32]``
   E8M0 scales) and are decoded in registers; one or two weights (w1/w3 with the SiTU-GLU epilogue). Built for
   decode (few rows per expert: weight-streaming bound), forward only.
+
+Both kernels also read one layer of a stacked ``[L, E, ...]`` weight in place (``layer=`` an i32 scalar, passed
+to the kernel as a one-element input; the kernel indexes ``rhs_ref[layer, expert, ...]``), so a layer scan that
+hands the kernel the whole stack and its index copies no per-layer weight slice (XLA materialises a
+``dynamic_slice`` that feeds a custom call).
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ def _tile_rows(gid_ref, row0_ref, ends_ref, t, tm: int):
     return g, r0, r0 + jnp.arange(tm, dtype=jnp.int32) < ends_ref[g]
 
 
-def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, rhs_ref, out_ref,
-                tm: int, tk: int, tn: int, k: int, num_groups: int, trans_b: bool):
-    """One ``[tm, tn]`` output tile of the grouped matmul."""
+def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, lhs_ref, rhs_ref, out_ref,
+                tm: int, tk: int, tn: int, k: int, num_groups: int, trans_b: bool, stacked: bool):
+    """One ``[tm, tn]`` output tile of the grouped matmul; with ``stacked``, ``rhs_ref [L, E, ...]`` is read at
+    layer ``layer_ref[0]``."""
     t = pl.program_id(1)
     j = pl.program_id(0)
 
@@ -62,27 +68,31 @@ def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, lhs_ref, rhs_ref, out_ref,
         rmask = smask & (g < num_groups)  # the virtual trailing group loads zeros, stores zeros
         n0 = pl.multiple_of(j * tn, tn)
         gw = jnp.minimum(g, num_groups - 1)
+        at = (layer_ref[0], gw) if stacked else (gw,)
 
         def body(kk, acc):
             k0 = pl.multiple_of(kk * tk, tk)
             a = pltriton.load(lhs_ref.at[pl.ds(r0, tm), pl.ds(k0, tk)], mask=rmask[:, None], other=0.0)
             if trans_b:
-                b = rhs_ref[gw, pl.ds(n0, tn), pl.ds(k0, tk)].T
+                b = rhs_ref[(*at, pl.ds(n0, tn), pl.ds(k0, tk))].T
             else:
-                b = rhs_ref[gw, pl.ds(k0, tk), pl.ds(n0, tn)]
+                b = rhs_ref[(*at, pl.ds(k0, tk), pl.ds(n0, tn))]
             return acc + jnp.dot(a, b.astype(a.dtype), preferred_element_type=jnp.float32)
 
         val = jax.lax.fori_loop(0, k // tk, body, jnp.zeros((tm, tn), jnp.float32))
         pltriton.store(out_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)], val.astype(out_ref.dtype), mask=smask[:, None])
 
 
-def _gmm_call(lhs, rhs, group_sizes, *, trans_b, out_dtype, tiles, interpret):
+def _gmm_call(lhs, rhs, group_sizes, *, trans_b, out_dtype, tiles, interpret, layer=None):
+    """``rhs [E, K, N]`` (``[E, N, K]`` with ``trans_b``), or ``[L, E, ...]`` read at ``layer`` (i32 scalar)."""
+    lyr = _layer_index(rhs, layer, 3)
     m, k = lhs.shape
-    e = rhs.shape[0]
-    n = rhs.shape[1] if trans_b else rhs.shape[2]
+    e = rhs.shape[-3]
+    n = rhs.shape[-2] if trans_b else rhs.shape[-1]
     tm, tk, tn, warps, stages = tiles
     gid, row0, ends, num = make_tile_table(group_sizes, m, tm)
-    kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k=k, num_groups=e, trans_b=trans_b)
+    kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k=k, num_groups=e, trans_b=trans_b,
+                               stacked=layer is not None)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -90,7 +100,21 @@ def _gmm_call(lhs, rhs, group_sizes, *, trans_b, out_dtype, tiles, interpret):
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="moe_gmm_gpu",
-    )(gid, row0, ends, num, lhs, rhs)
+    )(gid, row0, ends, num, lyr, lhs, rhs)
+
+
+def _layer_index(w: jax.Array, layer: jax.Array | None, ndim: int) -> jax.Array:
+    """The kernels' layer input ``i32 [1]`` for weight ``w``: 0 for an unstacked ``ndim``-D weight (unused), else
+    ``layer`` of the stack ``[L, ...]`` (``ndim + 1`` dims)."""
+    if layer is None:
+        if w.ndim != ndim:
+            raise ValueError(f"gpu: expert weight of shape {w.shape} needs {ndim} dims ({ndim + 1} with layer=)")
+        return jnp.zeros((1,), jnp.int32)
+    if w.ndim != ndim + 1:
+        raise ValueError(f"gpu: with layer=, the expert weight must be stacked [L, ...] with {ndim + 1} dims, "
+                         f"got shape {w.shape}")
+    # clamped into [0, L) like dynamic_slice (a traced index cannot be checked; the kernel must not read past)
+    return jnp.clip(jnp.reshape(layer, (1,)).astype(jnp.int32), 0, w.shape[0] - 1)
 
 
 def _tgmm_kernel(ends_ref, lhs_ref, dout_ref, out_ref, *, tm: int, tk: int, tn: int):
@@ -179,13 +203,16 @@ def gmm(
     preferred_element_type=None,
     tiles: tuple[int, int, int, int, int] | None = None,
     interpret: bool = False,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped matmul ``lhs [M, K] x rhs [E, K, N] -> [M, N]`` (ragged_dot semantics), differentiable.
 
     K and N must be multiples of the K/N tiles (64/128 by default, or smaller than one tile and a power
     of two). ``tiles = (tm, tk, tn, num_warps, num_stages)``.
+    ``layer`` (i32 scalar): ``rhs`` is a stack ``[L, E, K, N]`` read in place at that layer (clamped into
+    ``[0, L)``); that form is forward only (decode).
     """
-    k, n = rhs.shape[1], rhs.shape[2]
+    k, n = rhs.shape[-2], rhs.shape[-1]
     tiles = _fit(tiles or DEFAULT_TILES, k, n)
     if k % tiles[1] or n % tiles[2]:
         raise ValueError(f"gpu.gmm: K={k}, N={n} must be multiples of the tiles (tk={tiles[1]}, tn={tiles[2]})")
@@ -193,6 +220,11 @@ def gmm(
     m = lhs.shape[0]
     # The interpreter clamps out-of-range slices instead of masking them: give it tm spare rows.
     x = jnp.pad(lhs, ((0, tiles[0]), (0, 0))) if interpret else lhs
+    if layer is not None:
+        call = functools.partial(_gmm_call, trans_b=False, out_dtype=out_dtype, tiles=tiles, interpret=interpret)
+        out = forward_only(lambda a, w, gs, lyr: call(a, w, gs, layer=lyr), x, rhs.astype(lhs.dtype),
+                           group_sizes.astype(jnp.int32), layer, name="moe.gpu.gmm(layer=)")
+        return out[:m]
     out = _gmm_vjp(x, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), tiles, out_dtype, interpret)
     return out[:m]
 
@@ -301,9 +333,11 @@ def _decode_tile(codes_u8: jax.Array, scales_u8: jax.Array, dtype, interpret: bo
     return _decode(codes, f, dtype), _decode(codes >> 4, f, dtype)
 
 
-def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, x_ref, *refs,
-                      tm: int, tkh: int, tn: int, kh: int, num_groups: int, n_rhs: int, epilogue, interpret: bool):
-    """``refs = (codes_1, scales_1[, codes_2, scales_2], out)``; x is in even|odd column order."""
+def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, x_ref, *refs,
+                      tm: int, tkh: int, tn: int, kh: int, num_groups: int, n_rhs: int, epilogue, interpret: bool,
+                      stacked: bool):
+    """``refs = (codes_1, scales_1[, codes_2, scales_2], out)``, with ``stacked`` weights ``[L, E, ...]`` read at
+    layer ``layer_ref[0]``; x is in even|odd column order."""
     w_refs, out_ref = refs[:2 * n_rhs], refs[2 * n_rhs]
     t = pl.program_id(1)
     j = pl.program_id(0)
@@ -313,6 +347,7 @@ def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, x_ref, *refs,
         g, r0, smask = _tile_rows(gid_ref, row0_ref, ends_ref, t, tm)
         n0 = pl.multiple_of(j * tn, tn)
         gw = jnp.minimum(g, num_groups - 1)
+        at = (layer_ref[0], gw) if stacked else (gw,)
         ts = tkh // 16  # scales per K step (one per 32 elements = 16 packed bytes)
 
         def body(kk, accs):
@@ -321,8 +356,8 @@ def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, x_ref, *refs,
             a_hi = pltriton.load(x_ref.at[pl.ds(r0, tm), pl.ds(kh + k0, tkh)], mask=smask[:, None], other=0.0)
             out = []
             for r in range(n_rhs):
-                codes = w_refs[2 * r][gw, pl.ds(n0, tn), pl.ds(k0, tkh)]
-                sc = w_refs[2 * r + 1][gw, pl.ds(n0, tn), pl.ds(kk * ts, ts)]
+                codes = w_refs[2 * r][(*at, pl.ds(n0, tn), pl.ds(k0, tkh))]
+                sc = w_refs[2 * r + 1][(*at, pl.ds(n0, tn), pl.ds(kk * ts, ts))]
                 lo, hi = _decode_tile(codes, sc, a_lo.dtype, interpret)  # even / odd K columns
                 acc = accs[r] + jax.lax.dot_general(a_lo, lo, (((1,), (1,)), ((), ())),
                                                     preferred_element_type=jnp.float32)
@@ -356,6 +391,7 @@ def gmm_mxfp4(
     out_dtype=None,
     tiles: tuple[int, int, int, int, int] | None = None,
     interpret: bool = False,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped matmul with MXFP4 weights decoded in registers: ``x[rows of g] @ W[g]^T`` for HF ``W [E, N, K]``.
 
@@ -365,20 +401,23 @@ def gmm_mxfp4(
         checkpoint: no transpose, no dequantized copy), or two with ``epilogue(acc1, acc2) -> f32``.
       group_sizes: ``[E] i32``; experts with no rows are not read.
       tiles: ``(tm, tkh, tn, num_warps, num_stages)``; tkh counts packed bytes (K/2) per step, a multiple of 16.
+      layer: i32 scalar: every codes/scales array is a stack ``[L, E, ...]`` read in place at that layer
+        (clamped into ``[0, L)``).
     Returns:
       ``[M, N]`` in ``out_dtype`` (default ``x.dtype``); rows past ``sum(group_sizes)`` are 0. Forward only.
     """
     if not 1 <= len(weights) <= 2 or (len(weights) == 2) != (epilogue is not None):
         raise ValueError("gpu.gmm_mxfp4: pass one weight, or two weights with an epilogue")
     m, k = x.shape
-    codes0, scales0 = weights[0]
-    e, n, kh = codes0.shape
+    codes0, _ = weights[0]
+    lyr = [_layer_index(a, layer, 3) for w in weights for a in w][0]  # checks every array's rank
+    lead, (e, n, kh) = codes0.shape[:-3], codes0.shape[-3:]
     for codes, scales in weights:
         if codes.dtype != jnp.uint8 or scales.dtype != jnp.uint8:
             raise TypeError(f"gpu.gmm_mxfp4: codes/scales must be u8, got {codes.dtype}/{scales.dtype}")
-        if codes.shape != (e, n, kh) or scales.shape != (e, n, k // 32):
-            raise ValueError(f"gpu.gmm_mxfp4: x [M, K={k}] needs codes [E, N, {k // 2}] and scales "
-                             f"[E, N, {k // 32}], got {codes.shape} / {scales.shape} (first codes {codes0.shape})")
+        if codes.shape != (*lead, e, n, kh) or scales.shape != (*lead, e, n, k // 32):
+            raise ValueError(f"gpu.gmm_mxfp4: x [M, K={k}] needs codes [(L,) E, N, {k // 2}] and scales "
+                             f"[(L,) E, N, {k // 32}], got {codes.shape} / {scales.shape} (first codes {codes0.shape})")
     if 2 * kh != k or k % 32:
         raise ValueError(f"gpu.gmm_mxfp4: x has K={k} but codes {codes0.shape} imply K={2 * kh} (K % 32 == 0)")
     tm, tkh, tn, warps, stages = tiles or MXFP4_TILES
@@ -391,7 +430,7 @@ def gmm_mxfp4(
     xe = jnp.pad(xe, ((0, tm), (0, 0))) if interpret else xe
     gid, row0, ends, num = make_tile_table(group_sizes.astype(jnp.int32), m, tm)
     kernel = functools.partial(_gmm_mxfp4_kernel, tm=tm, tkh=tkh, tn=tn, kh=kh, num_groups=e,
-                               n_rhs=len(weights), epilogue=epilogue, interpret=interpret)
+                               n_rhs=len(weights), epilogue=epilogue, interpret=interpret, stacked=layer is not None)
     out = forward_only(pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((xe.shape[0], n), jnp.dtype(out_dtype or x.dtype)),
@@ -399,5 +438,5 @@ def gmm_mxfp4(
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="moe_gmm_mxfp4_gpu",
-    ), gid, row0, ends, num, xe, *[a for w in weights for a in w], name="moe.gpu.gmm_mxfp4")
+    ), gid, row0, ends, num, lyr, xe, *[a for w in weights for a in w], name="moe.gpu.gmm_mxfp4")
     return out[:m]

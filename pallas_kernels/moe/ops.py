@@ -23,6 +23,12 @@ Mosaic GPU has no interpreter) and the dtype.
 
 Gradients: every bf16/f32 path is differentiable w.r.t. tokens, routing weights and expert weights; the MXFP4
 kernel paths are for serving (forward only).
+
+Stacked weights (``layer=``, one-token decode): :func:`expert_ffn` and :func:`moe_dispatch_combine` also take the
+whole ``[L, E, ...]`` stack of a scanned layer segment plus the layer index. ``triton`` reads that layer in place
+(no per-layer weight copy; forward only) when the weights are MXFP4 or already in the activations' dtype; every
+other case takes the layer's slice
+(:func:`reference.layer_of`, which XLA may copy) and runs as without ``layer``, so results are the same.
 """
 
 from __future__ import annotations
@@ -193,6 +199,11 @@ def tpu_glu_fn(beta1: float, beta2: float, interpret: bool):
     return f
 
 
+def _one_layer_shape(w: ref.ExpertWeight) -> Any:
+    """Shapes (``jax.ShapeDtypeStruct``) of one layer of a stacked expert weight, for backend selection."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)
+
+
 def expert_ffn(
     x_sorted: jax.Array,
     group_sizes: jax.Array,
@@ -206,9 +217,21 @@ def expert_ffn(
     implementation: str = "auto",
     interpret: bool = False,
     platform: str | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
-    """Routed experts on expert-sorted rows (same contract as :func:`reference.expert_ffn`)."""
-    impl = select(implementation, x_sorted, w1, interpret, platform)
+    """Routed experts on expert-sorted rows (same contract as :func:`reference.expert_ffn`).
+
+    ``layer`` (i32 scalar): w1/w3/w2 are stacks ``[L, ...]`` of that contract's weights, and layer ``layer`` is
+    used (read in place by ``triton``; sliced for the other backends).
+    """
+    impl = select(implementation, x_sorted, w1 if layer is None else _one_layer_shape(w1), interpret, platform)
+    in_place = all(is_mxfp4(w) for w in (w1, w3, w2)) or all(
+        not is_mxfp4(w) and w.dtype == x_sorted.dtype for w in (w1, w3, w2))  # no cast of the whole stack
+    if layer is not None and impl == "triton" and in_place:
+        return _triton_ffn_layer(x_sorted, group_sizes, w1, w3, w2, layer, beta1=beta1, beta2=beta2,
+                                 mxfp8_activations=mxfp8_activations, interpret=interpret)
+    if layer is not None:
+        w1, w3, w2 = (ref.layer_of(w, layer) for w in (w1, w3, w2))
     if impl == "xla":
         return ref.expert_ffn(x_sorted, group_sizes, w1, w3, w2, beta1=beta1, beta2=beta2,
                               mxfp8_activations=mxfp8_activations, platform=platform)
@@ -238,6 +261,25 @@ def expert_ffn(
     return out.astype(dt)
 
 
+def _triton_ffn_layer(x_sorted, group_sizes, w1, w3, w2, layer, *, beta1, beta2, mxfp8_activations, interpret):
+    """:func:`expert_ffn`'s ``triton`` path on stacked weights read in place at ``layer`` (forward only)."""
+    from pallas_kernels.moe import gpu  # noqa: PLC0415
+
+    dt = x_sorted.dtype
+    a = fake_quant_mxfp8(x_sorted) if mxfp8_activations else x_sorted
+    quant = lambda h: fake_quant_mxfp8(h) if mxfp8_activations else h
+    if is_mxfp4(w1) and is_mxfp4(w3) and is_mxfp4(w2):
+        pair = lambda w: (w["weight_packed"], w["weight_scale"])
+        h = gpu.gmm_mxfp4(a, [pair(w1), pair(w3)], group_sizes, epilogue=ref.situ_epilogue(beta1, beta2, dt),
+                          out_dtype=dt, interpret=interpret, layer=layer)
+        out = gpu.gmm_mxfp4(quant(h), [pair(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret,
+                            layer=layer)
+        return out.astype(dt)
+    mm = lambda lhs, w, **kw: gpu.gmm(lhs, w, group_sizes, interpret=interpret, layer=layer, **kw)
+    h = ref.situ_glu(mm(a, w1), mm(a, w3), beta1, beta2)
+    return mm(quant(h), w2, preferred_element_type=jnp.float32).astype(dt)
+
+
 def moe_dispatch_combine(
     z: jax.Array,
     expert_ids: jax.Array,
@@ -250,15 +292,18 @@ def moe_dispatch_combine(
     implementation: str = "auto",
     interpret: bool = False,
     platform: str | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Routed experts of Stable LatentMoE: ``u = cast(sum_k weights * f32(E_e(z)), z.dtype)`` -> ``[T, L]``.
 
     Same arguments as :func:`reference.moe_dispatch_combine`; ``implementation`` picks the expert FFN.
+    ``layer`` (i32 scalar): ``experts`` holds stacks ``[L, ...]`` and that layer is used (see :func:`expert_ffn`).
     """
 
     def ffn(x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return expert_ffn(x_sorted, group_sizes, experts["w1"], experts["w3"], experts["w2"], beta1=beta1,
                           beta2=beta2, mxfp8_activations=mxfp8_activations, implementation=implementation,
-                          interpret=interpret, platform=platform)
+                          interpret=interpret, platform=platform, layer=layer)
 
-    return ref.dispatch_combine(z, expert_ids, weights, ref.num_experts_of(experts), ffn)
+    w1 = experts["w1"] if layer is None else _one_layer_shape(experts["w1"])
+    return ref.dispatch_combine(z, expert_ids, weights, ref.num_experts_of({"w1": w1}), ffn)

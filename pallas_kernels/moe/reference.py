@@ -185,6 +185,12 @@ def expert_ffn(
     return out.astype(dt)
 
 
+def layer_of(w: ExpertWeight, layer: jax.Array) -> ExpertWeight:
+    """Layer ``layer`` (i32 scalar, clamped like ``dynamic_slice``) of a stacked expert weight ``[L, ...]``
+    (an array or an MXFP4 dict of stacked arrays)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), w)
+
+
 def num_experts_of(experts: dict[str, Any]) -> int:
     """Number of experts E from an experts dict (keys w1, w3, w2; arrays or MXFP4 dicts)."""
     w1 = experts["w1"]
