@@ -6,6 +6,8 @@ draws; one engine-level check with top-k 1), the LK loss and gradient equal nump
 exactly."""
 
 import functools
+import time
+import types
 
 import flax.linen as nn
 import jax
@@ -260,8 +262,11 @@ def test_draft_training_resumes_exactly(tmp_path, monkeypatch):
         train("b", change={"lr": 2e-2})
     rest = train("b")
     assert first["losses"] + rest["losses"] == straight["losses"]
-    timed = train("c", change={"max_seconds": 1e-9})  # ends after its first step: checkpointed and exported
-    assert timed["step"] == 1 and load_draft(timed["draft_dir"], cfg)[0] is not None
+    clock = iter(range(1000))  # the trainer's clock: each reading one second later (t0, per-step checks, logs)
+    monkeypatch.setattr(draft_training, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    timed = train("c", change={"max_seconds": 2.5})  # readings 1 (step 1), 2 (its log), 3 (step 2): stops there
+    monkeypatch.setattr(draft_training, "time", time)
+    assert timed["step"] == 2 and load_draft(timed["draft_dir"], cfg)[0] is not None  # checkpointed and exported
     assert timed["losses"] + train("c")["losses"] == straight["losses"]  # a re-run without the limit resumes
     assert straight["losses"][-1] < straight["losses"][0]
     dcfg, dparams = load_draft(straight["draft_dir"], cfg)
