@@ -6,6 +6,8 @@ draws; one engine-level check with top-k 1), the LK loss and gradient equal nump
 exactly."""
 
 import functools
+import time
+import types
 
 import flax.linen as nn
 import jax
@@ -17,7 +19,13 @@ from k3_jax.draft import DraftConfig, DraftModel, target_head
 from k3_jax.model import K3ForCausalLM
 from k3_jax.serving.engine import Engine
 from k3_jax.serving.sampling import SamplingParams
-from k3_jax.serving.speculative import SpeculativeEngine, load_draft, speculative_accept
+from k3_jax.serving.speculative import (
+    SpeculativeEngine,
+    greedy_probs,
+    load_draft,
+    sampling_probs,
+    speculative_accept,
+)
 from k3_jax.training import draft as draft_training
 from k3_jax.training.resume import ResumeError
 from tests._model_fixtures import tiny_config
@@ -207,6 +215,11 @@ def test_acceptance_rule_greedy():
     accepted, nxt = _accept_fn()(p, q, drafts, jnp.asarray([1, 2, 0], jnp.int32), keys)
     assert np.asarray(accepted).tolist() == [1, 1, 0]
     assert np.asarray(nxt).tolist() == [2, 2, 0]
+    # the all-greedy round's distributions (no sort) equal sampling_probs at temperature 0
+    logits = jnp.asarray(np.random.RandomState(2).randn(3, 2, 16), jnp.float32)
+    zeros = jnp.zeros((3,), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(greedy_probs(logits)),
+                                  np.asarray(sampling_probs(logits, zeros, jnp.zeros((3,), jnp.int32), zeros + 1)))
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -249,6 +262,12 @@ def test_draft_training_resumes_exactly(tmp_path, monkeypatch):
         train("b", change={"lr": 2e-2})
     rest = train("b")
     assert first["losses"] + rest["losses"] == straight["losses"]
+    clock = iter(range(1000))  # the trainer's clock: each reading one second later (t0, per-step checks, logs)
+    monkeypatch.setattr(draft_training, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    timed = train("c", change={"max_seconds": 2.5})  # readings 1 (step 1), 2 (its log), 3 (step 2): stops there
+    monkeypatch.setattr(draft_training, "time", time)
+    assert timed["step"] == 2 and load_draft(timed["draft_dir"], cfg)[0] is not None  # checkpointed and exported
+    assert timed["losses"] + train("c")["losses"] == straight["losses"]  # a re-run without the limit resumes
     assert straight["losses"][-1] < straight["losses"][0]
     dcfg, dparams = load_draft(straight["draft_dir"], cfg)
     assert dcfg == draft_training.draft_config_of(cfg, draft_training.DraftTrainConfig())

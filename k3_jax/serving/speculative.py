@@ -51,7 +51,7 @@ from k3_jax.serving import media as media_lib
 from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces
 from k3_jax.serving.sampling import SampleOutput, SamplingArrays, SamplingParams, _filtered_sorted_logits
 
-__all__ = ["SpeculativeEngine", "speculative_accept", "sampling_probs", "RoundOutput", "SpecStats"]
+__all__ = ["SpeculativeEngine", "speculative_accept", "sampling_probs", "greedy_probs", "RoundOutput", "SpecStats"]
 
 _TAG_DRAFT, _TAG_ACCEPT, _TAG_NEXT = 1, 2, 3
 
@@ -71,6 +71,12 @@ def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, 
         return jnp.where((temperature > 0)[:, None], probs, greedy)
 
     return jax.vmap(one, in_axes=1, out_axes=1)(logits)
+
+
+def greedy_probs(logits: jax.Array) -> jax.Array:
+    """One-hot argmax ``[B, T, V]`` f32 of ``logits [B, T, V]``: what :func:`sampling_probs` gives for rows with
+    ``temperature == 0``, without its sort over the vocabulary."""
+    return jax.nn.one_hot(jnp.argmax(logits.astype(jnp.float32), axis=-1), logits.shape[-1], dtype=jnp.float32)
 
 
 def _draw(keys: jax.Array, probs: jax.Array) -> jax.Array:
@@ -151,10 +157,13 @@ def _rollback_target(new: dict, keep: jax.Array, lengths: jax.Array) -> dict:
 def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfig, variables: dict,
                       draft_variables: dict, cache: dict, dcache: dict, last_token: jax.Array,
                       pend_feat: jax.Array, pend_tok: jax.Array, pend_n: jax.Array, active: jax.Array,
-                      num_drafts: jax.Array, samp: SamplingArrays, num_top: int):
+                      num_drafts: jax.Array, samp: SamplingArrays, num_top: int, sampling: bool = True):
     """One round for all rows (see the module docstring). Shapes: ``last_token [B]``, ``pend_feat [B, K+1, F]``,
     ``pend_tok [B, K+1]`` and ``pend_n [B]`` (pairs the draft has not consumed), ``active [B]`` bool,
-    ``num_drafts [B]`` in ``[0, K]``. Returns ``(RoundOutput, cache, dcache, pend_feat, pend_tok, pend_n)``."""
+    ``num_drafts [B]`` in ``[0, K]``. ``sampling`` (static): some row has ``temperature > 0``; ``False`` (every
+    row greedy) takes one-hot argmax distributions directly, skipping the top-k / top-p sorts over the
+    vocabulary (2k + 1 per round), with the same result. Returns ``(RoundOutput, cache, dcache, pend_feat,
+    pend_tok, pend_n)``."""
     cfg = target.cfg
     k = pend_tok.shape[1] - 1
     b = last_token.shape[0]
@@ -162,8 +171,13 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
     emb, head = target_head(cfg, variables["params"])
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(samp.seed, samp.step)
 
+    def probs_of(logits: jax.Array) -> jax.Array:
+        if not sampling:
+            return greedy_probs(logits)
+        return sampling_probs(logits, samp.temperature, samp.top_k, samp.top_p)
+
     def q_of(logits: jax.Array) -> jax.Array:
-        return sampling_probs(logits, samp.temperature, samp.top_k, samp.top_p)[:, 0]
+        return probs_of(logits)[:, 0]
 
     def draw_draft(logits: jax.Array, i: int) -> tuple[jax.Array, jax.Array]:
         q = q_of(logits)
@@ -204,7 +218,7 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
     with record_position_states():
         (logits_v, new_cache), collected = target.apply(variables, tokens, cache=cache, mutable=[FEATURES])
     feats = target_features(cfg, dcfg, collected).astype(pend_feat.dtype)
-    p = sampling_probs(logits_v, samp.temperature, samp.top_k, samp.top_p)
+    p = probs_of(logits_v)
 
     # 4. accept
     n, nxt = speculative_accept(p, q, drafts, jnp.clip(num_drafts, 0, k), keys)
@@ -328,9 +342,10 @@ class SpeculativeEngine(Engine):
             return dcache, (pf.at[slot].set(0).at[slot, 0].set(feat.astype(pf.dtype)),
                             pt.at[slot].set(0).at[slot, 0].set(token), pn.at[slot].set(1))
 
-        def round_fn(variables, dvars, cache, dcache, last, pend, active, num_drafts, samp, num_top):
+        def round_fn(variables, dvars, cache, dcache, last, pend, active, num_drafts, samp, num_top, sampling):
             out, cache, dcache, pf, pt, pn = speculative_round(
-                model, draft, dcfg, variables, dvars, cache, dcache, last, *pend, active, num_drafts, samp, num_top)
+                model, draft, dcfg, variables, dvars, cache, dcache, last, *pend, active, num_drafts, samp, num_top,
+                sampling)
             return out, cache, dcache, (pf, pt, pn)
 
         jit_prefill = jax.jit(prefill, donate_argnums=(1,))
@@ -344,7 +359,7 @@ class SpeculativeEngine(Engine):
         self._prefill_feats: list[jax.Array] = []
         self._draft_prefill = jax.jit(draft_prefill, donate_argnums=(2,))
         self._draft_reset = jax.jit(draft_reset, donate_argnums=(0, 1))
-        self._round = jax.jit(round_fn, donate_argnums=(2, 3, 5), static_argnums=(9,))
+        self._round = jax.jit(round_fn, donate_argnums=(2, 3, 5), static_argnums=(9, 10))
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: Sequence[int], params: SamplingParams, media: Any = None) -> None:
@@ -420,11 +435,12 @@ class SpeculativeEngine(Engine):
         samp = SamplingArrays(
             temperature=jnp.asarray(self._samp["temperature"]), top_k=jnp.asarray(self._samp["top_k"]),
             top_p=jnp.asarray(self._samp["top_p"]), seed=jnp.asarray(self._samp["seed"]), step=jnp.asarray(steps))
+        sampling = bool(np.any(self._samp["temperature"][active] > 0))  # static: greedy batches skip the sorts
         saved = self._save_prefilling_rows()
         try:
             out, self.cache, self.dcache, self._pend = self._round(
                 self.variables, self.draft_variables, self.cache, self.dcache, jnp.asarray(self._last_token),
-                self._pend, jnp.asarray(active), jnp.asarray(num_drafts), samp, self.max_logprobs)
+                self._pend, jnp.asarray(active), jnp.asarray(num_drafts), samp, self.max_logprobs, sampling)
             out = jax.device_get(out)
             self._restore_prefilling_rows(saved)
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: fail its requests, keep the engine

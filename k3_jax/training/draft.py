@@ -19,8 +19,9 @@ Checkpoints: orbax via :class:`k3_jax.training.checkpoint.Checkpointer` in ``OUT
 draft params, optimizer state; data = the grain iterator state; run = the target's model config + every
 :class:`DraftTrainConfig` field). Re-running with the same ``--out`` resumes from the latest checkpoint through
 :func:`k3_jax.training.resume.resume` (a changed config is refused, naming the fields) and continues the
-straight run's losses exactly. At the end ``OUT/draft`` holds ``draft_config.json`` and ``params`` (orbax), what
-``serve.py --draft OUT/draft`` loads.
+straight run's losses exactly. ``--max-seconds S`` ends the run after the step that passes ``S`` seconds
+(checkpointed and exported as at that step; a re-run resumes it). At the end ``OUT/draft`` holds
+``draft_config.json`` and ``params`` (orbax), what ``serve.py --draft OUT/draft`` loads.
 
 ``--target`` is a training workdir of ``train.py`` (``checkpoints/<step>/state`` + its stored model config) or a
 converted orbax checkpoint (``--config`` or ``DIR/config.json`` gives the architecture).
@@ -106,6 +107,7 @@ class DraftTrainConfig:
     seed: int = 0
     save_every: int = 50
     dtype: str = ""  # compute dtype ("" = the target config's; float32 on CPU)
+    max_seconds: float = 0.0  # > 0: end (checkpoint + export) after the step that passes this wall time
 
     def validate(self) -> DraftTrainConfig:
         if self.loss not in LOSSES:
@@ -113,6 +115,8 @@ class DraftTrainConfig:
         for name in ("ttt_steps", "steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_seconds < 0:
+            raise ValueError(f"--max-seconds must be >= 0 (0: no limit), got {self.max_seconds}")
         if self.ttt_steps >= self.seq_len:
             raise ValueError(f"--ttt-steps {self.ttt_steps} must be < --seq-len {self.seq_len}")
         return self
@@ -227,7 +231,7 @@ def init_state(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, target_p
 
 def run_config(cfg: K3Config, dtc: DraftTrainConfig) -> dict:
     return json.loads(json.dumps({"format": RUN_CONFIG_FORMAT, "model": dataclasses.asdict(cfg),
-                                  "train": dataclasses.asdict(dtc) | {"out": "(any)"}}))
+                                  "train": dataclasses.asdict(dtc) | {"out": "(any)", "max_seconds": "(any)"}}))
 
 
 def export_draft(directory: Path, dcfg: DraftConfig, params: Any) -> Path:
@@ -251,7 +255,9 @@ def export_draft(directory: Path, dcfg: DraftConfig, params: Any) -> Path:
 
 def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> dict[str, Any]:
     """Train (or resume) the draft; returns ``{"losses": [per step of this call], "step", "draft_dir"}``.
-    ``stop_at``: save and return after that step (as a preemption would), without exporting."""
+    ``stop_at``: save and return after that step (as a preemption would), without exporting. With
+    ``dtc.max_seconds`` the run ends after the first step that finishes past that many seconds of this call
+    (compile included): checkpointed and exported as at the last step (the schedule still spans ``steps``)."""
     dtc = dtc.validate()
     cfg, target_params = load_target(dtc)
     dcfg = draft_config_of(cfg, dtc)
@@ -266,7 +272,7 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     if ckpt.latest_step() is not None:
         state, data_state, start, _ = resume(ckpt, state, ckpt.run_config, say=say)
         it.set_state(data_state)
-    step_fn = _compiled_step(cfg, dcfg, dataclasses.replace(dtc, out="", target=""))  # the step ignores both
+    step_fn = _compiled_step(cfg, dcfg, dataclasses.replace(dtc, out="", target="", max_seconds=0.0))  # ignored
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(start + 1, dtc.steps + 1):
@@ -274,9 +280,15 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
         state, loss, per_step = step_fn(state, target_params, jnp.asarray(batch["tokens"]),
                                         jnp.asarray(batch["segment_ids"]))
         losses.append(float(loss))
-        if step == 1 or step % 10 == 0 or step == dtc.steps:
+        out_of_time = dtc.max_seconds > 0 and time.perf_counter() - t0 >= dtc.max_seconds
+        if step == 1 or step % 10 == 0 or step == dtc.steps or out_of_time:
             say(f"draft step {step}/{dtc.steps} loss({dtc.loss}) {losses[-1]:.4f} per TTT step "
                 f"{np.round(np.asarray(per_step), 4).tolist()} ({time.perf_counter() - t0:.1f}s)")
+        if out_of_time and step < dtc.steps:
+            say(f"--max-seconds {dtc.max_seconds:g} reached at step {step} of {dtc.steps}")
+            ckpt.save(step, state, it.get_state())
+            ckpt.wait()
+            break
         if ckpt.should_save(step) or step == dtc.steps or step == stop_at:
             if step not in ckpt.all_steps():
                 ckpt.save(step, state, it.get_state())
@@ -287,7 +299,7 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     ckpt.close()
     draft_dir = export_draft(out / "draft", dcfg, state["params"])
     say(f"draft written to {draft_dir} (serve with: python serve.py ... --draft {draft_dir})")
-    return {"losses": losses, "step": dtc.steps, "draft_dir": str(draft_dir)}
+    return {"losses": losses, "step": int(state["step"]), "draft_dir": str(draft_dir)}
 
 
 def _parse(argv: list[str] | None) -> DraftTrainConfig:
