@@ -272,10 +272,9 @@ def test_trainer_precompile_leaves_nothing_to_compile(tmp_path):
 
     from k3_jax.training.loop import TrainConfig, Trainer
 
-    one_layer = {"num_hidden_layers": 1, "kda_layers": (), "mla_layers": (0,), "first_k_dense_replace": 0,
-                 "num_experts": 8, "num_experts_per_token": 2}
+    one_layer = {"num_hidden_layers": 1, "kda_layers": (), "mla_layers": (0,), "first_k_dense_replace": 1}
     tr = Trainer(TrainConfig(model_overrides=one_layer, seq_len=8, batch_size=1, optimizer="adamw", lora_rank=2,
-                             mesh="none", tensorboard=False, workdir=str(tmp_path)))
+                             lora_targets=("attention",), mesh="none", tensorboard=False, workdir=str(tmp_path)))
     assert tr.precompile()["compile_s"] > 0
 
     seen: list[str] = []
