@@ -9,10 +9,8 @@ its own process and prints one JSON line per variant, then a summary line with t
 * ``lora{R}_bf16``       rank-R adapters (fp32) on attention, shared experts, latent projections and routed
                          experts (shared A, per-expert B) over a frozen bf16 base (``param_dtype=bfloat16``);
 * ``lora{R}_mxfp4``      rank-R adapters on attention, shared experts and latent projections over a frozen bf16
-                         base whose routed experts stay packed MXFP4; the experts run through
-                         ``moe_implementation="xla"`` (``ragged_dot`` over weights dequantised in XLA), since the
-                         MXFP4 grouped-matmul kernels (Triton, Mosaic TPU) are forward-only and ``auto`` raises
-                         when the step differentiates through them.
+                         base whose routed experts stay packed MXFP4 (forward on the MXFP4 kernels; the tokens'
+                         gradient on the bf16 kernels over the decoded weights, ``pallas_kernels.moe.ops``).
 
 The variants' processes compile at the same time (:meth:`Trainer.precompile`, from shapes, nothing on the
 device) and then take turns on the accelerator (a file lock): each places its state, runs one warm-up step and
@@ -58,8 +56,7 @@ def variant_config(name: str) -> tuple[dict, dict]:
         if base not in ("bf16", "mxfp4") or not rank.isdigit():
             raise SystemExit(f"variant {name!r}: expected lora<RANK>_bf16 or lora<RANK>_mxfp4")
         targets = ALL_TARGETS if base == "bf16" else PACKED_TARGETS
-        moe = {} if base == "bf16" else {"moe_implementation": "xla"}  # MXFP4 kernels: forward only
-        return ({"expert_format": base, "param_dtype": "bfloat16", **moe},
+        return ({"expert_format": base, "param_dtype": "bfloat16"},
                 {"lora_rank": int(rank), "lora_alpha": float(rank), "lora_targets": targets})
     raise SystemExit(f"unknown variant {name!r}: full, qat, lora<R>_bf16, lora<R>_mxfp4")
 

@@ -6,9 +6,9 @@ AdamW on the adapters alone, frozen base with packed MXFP4 experts, bf16 elsewhe
 :func:`sharding.memory.plan`'s per-device estimate of the same model (params, optimizer, activations) — the
 peer in the same run.
 
-The routed experts run through ``--moe`` (default ``xla``: ``ragged_dot`` over experts dequantised from MXFP4
-in XLA): the MXFP4 grouped-matmul kernels (``mosaic_tpu``, ``triton``) are forward-only, so ``auto`` cannot
-be differentiated through frozen MXFP4 experts and raises.
+The routed experts run through ``--moe`` (``moe_implementation``; default ``auto``: the Mosaic TPU MXFP4 kernel
+forward, the tokens' gradient on its bf16 kernels over the decoded weights; ``xla``: ``ragged_dot`` over
+experts decoded in XLA).
 
 A full 93-layer compile can take too long on a small host: ``--layers L1,L2`` compiles depth cuts of the
 release config (its first L layers, real widths and expert count) and reports each, plus the per-layer figure
@@ -66,7 +66,7 @@ def planned(config: str, overrides: dict, mesh: str, batch: int, seq_len: int, r
 
 
 def one(config: str, layers: int | None, topology: str, mesh: str, batch: int, seq_len: int, rank: int,
-        moe: str = "xla") -> dict:
+        moe: str = "auto") -> dict:
     from k3_jax.training.aot import compile_train_step
 
     over = {"expert_format": "mxfp4", "param_dtype": "bfloat16", "moe_implementation": moe,
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--moe", default="xla", help="moe_implementation of the routed experts (see above)")
+    ap.add_argument("--moe", default="auto", help="moe_implementation of the routed experts (see above)")
     ap.add_argument("--layers", default=None, help="L1,L2: depth cuts to compile (default: the whole model)")
     args = ap.parse_args()
     from k3_jax.config import load_config
