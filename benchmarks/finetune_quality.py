@@ -146,8 +146,8 @@ def plot(curves: dict, png: str) -> str:
     ft = {k: v for k, v in curves["runs"].items() if k != "pretrain"}
     series = {f"{k} (held-out)": [tuple(p) for p in v.get("eval", [])] for k, v in ft.items()}
     meta = curves.get("meta", {})
-    title = (f"Fine-tuning {Path(meta.get('config', '?')).stem} on a held-out slice "
-             f"({meta.get('heldout_documents', '?')} docs), after {meta.get('pretrain_steps', '?')} pre-training steps")
+    title = (f"{Path(meta.get('config', '?')).stem}: fine-tuning on {meta.get('heldout_documents', '?')} held-out "
+             f"docs after {meta.get('pretrain_steps', '?')} pre-training steps")
     return save_lines(png, series, title=title, xlabel="fine-tuning step", ylabel="held-out loss (nats/token)")
 
 
