@@ -262,3 +262,67 @@ def test_cli_fine_tune_flags():
         "CKPT", 8, ("attention", "latent"), "per_expert", 4.0)
     assert tc.model_overrides["qat"] == "mxfp4"
     assert build_train_config([]).lora_rank == 0
+
+
+def test_trainer_precompile_leaves_nothing_to_compile(tmp_path):
+    """``Trainer.precompile`` (shapes only) compiles init, train and eval steps; the LoRA trainer's first
+    ``init_state`` + train step + evaluation then compile none of them again (the fine-tuning benchmarks time
+    on this)."""
+    import logging
+
+    from k3_jax.training.loop import TrainConfig, Trainer
+
+    one_layer = {"num_hidden_layers": 1, "kda_layers": (), "mla_layers": (0,), "first_k_dense_replace": 1}
+    tr = Trainer(TrainConfig(model_overrides=one_layer, seq_len=8, batch_size=1, optimizer="adamw", lora_rank=2,
+                             lora_targets=("attention",), mesh="none", tensorboard=False, workdir=str(tmp_path)))
+    assert tr.precompile()["compile_s"] > 0
+
+    seen: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    grab = Grab()
+    logging.getLogger("jax").addHandler(grab)
+    try:
+        with jax.log_compiles(True):
+            state = tr.init_state()
+            train_step, eval_step = tr.compiled_steps(state)
+            rows = np.ones((1, 9), np.int32) * 5
+            batch = tr._to_global({"tokens": rows, "segment_ids": np.ones_like(rows)})
+            state, m = train_step(state, batch)
+            jax.block_until_ready(eval_step(state["params"], batch))
+            jax.jit(lambda x: x + 1)(jnp.ones(3))  # control: a fresh jit is seen compiling
+    finally:
+        logging.getLogger("jax").removeHandler(grab)
+    compiled = [s for s in seen if s.startswith("Compiling ")]
+    assert np.isfinite(float(m["loss"]))
+    for name in ("init_params", "init_opt", "train_step", "eval_step"):
+        assert not any(f"jit({name})" in s for s in compiled), (name, compiled)
+    assert any("jit(<lambda>)" in s for s in compiled), compiled
+
+
+def test_mxfp4_expert_kernels_differentiate_wrt_tokens():
+    """LoRA over frozen MXFP4 experts differentiates through the MXFP4 kernel path (Triton, interpret mode on
+    CPU): the tokens' gradient equals the reference's (XLA over the decoded weights), MXFP8 inputs included."""
+    from pallas_kernels import moe
+
+    e, m, lat, inter = 4, 24, 64, 32
+    ks = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(ks[0], (m, lat))
+    mk = lambda key, n, k: dict(zip(("weight_packed", "weight_scale"),
+                                    pack_mxfp4(0.1 * jax.random.normal(key, (e, n, k))), strict=True))
+    w1, w3, w2 = mk(ks[1], inter, lat), mk(ks[2], inter, lat), mk(ks[3], lat, inter)
+    gs = jnp.array([5, 0, 12, 7], jnp.int32)
+    c = jax.random.normal(ks[4], (m, lat))
+
+    def loss(impl, interpret):
+        return lambda v: jnp.sum(c * moe.expert_ffn(v, gs, w1, w3, w2, implementation=impl, interpret=interpret,
+                                                    mxfp8_activations=True))
+
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(jax.jit(jax.grad(loss("triton", True)))(x))
+        want = np.asarray(jax.jit(jax.grad(loss("xla", False)))(x))
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())

@@ -27,14 +27,18 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes on t
 
 def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, seq_len: int, *,
                        implementation: str = "auto", preset: str = "train", accum: int = 1,
-                       muon_dtype: str = "bfloat16", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                       muon_dtype: str = "bfloat16", overrides: dict[str, Any] | None = None,
+                       train_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Lower and compile ``train_step(state, batch)`` for ``topology`` (e.g. ``"v5p:2x2x1"``) on ``mesh``.
 
     ``implementation``: ``kda_implementation`` and ``moe_implementation`` (``"auto"``, ``"mosaic_tpu"`` or
-    ``"xla"``). Returns ``{"topology", "devices", "mesh", "processes" (hosts of the slice: each runs
-    ``train.py``), "batch_rows_per_process", "argument_bytes", "temp_bytes", "output_bytes", "mosaic_kernels",
-    "dots", "lower_s", "compile_s"}`` (bytes per device; ``dots``: count of lowered ``dot_general`` s per
-    ``"lhs x rhs -> out"`` element types, e.g. ``"bf16 x bf16 -> f32"``).
+    ``"xla"``). ``overrides``: model-config fields; ``train_overrides``: :class:`TrainConfig` fields (e.g.
+    ``{"optimizer": "adamw", "lora_rank": 64, "lora_targets": (...)}``: the LoRA step, gradients and optimizer
+    state for the adapters alone, as ``train.py --lora`` builds it). Returns ``{"topology", "devices", "mesh",
+    "processes" (hosts of the slice: each runs ``train.py``), "batch_rows_per_process", "argument_bytes",
+    "temp_bytes", "output_bytes", "mosaic_kernels", "dots", "lower_s", "compile_s"}`` (bytes per device;
+    ``dots``: count of lowered ``dot_general`` s per ``"lhs x rhs -> out"`` element types, e.g.
+    ``"bf16 x bf16 -> f32"``).
     """
     import jax
     import jax.numpy as jnp
@@ -42,6 +46,7 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from k3_jax.training import lora
     from k3_jax.training.loop import TrainConfig, Trainer, batch_sharding
     from k3_jax.training.step import make_train_step
     from sharding.mesh import make_mesh
@@ -54,7 +59,7 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
                        "platform": "tpu", **(overrides or {})}
     tc = TrainConfig(config=config, model_overrides=model_overrides, workdir="/tmp/k3-aot", seq_len=seq_len,
                      batch_size=batch_size, accum=accum, eval_every=0, tensorboard=False, resume=False,
-                     mesh="none", preset=preset, muon_dtype=muon_dtype)
+                     mesh="none", preset=preset, muon_dtype=muon_dtype, **(train_overrides or {}))
     tr = Trainer(tc)  # single-device trainer: only its model, optimizer, labels and step config are used
     boxed = tr.abstract_params_boxed
 
@@ -64,13 +69,14 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
     params = abstract(nn.unbox(boxed), param_shardings(boxed, m, preset))
     rep = NamedSharding(m, PartitionSpec())
     with activate(m, preset):
-        opt_shardings = jax.jit(tr.tx.init).lower(params).compile().output_shardings
-        opt_state = abstract(jax.eval_shape(tr.tx.init, params), opt_shardings)
+        trained = params if tr.trainable is None else lora.split(params, tr.trainable)[0]
+        opt_shardings = jax.jit(tr.tx.init).lower(trained).compile().output_shardings
+        opt_state = abstract(jax.eval_shape(tr.tx.init, trained), opt_shardings)
         state = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), "params": params,
                  "opt_state": opt_state, "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)}
         batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=batch_sharding(m))
                  for k in ("tokens", "segment_ids")}
-        step = make_train_step(tr.model, tr.tx, tr.labels, tr.cfg, tr.step_cfg)
+        step = make_train_step(tr.model, tr.tx, tr.labels, tr.cfg, tr.step_cfg, tr.trainable)
         t0 = time.perf_counter()
         lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
         t1 = time.perf_counter()

@@ -211,12 +211,9 @@ class Trainer:
 
         return activate(self.mesh, self.tc.preset)
 
-    def init_state(self) -> dict:
-        """Fresh train state, params placed per the sharding preset."""
+    def _init_functions(self):
+        """``(init_params(rng, base | None), init_opt(params))``, jitted once per trainer."""
         model, tx, tc = self.model, self.tx, self.tc
-        rng = jax.random.key(tc.seed)
-        init_rng, state_rng = jax.random.split(rng)
-
         if getattr(self, "_init_fns", None) is None:
             # the init forward's dummy batch: one row per device, so every batch sharding of the mesh divides it
             rows = 1 if self.mesh is None else self.mesh.size
@@ -232,9 +229,15 @@ class Trainer:
                 return tx.init(params if self.trainable is None else lora.split(params, self.trainable)[0])
 
             self._init_fns = (jax.jit(init_params, out_shardings=self._param_shardings), jax.jit(init_opt))
+        return self._init_fns
+
+    def init_state(self) -> dict:
+        """Fresh train state, params placed per the sharding preset."""
+        init_rng, state_rng = jax.random.split(jax.random.key(self.tc.seed))
+        init_params, init_opt = self._init_functions()
         with self._context():
-            params = self._init_fns[0](init_rng, self._load_base())
-            opt_state = self._init_fns[1](params)
+            params = init_params(init_rng, self._load_base())
+            opt_state = init_opt(params)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state,
                  "rng": jax.random.key_data(state_rng)}
         if self.mesh is not None:  # anything not laid out on the mesh (counters, rng): replicate
@@ -250,6 +253,34 @@ class Trainer:
 
             state = jax.tree.map(place, state)
         return state
+
+    def precompile(self) -> dict[str, Any]:
+        """Compile the init, train and eval steps from shapes alone (nothing is placed on the device), so a later
+        :meth:`init_state` / :meth:`run` of this trainer starts without compiling (JAX's in-memory cache).
+
+        Single device, text model only (raises ``ValueError`` otherwise). Returns ``{"train": the compiled train
+        step (``.memory_analysis()``: the compiler's bytes), "compile_s": seconds of all three compiles}``.
+        """
+        if self.mesh is not None or self.image_text:
+            raise ValueError("Trainer.precompile is for a single-device text-model trainer (mesh none, no vision "
+                             f"config); got mesh={self.tc.mesh!r}, vision={self.image_text}")
+        t0 = time.time()
+        init_params, init_opt = self._init_functions()
+        rng = jax.eval_shape(lambda: jax.random.split(jax.random.key(self.tc.seed))[0])
+        base = (jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), self._abstract_base)
+                if self.tc.init_from else None)
+        init_params.lower(rng, base).compile()
+        params = jax.eval_shape(init_params, rng, base)
+        init_opt.lower(params).compile()
+        state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
+                 "opt_state": jax.eval_shape(init_opt, params),
+                 "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))}
+        rows = jax.ShapeDtypeStruct((self.tc.batch_size, self.tc.seq_len + 1), jnp.int32)
+        batch = {"tokens": rows, "segment_ids": rows}
+        train_step, eval_step = self.compiled_steps(state)
+        train = train_step.lower(state, batch).compile()
+        eval_step.lower(params, batch).compile()
+        return {"train": train, "compile_s": time.time() - t0}
 
     def _load_base(self) -> dict | None:
         """The ``init_from`` checkpoint's params (experts as ``cfg.expert_format``), or None."""

@@ -22,7 +22,8 @@ Backends check the target platform (``platform=`` or :func:`pallas_kernels.regis
 Mosaic GPU has no interpreter) and the dtype.
 
 Gradients: every bf16/f32 path is differentiable w.r.t. tokens, routing weights and expert weights; the MXFP4
-kernel paths are for serving (forward only).
+kernels are forward only, and :func:`expert_ffn` over MXFP4 weights differentiates w.r.t. the tokens alone
+(frozen experts, e.g. LoRA) through the bf16 kernels on the decoded weights.
 
 Stacked weights (``layer=``, one-token decode): :func:`expert_ffn` and :func:`moe_dispatch_combine` also take the
 whole ``[L, E, ...]`` stack of a scanned layer segment plus the layer index. ``triton`` reads that layer in place
@@ -40,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.moe import reference as ref
@@ -204,6 +206,39 @@ def _one_layer_shape(w: ref.ExpertWeight) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _mxfp4_ffn(impl, beta1, beta2, mxfp8, interpret, platform, x, group_sizes, w1, w3, w2):
+    """The expert FFN on the MXFP4 kernels of ``impl`` (forward-only kernels). Its backward gives ``x`` its
+    gradient (what LoRA over frozen MXFP4 experts needs): the VJP of the same FFN on ``impl``'s bf16 grouped
+    matmuls over the weights decoded to ``x``'s dtype (E2M1 x E8M0 values are exact in bf16, so it is the
+    function the forward computed). Codes, scales and group sizes get zero cotangents (they are not trainable)."""
+    dt = x.dtype
+    quant = lambda h: fake_quant_mxfp8(h) if mxfp8 else h
+    kern, operand = _kernels(impl)
+    h = kern.gmm_mxfp4(quant(x), [operand(w1), operand(w3)], group_sizes,
+                       epilogue=ref.situ_epilogue(beta1, beta2, dt), out_dtype=dt, interpret=interpret)
+    return kern.gmm_mxfp4(quant(h), [operand(w2)], group_sizes, out_dtype=jnp.float32,
+                          interpret=interpret).astype(dt)
+
+
+def _mxfp4_ffn_fwd(impl, beta1, beta2, mxfp8, interpret, platform, x, group_sizes, w1, w3, w2):
+    out = _mxfp4_ffn(impl, beta1, beta2, mxfp8, interpret, platform, x, group_sizes, w1, w3, w2)
+    return out, (x, group_sizes, w1, w3, w2)
+
+
+def _mxfp4_ffn_bwd(impl, beta1, beta2, mxfp8, interpret, platform, res, g):
+    x, group_sizes, w1, w3, w2 = res
+    dense = [ref.dense_expert_weight(w, x.dtype) for w in (w1, w3, w2)]
+    _, vjp = jax.vjp(lambda v: expert_ffn(v, group_sizes, *dense, beta1=beta1, beta2=beta2,
+                                          mxfp8_activations=mxfp8, implementation=impl, interpret=interpret,
+                                          platform=platform), x)
+    zero = lambda t: jax.tree.map(lambda a: np.zeros(np.shape(a), jax.dtypes.float0), t)
+    return (vjp(g)[0], zero(group_sizes), zero(w1), zero(w3), zero(w2))
+
+
+_mxfp4_ffn.defvjp(_mxfp4_ffn_fwd, _mxfp4_ffn_bwd)
+
+
 def expert_ffn(
     x_sorted: jax.Array,
     group_sizes: jax.Array,
@@ -238,12 +273,10 @@ def expert_ffn(
     dt = x_sorted.dtype
     a = fake_quant_mxfp8(x_sorted) if mxfp8_activations else x_sorted
     quant = lambda h: fake_quant_mxfp8(h) if mxfp8_activations else h
-    kern, mxfp4_operand = _kernels(impl)
+    kern, _ = _kernels(impl)
     if is_mxfp4(w1) and is_mxfp4(w3) and is_mxfp4(w2):
-        h = kern.gmm_mxfp4(a, [mxfp4_operand(w1), mxfp4_operand(w3)], group_sizes,
-                           epilogue=ref.situ_epilogue(beta1, beta2, dt), out_dtype=dt, interpret=interpret)
-        out = kern.gmm_mxfp4(quant(h), [mxfp4_operand(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret)
-        return out.astype(dt)
+        return _mxfp4_ffn(impl, float(beta1), float(beta2), bool(mxfp8_activations), bool(interpret), platform,
+                          x_sorted, group_sizes, w1, w3, w2)
     d1, d3, d2 = (ref.dense_expert_weight(w, dt) for w in (w1, w3, w2))
     if impl == "mosaic_gpu":
         from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415
