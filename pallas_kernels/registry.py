@@ -162,7 +162,7 @@ def platform_scope(platform: str | None) -> Iterator[None]:
     devices (e.g. a GPU program's residuals on a CPU host). JAX's trace caches do not see the scope: enter it
     inside the traced function (as the MLA layer does for ``cfg.platform``) or trace a new function under it.
     Code whose trace depends on the platform passes it on as a static argument (``einsum_f32``)."""
-    token = _SCOPE.set(None if platform in (None, "auto") else normalize_platform(platform))
+    token = _SCOPE.set(_SCOPE.get() if platform in (None, "auto") else normalize_platform(platform))
     try:
         yield
     finally:

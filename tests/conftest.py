@@ -1,13 +1,55 @@
-"""Suite-wide setup, before JAX initialises: 8 virtual CPU devices (sharding tests need a mesh), no persistent
-compilation cache."""
+"""Suite-wide setup, before JAX initialises.
 
+* 8 virtual CPU devices (sharding tests need a mesh).
+* On a machine without a CUDA plugin, XLA:CPU compiles with LLVM at -O0: the suite compiles hundreds of small
+  programs and runs each a few times, so compile time dominates; results stay within every test's tolerance
+  (outputs are not bit-identical to -O3 builds; fp32 parity of the entry points is checked with their own flags).
+* One persistent compilation cache per test run, shared by the xdist workers and the processes tests start (the
+  notebook kernel, launched multi-process runs), in the run's pytest temp directory, so each program compiles
+  once per run; nothing is reused across runs. The entry points' own cache (``~/.cache``) stays off.
+"""
+
+import importlib.util
 import os
+import pkgutil
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+import pytest
+
+_FLAGS = ["--xla_force_host_platform_device_count=8"]
+
+
+def _has_cuda_plugin() -> bool:
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    import jax_plugins
+
+    return any("cuda" in m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+if not _has_cuda_plugin():
+    _FLAGS.append("--xla_backend_optimization_level=0")
+_xla_flags = os.environ.get("XLA_FLAGS", "")
+for _flag in _FLAGS:
+    if _flag.split("=")[0] not in _xla_flags:
+        _xla_flags = f"{_xla_flags} {_flag}".strip()
+os.environ["XLA_FLAGS"] = _xla_flags
 # Entry points (train.py, serve.py) turn on a persistent compilation cache in ~/.cache; tests never do.
 os.environ.setdefault("K3_COMPILATION_CACHE", "off")
+
+
+@pytest.hookimpl(trylast=True)  # after the tmpdir plugin's configure made ``config._tmp_path_factory``
+def pytest_configure(config):
+    """Point JAX's persistent cache at ``<run basetemp>/xla-cache`` (one directory for all workers of a run)."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    base = config._tmp_path_factory.getbasetemp()
+    if hasattr(config, "workerinput"):
+        base = base.parent  # xdist: <basetemp>/popen-gwN -> the run's <basetemp>
+    cache = base / "xla-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.25"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -16,7 +58,6 @@ def pytest_collection_modifyitems(config, items):
     if not gpu_tests:
         return
     import jax
-    import pytest
 
     if jax.default_backend() != "gpu":
         skip = pytest.mark.skip(reason="needs a CUDA GPU (jax default backend is not gpu)")

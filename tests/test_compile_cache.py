@@ -14,11 +14,12 @@ def restore_jax_cache_config():
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
             "jax_persistent_cache_min_entry_size_bytes")
     saved = {k: getattr(jax.config, k) for k in keys}
+    from jax._src import compilation_cache  # the cache object binds its directory once: unbind it
+
+    compilation_cache.reset_cache()  # the suite's own run cache (tests/conftest.py) may be bound already
     yield
     for k, v in saved.items():
         jax.config.update(k, v)
-    from jax._src import compilation_cache  # the cache object binds its directory once: unbind it
-
     compilation_cache.reset_cache()
 
 

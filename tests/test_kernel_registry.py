@@ -180,8 +180,12 @@ def test_target_platform_is_explicit_scoped_mesh_or_default_device():
     assert target_platform() == jax.devices()[0].platform  # no mesh: the default device
     with platform_scope("tpu"):
         assert target_platform() == "tpu" and target_platform("gpu") == "gpu"
-        with platform_scope("auto"):
-            assert target_platform() == jax.devices()[0].platform
+        with platform_scope("auto"), platform_scope(None):  # a layer with platform "auto" keeps the outer scope
+            assert target_platform() == "tpu"
+            with platform_scope("gpu"):
+                assert target_platform() == "gpu"
+            assert target_platform() == "tpu"
+    assert target_platform() == jax.devices()[0].platform
     with pytest.raises(ValueError, match="platform must be one of"):
         target_platform("metal")
 
