@@ -14,8 +14,7 @@ mesh ``expert=8``, so the expert-parallel all-to-alls cross processes:
 A restart with the same layout repeating the interrupted step bit for bit is ``tests/test_train_kill.py``
 (one process). Also: a converted micro checkpoint restored onto a 2-process mesh gives the single-process
 logits. Compiles dominate the cost (every process compiles its train step once per layout), so the model is
-one MLA + MoE layer of a micro config; the file costs about 330 CPU-seconds, so the default run leaves it out
-(``-m multihost`` selects it).
+one MLA + MoE layer of a micro config; the file costs about 330 CPU-seconds (``-m multihost`` selects it alone).
 """
 
 from __future__ import annotations
