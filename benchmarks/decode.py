@@ -37,8 +37,6 @@ timing, profile) and releases it only to compile, so no two processes time at on
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -47,6 +45,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._lock import accelerator_lock  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,21 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def emit(rec: dict) -> None:
     print(json.dumps(rec), flush=True)
-
-
-@contextlib.contextmanager
-def device_lock():
-    """Hold the file lock ``K3_BENCH_LOCK`` names (if set) for a stretch of device work (see the module doc)."""
-    path = os.environ.get("K3_BENCH_LOCK")
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def init_params(cfg, seed: int = 0):
@@ -237,7 +223,7 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
     """One ``batch:prompt_len`` case at ``n`` steps per call: set up and time under the device lock, compile
     without it; returns its JSON record."""
     max_len = prompt_len + args.gen
-    with device_lock():
+    with accelerator_lock():
         eng, state, inputs, nbytes = _prepare_case(cfg, params, batch, prompt_len, max_len, n)
     t0 = time.perf_counter()
     lowered = (eng._decode.lower(eng.variables, state["cache"], *inputs, 5, None) if n == 1 else
@@ -249,7 +235,7 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
         out, state["cache"] = compiled(eng.variables, state["cache"], *inputs, None)
         return out
 
-    with device_lock():
+    with accelerator_lock():
         return _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gbps, compile_s, first)
 
 
@@ -318,12 +304,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
-    sys.path.insert(0, str(REPO))
     import jax
 
     from k3_jax.config import load_config
 
-    with device_lock():
+    with accelerator_lock():
         gbps = copy_bandwidth_gbps()
     emit({"bench": "decode", "label": args.label, "copy_gbps": round(gbps, 1), "device": jax.devices()[0].device_kind})
     cases = [[int(v) for v in c.split(":")] for c in args.cases.split(",") if c]
@@ -334,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.layers:
             cfg = layer_config(cfg, args.layers.split(","), args.vocab)
         t0 = time.perf_counter()
-        with device_lock():
+        with accelerator_lock():
             params = jax.block_until_ready(init_params(cfg))
         emit({"bench": "decode", "label": args.label, "event": "init", "experts": experts,
               "param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),

@@ -66,7 +66,8 @@ def bench(name: str, config: str, batch: int, seq_len: int, steps: int, override
     import jax
     import numpy as np
 
-    from benchmarks.train import gpu_lock, peak_memory_gib
+    from benchmarks._lock import accelerator_lock
+    from benchmarks.train import peak_memory_gib
     from k3_jax.training import lora
     from k3_jax.training.loop import TrainConfig, Trainer
 
@@ -84,7 +85,7 @@ def bench(name: str, config: str, batch: int, seq_len: int, steps: int, override
     rows = {"tokens": rng.integers(3, tr.cfg.vocab_size, size=(batch, seq_len + 1)).astype(np.int32),
             "segment_ids": np.ones((batch, seq_len + 1), np.int32)}
     train_step, _ = tr.compiled_steps(None)
-    with gpu_lock():
+    with accelerator_lock():
         state = tr.init_state()
         b = tr._to_global(rows)
         state, m = train_step(state, b)  # warm-up (compiled already)

@@ -15,7 +15,7 @@ experts, :func:`k3_jax.training.lora.export`) and fine-tuned from it (``init_fro
 Held-out loss (``Trainer.evaluate``: the eval split of the fine-tuning slice, every 50th of its documents, never
 trained on) is measured at step 0 and every ``--eval-every`` steps. Each run is its own process; all compile at
 once (:meth:`Trainer.precompile`; the fine-tunes compile before the base exists, through a persistent
-compilation cache in ``OUT/xla-cache``) and take turns on the accelerator (``benchmarks/train.gpu_lock``).
+compilation cache in ``OUT/xla-cache``) and take turns on the accelerator (``benchmarks/_lock.accelerator_lock``).
 Writes ``OUT/curves.json`` (``{run: {"train": [[step, loss]...], "eval": [[step, loss]...], ...}}``) and
 prints one JSON line with the final held-out losses; ``--plot PNG`` draws the held-out curves side by side
 (also from an existing file: ``--from-curves OUT/curves.json --plot PNG``, no accelerator).
@@ -98,7 +98,7 @@ def _curves(workdir: Path) -> dict:
 
 def child(args: argparse.Namespace, run: str) -> dict:
     """Run ``run`` in this process (see the module docstring); returns its curves and timings."""
-    from benchmarks.train import gpu_lock
+    from benchmarks._lock import accelerator_lock
     from k3_jax import compile_cache
     from k3_jax.training import lora
     from k3_jax.training.loop import Trainer
@@ -119,7 +119,7 @@ def child(args: argparse.Namespace, run: str) -> dict:
         tr = tr2
         pre = tr.precompile()
     info["compile_s"] = round(time.time() - t0, 1)
-    with gpu_lock():
+    with accelerator_lock():
         if run != "pretrain":
             state = tr.init_state()
             ev0 = tr.evaluate(tr.compiled_steps(state)[1], state["params"])

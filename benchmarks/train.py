@@ -21,8 +21,6 @@ thousand tokens measures the optimizer, not the model: state tokens per step (``
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import statistics
@@ -38,21 +36,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-@contextlib.contextmanager
-def gpu_lock():
-    """Hold the file lock named by ``K3_BENCH_LOCK`` (if set) while timing, so benchmarks that share one
-    accelerator in the same job (each compiling in parallel) never time their steps concurrently."""
-    path = os.environ.get("K3_BENCH_LOCK")
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+from benchmarks._lock import accelerator_lock  # noqa: E402
 
 
 def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: int, remat: str,
@@ -79,7 +63,7 @@ def bench(config: str, impl: str, batch: int, seq_len: int, steps: int, accum: i
     jax.block_until_ready(m)
     compile_s = time.time() - t0
     times = []
-    with gpu_lock():
+    with accelerator_lock():
         for _ in range(steps):
             t0 = time.time()
             state, m = train_step(state, b)

@@ -10,7 +10,6 @@ Tolerance: max abs error <= 1e-4 x the largest magnitude, argmax identical.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -26,20 +25,12 @@ from k3_jax.convert.vision import vision_tensor_specs
 from k3_jax.model import K3ForConditionalGeneration
 from k3_jax.vision.plan import build_plan
 from k3_jax.vision.processor import MediaProcConfig, MediaProcessor
-
-GOLDEN = Path(__file__).parent / "fixtures" / "mm_golden.npz"
+from tests._model_fixtures import bf16_bits_to_f32, load_golden
 
 
 @pytest.fixture(scope="module")
 def golden() -> dict[str, np.ndarray]:
-    if not GOLDEN.exists():
-        pytest.skip(f"golden file {GOLDEN} missing (generate with tests/fixtures/make_mm_golden.py)")
-    with np.load(GOLDEN) as z:
-        return {k: z[k] for k in z.files}
-
-
-def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    return load_golden("mm_golden.npz", "make_mm_golden.py")
 
 
 def _checkpoint_tensors(g: dict[str, np.ndarray], raw: dict) -> dict[str, np.ndarray]:
@@ -53,7 +44,7 @@ def _checkpoint_tensors(g: dict[str, np.ndarray], raw: dict) -> dict[str, np.nda
                                   f"table names the release lacks: {sorted(set(specs) - stored)[:5]}")
     out = {}
     for name, (dtype, shape) in specs.items():
-        x = _bf16_bits_to_f32(g[f"w/{name}"])
+        x = bf16_bits_to_f32(g[f"w/{name}"])
         if x.shape != shape:  # A_log: the release module holds [H], the checkpoint [ceil(H / 128) * 128]
             assert name.endswith("A_log") and x.shape[0] < shape[0], (name, x.shape, shape)
             x = np.concatenate([x, np.zeros(shape[0] - x.shape[0], np.float32)])

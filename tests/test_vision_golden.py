@@ -7,8 +7,6 @@ packed together, fp32, CPU. Tolerance: max abs error <= 1e-4 x the largest magni
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,21 +17,12 @@ from k3_jax.convert.vision import vision_params_from_hf, vision_params_to_hf
 from k3_jax.vision.config import VisionConfig
 from k3_jax.vision.plan import build_plan
 from k3_jax.vision.tower import MoonViT3d, PatchMergerMLPV2
-from tests._model_fixtures import tiny_config
-
-GOLDEN = Path(__file__).parent / "fixtures" / "vision_golden.npz"
+from tests._model_fixtures import bf16_bits_to_f32, load_golden, tiny_config
 
 
 @pytest.fixture(scope="module")
 def golden() -> dict[str, np.ndarray]:
-    if not GOLDEN.exists():
-        pytest.skip(f"golden file {GOLDEN} missing (generate with tests/fixtures/make_vision_golden.py)")
-    with np.load(GOLDEN) as z:
-        return {k: z[k] for k in z.files}
-
-
-def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    return load_golden("vision_golden.npz", "make_vision_golden.py")
 
 
 def golden_vision_config(g: dict[str, np.ndarray]) -> VisionConfig:
@@ -49,7 +38,7 @@ def golden_vision_config(g: dict[str, np.ndarray]) -> VisionConfig:
 
 
 def golden_params(g: dict[str, np.ndarray], v: VisionConfig) -> dict:
-    return vision_params_from_hf(lambda name: _bf16_bits_to_f32(g[f"w/{name}"]), v)
+    return vision_params_from_hf(lambda name: bf16_bits_to_f32(g[f"w/{name}"]), v)
 
 
 def golden_pixels(g: dict[str, np.ndarray]) -> np.ndarray:
@@ -90,7 +79,7 @@ def test_vision_weights_round_trip(golden):
     back = dict(vision_params_to_hf(params, v))
     assert len(back) == sum(k.startswith("w/") for k in golden)
     for name, x in back.items():
-        np.testing.assert_array_equal(x, _bf16_bits_to_f32(golden[f"w/{name}"]), err_msg=name)
+        np.testing.assert_array_equal(x, bf16_bits_to_f32(golden[f"w/{name}"]), err_msg=name)
 
 
 def test_padded_plan_keeps_real_rows(golden):
