@@ -1,6 +1,7 @@
 """Tests for k3_jax.serving.sampling (batched per-row sampling, stop handling)."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -132,3 +133,38 @@ def test_stop_strings_streaming():
 def test_validate_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs).validate(vocab_size=1024)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Names of the primitives in ``jaxpr`` and every jaxpr nested in its equations' parameters."""
+    names = set()
+    for e in jaxpr.eqns:
+        names.add(e.primitive.name)
+        stack = list(e.params.values())
+        while stack:
+            v = stack.pop()
+            if isinstance(v, (tuple, list)):
+                stack.extend(v)
+            elif isinstance(v, jax.extend.core.ClosedJaxpr):
+                names |= _primitives(v.jaxpr)
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                names |= _primitives(v)
+    return names
+
+
+def test_vocabulary_sort_runs_only_when_a_row_samples():
+    """The top-k / top-p sort over the vocabulary sits inside the branch taken when some row has
+    ``temperature > 0``; the all-greedy branch is the argmax alone (same tokens as the sorted path)."""
+    logits = jax.random.normal(jax.random.key(3), (4, 64)) * 2
+    closed = jax.make_jaxpr(lambda lg, p: sample.__wrapped__(lg, p))(logits, _arrays(4))
+    top = {e.primitive.name for e in closed.jaxpr.eqns}
+    assert "sort" in _primitives(closed.jaxpr) and "sort" not in top
+    (cond,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+    branch_prims = [_primitives(b.jaxpr) for b in cond.params["branches"]]
+    assert ["sort" in p for p in branch_prims] == [False, True]  # branch 0: predicate false (all greedy)
+    mixed = SamplingArrays(temperature=jnp.asarray([0.0, 0.8, 0.0, 1.2], jnp.float32),
+                           top_k=jnp.asarray([0, 8, 0, 0], jnp.int32), top_p=jnp.asarray([1.0, 1.0, 1.0, 0.9]),
+                           seed=jnp.arange(4, dtype=jnp.uint32), step=jnp.zeros((4,), jnp.int32))
+    out = sample(logits, mixed).tokens
+    np.testing.assert_array_equal(np.asarray(out)[[0, 2]], np.argmax(np.asarray(logits), -1)[[0, 2]])
+    np.testing.assert_array_equal(sample(logits, _arrays(4)).tokens, np.argmax(logits, -1))

@@ -173,7 +173,8 @@ def _filtered_sorted_logits(
 
 @partial(jax.jit, static_argnames=("num_top_logprobs",))
 def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0) -> SampleOutput:
-    """Draw one token per row.
+    """Draw one token per row. The top-k / top-p sort over the vocabulary runs only when some row samples
+    (``temperature > 0``); an all-greedy batch takes the argmax alone.
 
     Args:
       logits: ``[B, V]`` (any float dtype; computed in f32).
@@ -182,13 +183,18 @@ def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0)
     Returns: :class:`SampleOutput`.
     """
     logits = logits.astype(jnp.float32)
-    masked, order = _filtered_sorted_logits(logits, params.temperature, params.top_k, params.top_p)
-    keys = jax.vmap(_row_key)(params.seed, params.step)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    pick_rank = jnp.argmax(masked + gumbel, axis=-1)
-    sampled = jnp.take_along_axis(order, pick_rank[:, None], axis=-1)[:, 0]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    tokens = jnp.where(params.temperature > 0, sampled, greedy).astype(jnp.int32)
+
+    def drawn() -> jax.Array:
+        masked, order = _filtered_sorted_logits(logits, params.temperature, params.top_k, params.top_p)
+        keys = jax.vmap(_row_key)(params.seed, params.step)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+        pick_rank = jnp.argmax(masked + gumbel, axis=-1)
+        sampled = jnp.take_along_axis(order, pick_rank[:, None], axis=-1)[:, 0]
+        return jnp.where(params.temperature > 0, sampled, greedy).astype(jnp.int32)
+
+    # an all-greedy batch skips the sort over the vocabulary (same tokens: every row is its argmax)
+    tokens = jax.lax.cond(jnp.any(params.temperature > 0), drawn, lambda: greedy)
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if num_top_logprobs > 0:
