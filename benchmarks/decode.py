@@ -17,8 +17,10 @@ One JSON line per case (``batch:prompt_len``, expert format, steps per call):
   ms_per_step``.
 * ``--profile-dir``: also the device-trace breakdown (``benchmarks._profile``) of ``--profile-calls`` calls of
   the first case:
-  device busy time per step, host gap (wall − device), kernel launches and copies per step, the top ops.
+  device busy time per step, host gap (wall − device), kernel launches and copies per step, the top ops, and
+  the time of the ops named like concatenations and sorts.
   (XLA runs op by op while a profile is active: command buffers are off in the profiled calls.)
+* ``--hlo-out FILE``: the first case's optimised HLO (``compiled.as_text()``) written to FILE.
 
 ``--xla-flags`` is appended to ``XLA_FLAGS`` before JAX starts (compare XLA options in separate processes).
 ``--layers kda,mla`` builds a config of those layers at the config's widths (e.g. the release's exact shapes
@@ -63,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size (with --layers)")
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--profile-calls", type=int, default=2)
+    ap.add_argument("--hlo-out", default=None, help="write the first case's optimised HLO text here")
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before JAX starts")
     ap.add_argument("--label", default="", help="free text copied into every line (e.g. the tree measured)")
     return ap.parse_args(argv)
@@ -204,6 +207,8 @@ def profile_breakdown(fn, args_fn, calls: int, steps_per_call: int, out_dir: str
     s = summarize_trace(traces[-1], top=400, divide_by=steps)
     copies = [(n, ms, c) for n, ms, c in s["top"] if "copy" in n.lower() or "memcpy" in n.lower()]
     dus = [(n, ms, c) for n, ms, c in s["top"] if "dynamic" in n.lower() and "slice" in n.lower()]
+    concat = [(n, ms, c) for n, ms, c in s["top"] if "concatenate" in n.lower()]
+    sorts = [(n, ms, c) for n, ms, c in s["top"] if "sort" in n.lower()]
     wall_ms = 1000 * wall / steps
     return {
         "device_events": s["device_events"],
@@ -214,7 +219,11 @@ def profile_breakdown(fn, args_fn, calls: int, steps_per_call: int, out_dir: str
         "copy_ms_per_step": round(sum(ms for _, ms, _ in copies), 4),
         "copies_per_step": sum(c for _, _, c in copies),
         "dynamic_slice_ms_per_step": round(sum(ms for _, ms, _ in dus), 4),
-        "top": s["top"][:20],
+        "concatenate_ms_per_step": round(sum(ms for _, ms, _ in concat), 4),
+        "concatenates_per_step": sum(c for _, _, c in concat),
+        "sort_ms_per_step": round(sum(ms for _, ms, _ in sorts), 4),
+        "sorts_per_step": sum(c for _, _, c in sorts),
+        "top": s["top"][:30],
     }
 
 
@@ -230,6 +239,8 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
                eng._decode_multi.lower(eng.variables, state["cache"], *inputs, 5, None, n))
     compiled = lowered.compile()  # static arguments (top logprobs, steps per call) are baked in
     compile_s = time.perf_counter() - t0
+    if args.hlo_out and first:
+        Path(args.hlo_out).write_text(compiled.as_text())
 
     def call():
         out, state["cache"] = compiled(eng.variables, state["cache"], *inputs, None)

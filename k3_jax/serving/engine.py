@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -66,6 +67,8 @@ from k3_jax.serving.metrics import ServingMetrics
 from k3_jax.serving.paged_cache import PageAllocator, PagedCacheSpec, gather_latent, write_latent
 from k3_jax.serving.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixHit
 from k3_jax.serving.sampling import SamplingArrays, SamplingParams, StopStrings, sample
+from k3_jax.xla_flags import serving_compiler_options
+from pallas_kernels.registry import target_platform
 
 __all__ = ["Engine", "TokenEvent", "RequestError", "RequestFailed"]
 
@@ -235,6 +238,7 @@ class Engine:
         self.paged = paged
         self._table = None
         self.compute_dtype = jnp.dtype(cache_dtype or cfg.dtype)
+        self.platform = target_platform(cfg.platform)
         if paged:
             self.page_spec = PagedCacheSpec.from_config(
                 cfg,
@@ -379,9 +383,11 @@ class Engine:
         self._put_kda = jax.jit(put_kda, donate_argnums=(0,))
         self._copy_page = jax.jit(copy_page, donate_argnums=(0,))
         self._reset = jax.jit(reset, donate_argnums=(0,))
-        self._decode_multi = jax.jit(decode_multi, donate_argnums=(1,), static_argnums=(5, 7))
-        self._prefill = jax.jit(prefill, donate_argnums=(1,))
-        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnums=(5,))
+        # the model steps: XLA options of serving on this platform (k3_jax.xla_flags.serving_compiler_options)
+        model_jit = functools.partial(jax.jit, compiler_options=serving_compiler_options(self.platform) or None)
+        self._decode_multi = model_jit(decode_multi, donate_argnums=(1,), static_argnums=(5, 7))
+        self._prefill = model_jit(prefill, donate_argnums=(1,))
+        self._decode = model_jit(decode, donate_argnums=(1,), static_argnums=(5,))
         self._sample = jax.jit(sample, static_argnames=("num_top_logprobs",))
 
     # ------------------------------------------------------------------ request management
