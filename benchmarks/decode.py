@@ -39,6 +39,7 @@ timing, profile) and releases it only to compile, so no two processes time at on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -75,8 +76,11 @@ def emit(rec: dict) -> None:
     print(json.dumps(rec), flush=True)
 
 
-def init_params(cfg, seed: int = 0):
-    """Random parameters of ``K3ForCausalLM(cfg)`` without the full-size expert init (see the module doc)."""
+def init_params(cfg, seed: int = 0, device_lock=contextlib.nullcontext):
+    """Random parameters of ``K3ForCausalLM(cfg)`` without the full-size expert init (see the module doc).
+
+    Every program is compiled first; only their runs hold ``device_lock()`` (the accelerator lock), so processes
+    sharing the GPU do not wait for each other's init compiles."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -86,9 +90,8 @@ def init_params(cfg, seed: int = 0):
     key, tokens = jax.random.PRNGKey(seed), jnp.zeros((1, 1), jnp.int32)
     full = jax.eval_shape(lambda: nn.unbox(K3ForCausalLM(cfg).init(key, tokens)))
     small = cfg.replace(num_experts=cfg.num_experts_per_token)
-    params = nn.unbox(jax.jit(K3ForCausalLM(small).init)(key, tokens))
+    init_small = jax.jit(K3ForCausalLM(small).init).lower(key, tokens).compile()
 
-    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
     def fill(k, shape, dtype, name):
         if name == "e_score_correction_bias":
             return jnp.zeros(shape, dtype)
@@ -101,17 +104,25 @@ def init_params(cfg, seed: int = 0):
         bits = jax.random.bits(k, shape, jnp.uint16) & 0x807F | 0x3C00  # +-[2^-7, 2^-6) in bf16
         return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(dtype)
 
+    small_leaves = jax.tree.leaves(jax.eval_shape(lambda: nn.unbox(K3ForCausalLM(small).init(key, tokens))))
     flat_full = jax.tree_util.tree_flatten_with_path(full)[0]
-    leaves, tree = jax.tree.flatten(params)
-    out = []
-    for i, ((path, want), have) in enumerate(zip(flat_full, leaves, strict=True)):
+    fills, compiled = [], {}
+    for i, ((path, want), have) in enumerate(zip(flat_full, small_leaves, strict=True)):
         if want.shape == have.shape:
-            out.append(have)
+            fills.append(None)
             continue
-        name = str(getattr(path[-1], "key", path[-1]))
-        out.append(fill(jax.random.fold_in(key, i), tuple(want.shape), jnp.dtype(want.dtype), name))
-        del have
-    return jax.tree.unflatten(tree, out)
+        sig = (tuple(want.shape), jnp.dtype(want.dtype), str(getattr(path[-1], "key", path[-1])))
+        if sig not in compiled:
+            one = functools.partial(fill, shape=sig[0], dtype=sig[1], name=sig[2])
+            compiled[sig] = jax.jit(one).lower(key).compile()
+        fills.append((compiled[sig], i))
+    with device_lock():
+        leaves, tree = jax.tree.flatten(nn.unbox(init_small(key, tokens)))
+        out = []
+        for have, f in zip(leaves, fills, strict=True):
+            out.append(have if f is None else f[0](jax.random.fold_in(key, f[1])))
+            del have
+        return jax.block_until_ready(jax.tree.unflatten(tree, out))
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -330,8 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.layers:
             cfg = layer_config(cfg, args.layers.split(","), args.vocab)
         t0 = time.perf_counter()
-        with accelerator_lock():
-            params = jax.block_until_ready(init_params(cfg))
+        params = init_params(cfg, device_lock=accelerator_lock)
         emit({"bench": "decode", "label": args.label, "event": "init", "experts": experts,
               "param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
               "init_s": round(time.perf_counter() - t0, 1)})

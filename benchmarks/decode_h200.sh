@@ -7,10 +7,12 @@
 # in parallel and time one at a time under K3_BENCH_LOCK. Cases: k3-slice batch 64 and 1 (prompt 128, 8 steps per
 # call), bf16 and MXFP4 experts, in both trees (the batch-64 bf16 case profiled in both); the release's KDA and MLA
 # layers (configs/k3.json, 896 MXFP4 experts top-16, vocabulary 1,024, prompt 1,024) at batch 64 and 1 in the new
-# tree, the KDA layer at batch 64 in the old one (profiled in both). The new tree's router-selection and sampling
-# tests run on the GPU in the same call, holding the lock. Outputs under $OUT: runs.jsonl (every JSON line),
-# stderr.txt (each process's last lines), gpu_tests.txt, new_b64_bf16.hlo.txt (the new tree's optimised batch-64
-# bf16 step), traces.tgz (the Perfetto traces); a summary table is printed last.
+# tree (the KDA layer profiled; a third release-layer process does not fit in the GPU's memory beside these). The
+# new tree's router-selection and sampling tests run on the GPU in the same call, holding the lock. An old tree
+# whose decode.py holds the lock through its init compiles makes the others wait for them: give the call more time.
+# Outputs under $OUT: runs.jsonl (every JSON line), stderr.txt (each process's last lines), gpu_tests.txt,
+# new_b64_bf16.hlo.txt (the new tree's optimised batch-64 bf16 step), traces.tgz (the Perfetto traces); a summary
+# table is printed last.
 set -u
 : "${OLD:?} ${NEW:?} ${OUT:?}"
 T=${TOTAL_S:-170}
@@ -36,7 +38,6 @@ run new_mxfp4 "$NEW" $SLICE --experts mxfp4
 run old_mxfp4 "$OLD" $SLICE --experts mxfp4
 run new_rel_kda "$NEW" $REL --layers kda --cases 64:1024:8,1:1024:8 --profile-dir "$PROF/new_rel_kda" \
   --profile-calls 1
-run old_rel_kda "$OLD" $REL --layers kda --cases 64:1024:8 --profile-dir "$PROF/old_rel_kda" --profile-calls 1
 run new_rel_mla "$NEW" $REL --layers mla --cases 64:1024:8,1:1024:8
 (cd "$NEW" && PYTHONPATH="$NEW" flock "$K3_BENCH_LOCK" timeout 90 python3 -m pytest -q -p no:cacheprovider \
   tests/test_router_select.py tests/test_sampling.py >"$OUT/gpu_tests.txt" 2>&1) &
