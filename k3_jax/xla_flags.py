@@ -40,9 +40,9 @@ SERVING_GPU_COMPILER_OPTIONS: dict[str, int] = {"xla_gpu_dot_merger_threshold_mb
 ``xla_gpu_dot_merger_threshold_mb=0`` turns off XLA's ``DotMerger``: it merges two matmuls that share an operand
 into one over the *concatenated* other operands as soon as one of the two is small (operands + output within the
 threshold, 32 MiB by default). In a decode step the shared operand is the layer's few activation rows and the
-concatenated operands are weights: a small projection (KDA ``f_a_proj`` / ``b_proj``, MLA ``q_a_proj`` /
-``kv_a_proj_with_mqa``) pulls a large one (``q_proj``, 176 MB at K3's widths) into a concatenation that copies the
-weights on every step, inside the layer scan, where XLA cannot hoist it."""
+concatenated operands are weights: a small projection of a layer's input (KDA ``f_a_proj`` and ``b_proj``, MLA
+``q_a_proj`` and ``kv_a_proj_with_mqa`` are small) can pull a large one (``q_proj``: 176 MB at K3's widths) into a
+concatenation that copies the weights on every step, inside the layer scan, where XLA cannot hoist it."""
 
 
 def serving_compiler_options(platform: str) -> dict[str, int]:
