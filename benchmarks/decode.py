@@ -22,6 +22,8 @@ One JSON line per case (``batch:prompt_len``, expert format, steps per call):
   (XLA runs op by op while a profile is active: command buffers are off in the profiled calls.)
 * ``--hlo-out FILE``: the first case's optimised HLO (``compiled.as_text()``) written to FILE.
 
+Every row is greedy: the step is compiled as the engine compiles it for an all-greedy batch (``sampling=False``).
+
 ``--xla-flags`` is appended to ``XLA_FLAGS`` before JAX starts (compare XLA options in separate processes).
 ``--layers kda,mla`` builds a config of those layers at the config's widths (e.g. the release's exact shapes
 from ``configs/k3.json``: one KDA and one MLA layer, 896 experts top-16) instead of the config's own layers.
@@ -246,8 +248,8 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
     with accelerator_lock():
         eng, state, inputs, nbytes = _prepare_case(cfg, params, batch, prompt_len, max_len, n)
     t0 = time.perf_counter()
-    lowered = (eng._decode.lower(eng.variables, state["cache"], *inputs, 5, None) if n == 1 else
-               eng._decode_multi.lower(eng.variables, state["cache"], *inputs, 5, None, n))
+    lowered = (eng._decode.lower(eng.variables, state["cache"], *inputs, 5, None, sampling=False) if n == 1 else
+               eng._decode_multi.lower(eng.variables, state["cache"], *inputs, 5, None, n, sampling=False))
     compiled = lowered.compile()  # static arguments (top logprobs, steps per call) are baked in
     compile_s = time.perf_counter() - t0
     if args.hlo_out and first:
