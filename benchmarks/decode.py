@@ -17,8 +17,12 @@ One JSON line per case (``batch:prompt_len``, expert format, steps per call):
   ms_per_step``.
 * ``--profile-dir``: also the device-trace breakdown (``benchmarks._profile``) of ``--profile-calls`` calls of
   the first case:
-  device busy time per step, host gap (wall − device), kernel launches and copies per step, the top ops.
+  device busy time per step, host gap (wall − device), kernel launches and copies per step, the top ops, and
+  the time of the ops named like concatenations and sorts.
   (XLA runs op by op while a profile is active: command buffers are off in the profiled calls.)
+* ``--hlo-out FILE``: the first case's optimised HLO (``compiled.as_text()``) written to FILE.
+
+Every row is greedy: the step is compiled as the engine compiles it for an all-greedy batch (``sampling=False``).
 
 ``--xla-flags`` is appended to ``XLA_FLAGS`` before JAX starts (compare XLA options in separate processes).
 ``--layers kda,mla`` builds a config of those layers at the config's widths (e.g. the release's exact shapes
@@ -37,6 +41,7 @@ timing, profile) and releases it only to compile, so no two processes time at on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -63,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size (with --layers)")
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--profile-calls", type=int, default=2)
+    ap.add_argument("--hlo-out", default=None, help="write the first case's optimised HLO text here")
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before JAX starts")
     ap.add_argument("--label", default="", help="free text copied into every line (e.g. the tree measured)")
     return ap.parse_args(argv)
@@ -72,8 +78,11 @@ def emit(rec: dict) -> None:
     print(json.dumps(rec), flush=True)
 
 
-def init_params(cfg, seed: int = 0):
-    """Random parameters of ``K3ForCausalLM(cfg)`` without the full-size expert init (see the module doc)."""
+def init_params(cfg, seed: int = 0, device_lock=contextlib.nullcontext):
+    """Random parameters of ``K3ForCausalLM(cfg)`` without the full-size expert init (see the module doc).
+
+    Every program is compiled first; only their runs hold ``device_lock()`` (the accelerator lock), so processes
+    sharing the GPU do not wait for each other's init compiles."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -83,9 +92,8 @@ def init_params(cfg, seed: int = 0):
     key, tokens = jax.random.PRNGKey(seed), jnp.zeros((1, 1), jnp.int32)
     full = jax.eval_shape(lambda: nn.unbox(K3ForCausalLM(cfg).init(key, tokens)))
     small = cfg.replace(num_experts=cfg.num_experts_per_token)
-    params = nn.unbox(jax.jit(K3ForCausalLM(small).init)(key, tokens))
+    init_small = jax.jit(K3ForCausalLM(small).init).lower(key, tokens).compile()
 
-    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
     def fill(k, shape, dtype, name):
         if name == "e_score_correction_bias":
             return jnp.zeros(shape, dtype)
@@ -98,17 +106,25 @@ def init_params(cfg, seed: int = 0):
         bits = jax.random.bits(k, shape, jnp.uint16) & 0x807F | 0x3C00  # +-[2^-7, 2^-6) in bf16
         return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(dtype)
 
+    small_leaves = jax.tree.leaves(jax.eval_shape(lambda: nn.unbox(K3ForCausalLM(small).init(key, tokens))))
     flat_full = jax.tree_util.tree_flatten_with_path(full)[0]
-    leaves, tree = jax.tree.flatten(params)
-    out = []
-    for i, ((path, want), have) in enumerate(zip(flat_full, leaves, strict=True)):
+    fills, compiled = [], {}
+    for i, ((path, want), have) in enumerate(zip(flat_full, small_leaves, strict=True)):
         if want.shape == have.shape:
-            out.append(have)
+            fills.append(None)
             continue
-        name = str(getattr(path[-1], "key", path[-1]))
-        out.append(fill(jax.random.fold_in(key, i), tuple(want.shape), jnp.dtype(want.dtype), name))
-        del have
-    return jax.tree.unflatten(tree, out)
+        sig = (tuple(want.shape), jnp.dtype(want.dtype), str(getattr(path[-1], "key", path[-1])))
+        if sig not in compiled:
+            one = functools.partial(fill, shape=sig[0], dtype=sig[1], name=sig[2])
+            compiled[sig] = jax.jit(one).lower(key).compile()
+        fills.append((compiled[sig], i))
+    with device_lock():
+        leaves, tree = jax.tree.flatten(nn.unbox(init_small(key, tokens)))
+        out = []
+        for have, f in zip(leaves, fills, strict=True):
+            out.append(have if f is None else f[0](jax.random.fold_in(key, f[1])))
+            del have
+        return jax.block_until_ready(jax.tree.unflatten(tree, out))
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -204,6 +220,8 @@ def profile_breakdown(fn, args_fn, calls: int, steps_per_call: int, out_dir: str
     s = summarize_trace(traces[-1], top=400, divide_by=steps)
     copies = [(n, ms, c) for n, ms, c in s["top"] if "copy" in n.lower() or "memcpy" in n.lower()]
     dus = [(n, ms, c) for n, ms, c in s["top"] if "dynamic" in n.lower() and "slice" in n.lower()]
+    concat = [(n, ms, c) for n, ms, c in s["top"] if "concatenate" in n.lower()]
+    sorts = [(n, ms, c) for n, ms, c in s["top"] if "sort" in n.lower()]
     wall_ms = 1000 * wall / steps
     return {
         "device_events": s["device_events"],
@@ -214,7 +232,11 @@ def profile_breakdown(fn, args_fn, calls: int, steps_per_call: int, out_dir: str
         "copy_ms_per_step": round(sum(ms for _, ms, _ in copies), 4),
         "copies_per_step": sum(c for _, _, c in copies),
         "dynamic_slice_ms_per_step": round(sum(ms for _, ms, _ in dus), 4),
-        "top": s["top"][:20],
+        "concatenate_ms_per_step": round(sum(ms for _, ms, _ in concat), 4),
+        "concatenates_per_step": sum(c for _, _, c in concat),
+        "sort_ms_per_step": round(sum(ms for _, ms, _ in sorts), 4),
+        "sorts_per_step": sum(c for _, _, c in sorts),
+        "top": s["top"][:30],
     }
 
 
@@ -226,10 +248,12 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
     with accelerator_lock():
         eng, state, inputs, nbytes = _prepare_case(cfg, params, batch, prompt_len, max_len, n)
     t0 = time.perf_counter()
-    lowered = (eng._decode.lower(eng.variables, state["cache"], *inputs, 5, None) if n == 1 else
-               eng._decode_multi.lower(eng.variables, state["cache"], *inputs, 5, None, n))
+    lowered = (eng._decode.lower(eng.variables, state["cache"], *inputs, 5, None, sampling=False) if n == 1 else
+               eng._decode_multi.lower(eng.variables, state["cache"], *inputs, 5, None, n, sampling=False))
     compiled = lowered.compile()  # static arguments (top logprobs, steps per call) are baked in
     compile_s = time.perf_counter() - t0
+    if args.hlo_out and first:
+        Path(args.hlo_out).write_text(compiled.as_text())
 
     def call():
         out, state["cache"] = compiled(eng.variables, state["cache"], *inputs, None)
@@ -319,8 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.layers:
             cfg = layer_config(cfg, args.layers.split(","), args.vocab)
         t0 = time.perf_counter()
-        with accelerator_lock():
-            params = jax.block_until_ready(init_params(cfg))
+        params = init_params(cfg, device_lock=accelerator_lock)
         emit({"bench": "decode", "label": args.label, "event": "init", "experts": experts,
               "param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
               "init_s": round(time.perf_counter() - t0, 1)})

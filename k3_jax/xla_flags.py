@@ -1,4 +1,5 @@
-"""Default XLA flags for the training entry point, applied before JAX initialises a backend.
+"""Default XLA flags for the training entry point, applied before JAX initialises a backend, and the XLA
+compile options of the serving engine's model steps (:func:`serving_compiler_options`).
 
 ``--xla_gpu_enable_triton_gemm=false`` sends XLA:GPU's matmuls to cuBLAS instead of its Triton GEMM emitter,
 which needs no GEMM autotuning (the measurement is in ``benchmarks/RESULTS.md``). GPU-only flags are parsed but
@@ -31,3 +32,20 @@ def apply_defaults(flags: Sequence[str] = TRAIN_DEFAULTS, env: MutableMapping[st
     if added:
         env["XLA_FLAGS"] = " ".join(current + added)
     return added
+
+
+SERVING_GPU_COMPILER_OPTIONS: dict[str, int] = {"xla_gpu_dot_merger_threshold_mb": 0}
+"""XLA:GPU options of the serving engine's jitted model steps (decode, prefill).
+
+``xla_gpu_dot_merger_threshold_mb=0`` turns off XLA's ``DotMerger``: it merges two matmuls that share an operand
+into one over the *concatenated* other operands as soon as one of the two is small (operands + output within the
+threshold, 32 MiB by default). In a decode step the shared operand is the layer's few activation rows and the
+concatenated operands are weights: a small projection of a layer's input (KDA ``f_a_proj`` and ``b_proj``, MLA
+``q_a_proj`` and ``kv_a_proj_with_mqa`` are small) can pull a large one (``q_proj``: 176 MB at K3's widths) into a
+concatenation that copies the weights on every step, inside the layer scan, where XLA cannot hoist it."""
+
+
+def serving_compiler_options(platform: str) -> dict[str, int]:
+    """``jax.jit(compiler_options=...)`` for the serving engine's model steps on ``platform`` (``cpu`` | ``gpu``
+    | ``tpu``): :data:`SERVING_GPU_COMPILER_OPTIONS` on ``gpu``, none elsewhere."""
+    return dict(SERVING_GPU_COMPILER_OPTIONS) if platform == "gpu" else {}

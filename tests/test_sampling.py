@@ -168,3 +168,18 @@ def test_vocabulary_sort_runs_only_when_a_row_samples():
     out = sample(logits, mixed).tokens
     np.testing.assert_array_equal(np.asarray(out)[[0, 2]], np.argmax(np.asarray(logits), -1)[[0, 2]])
     np.testing.assert_array_equal(sample(logits, _arrays(4)).tokens, np.argmax(logits, -1))
+
+
+def test_host_known_sampling_flag_equals_the_cond():
+    """``sampling=False`` / ``True`` (the engine knows it on the host) give the ``cond`` form's outputs: all-greedy
+    rows exactly, and a mixed batch's sampled rows too; the False program holds no sort and no cond."""
+    logits = jax.random.normal(jax.random.key(5), (4, 64)) * 2
+    greedy = _arrays(4)
+    for a, b in zip(sample(logits, greedy, num_top_logprobs=3), sample(logits, greedy, num_top_logprobs=3,
+                                                                      sampling=False), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mixed = _arrays(4, temperature=0.7, seed=3)
+    np.testing.assert_array_equal(np.asarray(sample(logits, mixed).tokens),
+                                  np.asarray(sample(logits, mixed, sampling=True).tokens))
+    prims = _primitives(jax.make_jaxpr(lambda lg, p: sample.__wrapped__(lg, p, sampling=False))(logits, greedy).jaxpr)
+    assert "sort" not in prims and "cond" not in prims

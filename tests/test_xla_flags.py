@@ -1,4 +1,5 @@
-"""Default XLA flags of train.py: added when absent, a user's own value wins, K3_XLA_DEFAULTS=off disables."""
+"""Default XLA flags of train.py: added when absent, a user's own value wins, K3_XLA_DEFAULTS=off disables; the
+serving engine's XLA:GPU compile options."""
 
 from k3_jax import xla_flags
 
@@ -19,3 +20,14 @@ def test_adds_missing_flags_and_keeps_the_users():
 def test_off_switch():
     env = {"K3_XLA_DEFAULTS": "off"}
     assert xla_flags.apply_defaults(env=env) == [] and "XLA_FLAGS" not in env
+
+
+def test_serving_compiler_options_turn_the_dot_merger_off_on_gpu_only():
+    import jax
+    import jax.numpy as jnp
+
+    assert xla_flags.serving_compiler_options("gpu") == {"xla_gpu_dot_merger_threshold_mb": 0}
+    assert xla_flags.serving_compiler_options("cpu") == {} == xla_flags.serving_compiler_options("tpu")
+    # the option names a real XLA debug option (an unknown one is refused at compile time)
+    f = jax.jit(lambda a: a @ a, compiler_options=xla_flags.serving_compiler_options("gpu"))
+    assert float(f(jnp.eye(2))[0, 0]) == 1.0

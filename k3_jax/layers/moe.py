@@ -29,7 +29,8 @@ ROUTER_REDUCE_ROWS = 256
 """On GPU, up to this many tokens (decode) the router logits are an fp32 multiply + reduction over ``D`` (one
 reduction fusion spread over the GPU) instead of an fp32 GEMM: with only 16..896 output columns and few rows,
 XLA's HIGHEST-precision (FFMA) GEMM runs on a few thread blocks (~150 µs per K3-width layer at batch 64 on an
-H200, more than the layer's KDA state update)."""
+H200, more than the layer's KDA state update). Up to this many tokens the top-k expert selection ranks instead of
+sorting too (:func:`select_experts`)."""
 
 
 @jax.checkpoint
@@ -59,6 +60,42 @@ class SituMLP(nn.Module):
         return Linear(cfg.hidden_size, ("mlp", "embed"), cfg, name="down_proj")(act)
 
 
+def float_order_keys(x: jax.Array) -> jax.Array:
+    """``f32 [...]`` -> ``i32 [...]`` keys whose signed integer order is IEEE total order of the floats
+    (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN), the order ``jax.lax.top_k`` ranks by."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def top_k_ids_by_rank(x: jax.Array, k: int) -> jax.Array:
+    """``jax.lax.top_k(x, k)[1]`` computed by ranking instead of sorting: ``x [N, E]`` -> ``i32 [N, k]``.
+
+    Element ``i`` of a row has rank ``#{j : x_j > x_i} + #{j < i : x_j == x_i}`` in total order
+    (:func:`float_order_keys`), so ranks are a permutation of ``0..E-1`` and ties go to the lower index, as in
+    ``lax.top_k``; output position ``r`` holds the element of rank ``r``. Two reductions read the scores; the
+    ``N·E²`` comparisons are fused, never materialised: meant for decode-sized ``N`` (XLA:GPU lowers ``top_k``
+    over fewer than 1,024 columns to a sort, a multi-pass radix sort for ``N·E`` beyond a few thousand)."""
+    n, e = x.shape
+    if not 0 < k <= e:
+        raise ValueError(f"top_k_ids_by_rank: k must be in [1, {e}] for scores of shape {x.shape}, got {k}")
+    key = float_order_keys(x)
+    idx = jnp.arange(e, dtype=jnp.int32)
+    ki, kj = key[:, :, None], key[:, None, :]
+    beats = (kj > ki) | ((kj == ki) & (idx[None, None, :] < idx[None, :, None]))  # [N, i, j]: j ranks above i
+    rank = jnp.sum(beats.astype(jnp.int32), axis=-1)  # [N, E]
+    hit = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [N, k, E]
+    return jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=-1)
+
+
+def select_experts(selection_scores: jax.Array, k: int) -> jax.Array:
+    """The top-``k`` expert ids ``i32 [N, k]`` of ``selection_scores [N, E]`` f32, exactly
+    ``jax.lax.top_k(selection_scores, k)[1]`` (same order, ties to the lower index). On GPU, up to
+    :data:`ROUTER_REDUCE_ROWS` tokens (decode), by :func:`top_k_ids_by_rank` instead of XLA's sort."""
+    if selection_scores.ndim == 2 and selection_scores.shape[0] <= ROUTER_REDUCE_ROWS and target_platform() == "gpu":
+        return top_k_ids_by_rank(selection_scores, k)
+    return jax.lax.top_k(selection_scores, k)[1].astype(jnp.int32)
+
+
 def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, k: int, renormalize: bool = True,
           scaling: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sigmoid router (fp32, HIGHEST precision).
@@ -71,7 +108,7 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, k: int, renor
       The bias enters only through the (integer) selection, so it receives no gradient.
     """
     scores = _router_scores(x, router_kernel)
-    _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(scores + bias.astype(jnp.float32)), k)
+    expert_ids = select_experts(jax.lax.stop_gradient(scores + bias.astype(jnp.float32)), k)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if renormalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -66,6 +67,8 @@ from k3_jax.serving.metrics import ServingMetrics
 from k3_jax.serving.paged_cache import PageAllocator, PagedCacheSpec, gather_latent, write_latent
 from k3_jax.serving.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixHit
 from k3_jax.serving.sampling import SamplingArrays, SamplingParams, StopStrings, sample
+from k3_jax.xla_flags import serving_compiler_options
+from pallas_kernels.registry import target_platform
 
 __all__ = ["Engine", "TokenEvent", "RequestError", "RequestFailed"]
 
@@ -235,6 +238,7 @@ class Engine:
         self.paged = paged
         self._table = None
         self.compute_dtype = jnp.dtype(cache_dtype or cfg.dtype)
+        self.platform = target_platform(cfg.platform)
         if paged:
             self.page_spec = PagedCacheSpec.from_config(
                 cfg,
@@ -337,19 +341,21 @@ class Engine:
             logits, row = run(variables, row, tokens, row_table, jnp.ones((1,), bool), hook)
             return logits[0, -1].astype(jnp.float32), put_row(cache, row, slot)
 
-        def decode(variables, cache, tokens, active, samp, num_top, table):
+        def decode(variables, cache, tokens, active, samp, num_top, table, sampling=None):
+            """One decode step of every slot; ``sampling`` (static): see :func:`sample` (the host knows it)."""
             logits, new = run(variables, cache, tokens[:, None], table, active)
             # rows not decoded keep their length; the KDA rows of prefilling slots are restored by the host
             # (_decode_step), so no where() over every slot's state runs per step
             new = {**new, "lengths": jnp.where(active, new["lengths"], cache["lengths"])}
-            return sample(logits[:, 0], samp, num_top_logprobs=num_top), new
+            return sample(logits[:, 0], samp, num_top_logprobs=num_top, sampling=sampling), new
 
-        def decode_multi(variables, cache, tokens, active, samp, num_top, table, n):
+        def decode_multi(variables, cache, tokens, active, samp, num_top, table, n, sampling=None):
             """``n`` decode steps, each feeding its sampled tokens to the next; outputs stacked ``[n, B, ...]``."""
 
             def body(carry, _):
                 cache, toks, step = carry
-                out, cache = decode(variables, cache, toks, active, samp._replace(step=step), num_top, table)
+                out, cache = decode(variables, cache, toks, active, samp._replace(step=step), num_top, table,
+                                    sampling)
                 return (cache, out.tokens, step + 1), out
 
             (cache, _, _), outs = jax.lax.scan(body, (cache, tokens, samp.step), None, length=n)
@@ -379,9 +385,11 @@ class Engine:
         self._put_kda = jax.jit(put_kda, donate_argnums=(0,))
         self._copy_page = jax.jit(copy_page, donate_argnums=(0,))
         self._reset = jax.jit(reset, donate_argnums=(0,))
-        self._decode_multi = jax.jit(decode_multi, donate_argnums=(1,), static_argnums=(5, 7))
-        self._prefill = jax.jit(prefill, donate_argnums=(1,))
-        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnums=(5,))
+        # the model steps: XLA options of serving on this platform (k3_jax.xla_flags.serving_compiler_options)
+        model_jit = functools.partial(jax.jit, compiler_options=serving_compiler_options(self.platform) or None)
+        self._decode_multi = model_jit(decode_multi, donate_argnums=(1,), static_argnums=(5, 7, 8))
+        self._prefill = model_jit(prefill, donate_argnums=(1,))
+        self._decode = model_jit(decode, donate_argnums=(1,), static_argnums=(5, 7))
         self._sample = jax.jit(sample, static_argnames=("num_top_logprobs",))
 
     # ------------------------------------------------------------------ request management
@@ -705,11 +713,13 @@ class Engine:
         try:
             args = (self.variables, self.cache, jnp.asarray(self._last_token), jnp.asarray(active), samp,
                     self.max_logprobs, self._table)  # max_logprobs: always computed, one compiled decode step
+            # static: all-greedy batches run a program without the sampling sort or its device-side cond
+            sampling = bool(np.any(self._samp["temperature"][active] > 0))
             if n == 1:
-                out, self.cache = self._decode(*args)
+                out, self.cache = self._decode(*args, sampling=sampling)
                 outs = [jax.device_get(out)]
             else:
-                stacked, self.cache = self._decode_multi(*args, n)
+                stacked, self.cache = self._decode_multi(*args, n, sampling=sampling)
                 stacked = jax.device_get(stacked)
                 outs = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
             self._restore_prefilling_rows(saved)

@@ -171,8 +171,9 @@ def _filtered_sorted_logits(
     return jnp.where(keep_p, scaled, -jnp.inf), order
 
 
-@partial(jax.jit, static_argnames=("num_top_logprobs",))
-def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0) -> SampleOutput:
+@partial(jax.jit, static_argnames=("num_top_logprobs", "sampling"))
+def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0,
+           sampling: bool | None = None) -> SampleOutput:
     """Draw one token per row. The top-k / top-p sort over the vocabulary runs only when some row samples
     (``temperature > 0``); an all-greedy batch takes the argmax alone.
 
@@ -180,6 +181,10 @@ def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0)
       logits: ``[B, V]`` (any float dtype; computed in f32).
       params: per-row :class:`SamplingArrays`.
       num_top_logprobs: static; how many top alternatives' log-probs to return per row.
+      sampling: static; whether some row that matters samples, when the caller knows it on the host (False:
+        every such row is greedy, and the program holds no sort; True: the sort always runs). None: decided on
+        the device by a ``cond`` on ``any(temperature > 0)`` (XLA:GPU reads its predicate on the host: one
+        device-to-host copy and wait per call). Greedy rows get the same outputs in every mode.
     Returns: :class:`SampleOutput`.
     """
     logits = logits.astype(jnp.float32)
@@ -194,7 +199,10 @@ def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0)
         return jnp.where(params.temperature > 0, sampled, greedy).astype(jnp.int32)
 
     # an all-greedy batch skips the sort over the vocabulary (same tokens: every row is its argmax)
-    tokens = jax.lax.cond(jnp.any(params.temperature > 0), drawn, lambda: greedy)
+    if sampling is None:
+        tokens = jax.lax.cond(jnp.any(params.temperature > 0), drawn, lambda: greedy)
+    else:
+        tokens = drawn() if sampling else greedy
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if num_top_logprobs > 0:
