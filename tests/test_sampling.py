@@ -152,34 +152,16 @@ def _primitives(jaxpr) -> set[str]:
     return names
 
 
-def test_vocabulary_sort_runs_only_when_a_row_samples():
-    """The top-k / top-p sort over the vocabulary sits inside the branch taken when some row has
-    ``temperature > 0``; the all-greedy branch is the argmax alone (same tokens as the sorted path)."""
-    logits = jax.random.normal(jax.random.key(3), (4, 64)) * 2
-    closed = jax.make_jaxpr(lambda lg, p: sample.__wrapped__(lg, p))(logits, _arrays(4))
-    top = {e.primitive.name for e in closed.jaxpr.eqns}
-    assert "sort" in _primitives(closed.jaxpr) and "sort" not in top
-    (cond,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
-    branch_prims = [_primitives(b.jaxpr) for b in cond.params["branches"]]
-    assert ["sort" in p for p in branch_prims] == [False, True]  # branch 0: predicate false (all greedy)
-    mixed = SamplingArrays(temperature=jnp.asarray([0.0, 0.8, 0.0, 1.2], jnp.float32),
-                           top_k=jnp.asarray([0, 8, 0, 0], jnp.int32), top_p=jnp.asarray([1.0, 1.0, 1.0, 0.9]),
-                           seed=jnp.arange(4, dtype=jnp.uint32), step=jnp.zeros((4,), jnp.int32))
-    out = sample(logits, mixed).tokens
-    np.testing.assert_array_equal(np.asarray(out)[[0, 2]], np.argmax(np.asarray(logits), -1)[[0, 2]])
-    np.testing.assert_array_equal(sample(logits, _arrays(4)).tokens, np.argmax(logits, -1))
-
-
-def test_host_known_sampling_flag_equals_the_cond():
-    """``sampling=False`` / ``True`` (the engine knows it on the host) give the ``cond`` form's outputs: all-greedy
-    rows exactly, and a mixed batch's sampled rows too; the False program holds no sort and no cond."""
+def test_all_greedy_program_skips_the_vocabulary_sort():
+    """``sampling=False`` (the engine knows on the host that every row is greedy) is the argmax alone: no sort in
+    the program, and the same outputs as the default program for greedy rows; the default sorts and samples."""
     logits = jax.random.normal(jax.random.key(5), (4, 64)) * 2
     greedy = _arrays(4)
-    for a, b in zip(sample(logits, greedy, num_top_logprobs=3), sample(logits, greedy, num_top_logprobs=3,
-                                                                      sampling=False), strict=True):
+    for a, b in zip(sample(logits, greedy, num_top_logprobs=3),
+                    sample(logits, greedy, num_top_logprobs=3, sampling=False), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    mixed = _arrays(4, temperature=0.7, seed=3)
-    np.testing.assert_array_equal(np.asarray(sample(logits, mixed).tokens),
-                                  np.asarray(sample(logits, mixed, sampling=True).tokens))
-    prims = _primitives(jax.make_jaxpr(lambda lg, p: sample.__wrapped__(lg, p, sampling=False))(logits, greedy).jaxpr)
-    assert "sort" not in prims and "cond" not in prims
+    np.testing.assert_array_equal(np.asarray(sample(logits, greedy, sampling=False).tokens),
+                                  np.argmax(np.asarray(logits), -1))
+    jaxpr = lambda flag: jax.make_jaxpr(lambda lg, p: sample.__wrapped__(lg, p, sampling=flag))(logits, greedy).jaxpr
+    assert "sort" not in _primitives(jaxpr(False))
+    assert "sort" in _primitives(jaxpr(True))

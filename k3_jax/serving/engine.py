@@ -341,7 +341,7 @@ class Engine:
             logits, row = run(variables, row, tokens, row_table, jnp.ones((1,), bool), hook)
             return logits[0, -1].astype(jnp.float32), put_row(cache, row, slot)
 
-        def decode(variables, cache, tokens, active, samp, num_top, table, sampling=None):
+        def decode(variables, cache, tokens, active, samp, num_top, table, sampling=True):
             """One decode step of every slot; ``sampling`` (static): see :func:`sample` (the host knows it)."""
             logits, new = run(variables, cache, tokens[:, None], table, active)
             # rows not decoded keep their length; the KDA rows of prefilling slots are restored by the host
@@ -349,7 +349,7 @@ class Engine:
             new = {**new, "lengths": jnp.where(active, new["lengths"], cache["lengths"])}
             return sample(logits[:, 0], samp, num_top_logprobs=num_top, sampling=sampling), new
 
-        def decode_multi(variables, cache, tokens, active, samp, num_top, table, n, sampling=None):
+        def decode_multi(variables, cache, tokens, active, samp, num_top, table, n, sampling=True):
             """``n`` decode steps, each feeding its sampled tokens to the next; outputs stacked ``[n, B, ...]``."""
 
             def body(carry, _):
@@ -390,7 +390,7 @@ class Engine:
         self._decode_multi = model_jit(decode_multi, donate_argnums=(1,), static_argnums=(5, 7, 8))
         self._prefill = model_jit(prefill, donate_argnums=(1,))
         self._decode = model_jit(decode, donate_argnums=(1,), static_argnums=(5, 7))
-        self._sample = jax.jit(sample, static_argnames=("num_top_logprobs",))
+        self._sample = jax.jit(sample, static_argnames=("num_top_logprobs", "sampling"))
 
     # ------------------------------------------------------------------ request management
     def validate(self, prompt: Sequence[int], params: SamplingParams,
@@ -630,7 +630,8 @@ class Engine:
         if req.pieces:
             return []
         samp = SamplingArrays.from_params([req.params], [0])
-        out = jax.device_get(self._sample(logits[None], samp, num_top_logprobs=self.max_logprobs))
+        out = jax.device_get(self._sample(logits[None], samp, num_top_logprobs=self.max_logprobs,
+                                          sampling=req.params.temperature > 0))
         if req.progress is not None:
             req.progress.close()
         return [self._emit(req, int(out.tokens[0]), out, 0)]
@@ -713,7 +714,7 @@ class Engine:
         try:
             args = (self.variables, self.cache, jnp.asarray(self._last_token), jnp.asarray(active), samp,
                     self.max_logprobs, self._table)  # max_logprobs: always computed, one compiled decode step
-            # static: all-greedy batches run a program without the sampling sort or its device-side cond
+            # static: all-greedy batches run a program without the sampling sort
             sampling = bool(np.any(self._samp["temperature"][active] > 0))
             if n == 1:
                 out, self.cache = self._decode(*args, sampling=sampling)

@@ -173,36 +173,28 @@ def _filtered_sorted_logits(
 
 @partial(jax.jit, static_argnames=("num_top_logprobs", "sampling"))
 def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0,
-           sampling: bool | None = None) -> SampleOutput:
-    """Draw one token per row. The top-k / top-p sort over the vocabulary runs only when some row samples
-    (``temperature > 0``); an all-greedy batch takes the argmax alone.
+           sampling: bool = True) -> SampleOutput:
+    """Draw one token per row.
 
     Args:
       logits: ``[B, V]`` (any float dtype; computed in f32).
       params: per-row :class:`SamplingArrays`.
       num_top_logprobs: static; how many top alternatives' log-probs to return per row.
-      sampling: static; whether some row that matters samples, when the caller knows it on the host (False:
-        every such row is greedy, and the program holds no sort; True: the sort always runs). None: decided on
-        the device by a ``cond`` on ``any(temperature > 0)`` (XLA:GPU reads its predicate on the host: one
-        device-to-host copy and wait per call). Greedy rows get the same outputs in every mode.
+      sampling: static; False promises that every row whose token matters is greedy (``temperature == 0``,
+        known on the host): the program is the argmax alone, without the top-k / top-p sort over the vocabulary.
+        True (default): rows with ``temperature > 0`` sample, the others take their argmax. Greedy rows get the
+        same token either way.
     Returns: :class:`SampleOutput`.
     """
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def drawn() -> jax.Array:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if sampling:
         masked, order = _filtered_sorted_logits(logits, params.temperature, params.top_k, params.top_p)
         keys = jax.vmap(_row_key)(params.seed, params.step)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
         pick_rank = jnp.argmax(masked + gumbel, axis=-1)
         sampled = jnp.take_along_axis(order, pick_rank[:, None], axis=-1)[:, 0]
-        return jnp.where(params.temperature > 0, sampled, greedy).astype(jnp.int32)
-
-    # an all-greedy batch skips the sort over the vocabulary (same tokens: every row is its argmax)
-    if sampling is None:
-        tokens = jax.lax.cond(jnp.any(params.temperature > 0), drawn, lambda: greedy)
-    else:
-        tokens = drawn() if sampling else greedy
+        tokens = jnp.where(params.temperature > 0, sampled, tokens).astype(jnp.int32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if num_top_logprobs > 0:
