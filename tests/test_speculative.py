@@ -117,6 +117,29 @@ def test_greedy_identical_batch_and_draft_lengths(spec_mla):
     assert _run(spec_mla, prompts, sampled) == want
 
 
+def test_several_rounds_per_call_equal_single_rounds(spec_mla):
+    """decode_block=3: rounds run in one scan with the bookkeeping on the device; rows that reach max_tokens or a
+    stop token inside a block, per-request draft lengths and sampling keys (the per-row step) all as single rounds."""
+    cfg, params, base = _setup()
+    prompts = _prompts()
+    want = _run(base, prompts, [_greedy()] * 3)
+    stop = want[1][4]  # request 1 stops at its 5th token (or earlier, where that token comes first)
+    greedy = [_greedy(), SamplingParams(max_tokens=NEW, ignore_eos=True, stop_token_ids=(stop,)), _greedy(9)]
+    sampled = [SamplingParams(max_tokens=NEW - i, ignore_eos=True, temperature=1.0, seed=s)
+               for i, s in enumerate((11, 12, 13))]
+    single = _run(spec_mla, prompts, sampled, draft_tokens=[3, 2, 1])
+    spec_mla.decode_block = 3
+    try:
+        steps = spec_mla.stats["decode_steps"]
+        got = _run(spec_mla, prompts, greedy, draft_tokens=[3, 1, 2])
+        assert spec_mla.stats["decode_steps"] - steps > 3  # blocks of 3 rounds ran
+        assert _run(spec_mla, prompts, sampled, draft_tokens=[3, 2, 1]) == single
+    finally:
+        spec_mla.decode_block = 1
+    assert got[0] == want[0] and got[2] == want[2][:9]
+    assert got[1] == want[1][:want[1].index(stop) + 1]
+
+
 def test_target_state_after_partial_acceptance_equals_plain_decode(spec_mla):
     cfg, params, base = _setup()
     prompt = [3, 5, 4, 6, 7]
