@@ -6,6 +6,7 @@ draws; one engine-level check with top-k 1), the LK loss and gradient equal nump
 exactly."""
 
 import functools
+import threading
 import time
 import types
 
@@ -292,6 +293,12 @@ def test_draft_training_resumes_exactly(tmp_path, monkeypatch):
     assert timed["step"] == 2 and load_draft(timed["draft_dir"], cfg)[0] is not None  # checkpointed and exported
     assert timed["losses"] + train("c")["losses"] == straight["losses"]  # a re-run without the limit resumes
     assert straight["losses"][-1] < straight["losses"][0]
+    flag = tmp_path / "target.done"  # --wait-for: compiled on a random target first, then trained once flag exists
+    threading.Timer(0.5, flag.touch).start()
+    said = []
+    waited = draft_training.train(draft_training.DraftTrainConfig(out=str(tmp_path / "d"), wait_for=str(flag),
+                                                                  **common), say=said.append)
+    assert waited["losses"] == straight["losses"] and any("waiting for" in line for line in said)
     dcfg, dparams = load_draft(straight["draft_dir"], cfg)
     assert dcfg == draft_training.draft_config_of(cfg, draft_training.DraftTrainConfig())
     assert jax.tree.structure(dparams) is not None

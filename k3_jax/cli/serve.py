@@ -60,7 +60,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-block", type=int, default=512, help="prefix cache: hash block tokens")
     p.add_argument("--prefix-stride", type=int, default=8192, help="prefix cache: KDA snapshot stride (tokens)")
     p.add_argument("--decode-block", type=int, default=1,
-                   help="decode steps per device call (tokens stream in bursts of this size; see Engine)")
+                   help="decode steps (with --draft: speculative rounds) per device call (tokens stream in bursts; "
+                        "see Engine)")
     p.add_argument("--draft", default=None,
                    help="speculative decoding with this draft dir (from python -m k3_jax.training.draft)")
     p.add_argument("--draft-tokens", type=int, default=4, help="with --draft: tokens drafted per round (k)")
@@ -169,8 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     engine_kwargs = dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                          tokenizer=tok, eos_ids=eos)
     if args.draft:
-        if args.decode_block != 1:
-            raise SystemExit("--draft emits up to --draft-tokens + 1 tokens per step already: drop --decode-block")
         if prefix is not None:
             raise SystemExit("--draft and --prefix-cache cannot be combined yet (the speculative engine has no "
                              "paged cache)")
@@ -180,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             dcfg, dparams = load_draft(args.draft, cfg)
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"--draft {args.draft}: {e}") from None
-        engine = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=args.draft_tokens, **engine_kwargs)
+        engine = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=args.draft_tokens,
+                                   decode_block=args.decode_block, **engine_kwargs)
     else:
         engine = Engine(cfg, params, decode_block=args.decode_block, paged=prefix is not None,
                         page_size=args.page_size, prefix_cache=prefix, **engine_kwargs)

@@ -25,6 +25,11 @@ straight run's losses exactly. ``--max-seconds S`` ends the run after the step t
 
 ``--target`` is a training workdir of ``train.py`` (``checkpoints/<step>/state`` + its stored model config) or a
 converted orbax checkpoint (``--config`` or ``DIR/config.json`` gives the architecture).
+
+``--wait-for FILE`` (a pipeline that trains the target first): the step is compiled and run once on a random
+target of ``--config``'s shapes, then the trainer waits until ``FILE`` exists and loads the target, so the first
+real step compiles nothing (unless the target's stored config differs from ``--config``: that is logged) and
+``--max-seconds`` counts training alone.
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ class DraftTrainConfig:
     save_every: int = 50
     dtype: str = ""  # compute dtype ("" = the target config's; float32 on CPU)
     max_seconds: float = 0.0  # > 0: end (checkpoint + export) after the step that passes this wall time
+    wait_for: str = ""  # compile on a random target of `config`, then wait until this file exists (module doc)
 
     def validate(self) -> DraftTrainConfig:
         if self.loss not in LOSSES:
@@ -128,7 +134,7 @@ def load_target(dtc: DraftTrainConfig) -> tuple[K3Config, Any]:
     if not overrides and jax.default_backend() == "cpu":
         overrides = {"dtype": "float32"}  # XLA:CPU cannot run bf16 x bf16 -> f32 dots
     if not dtc.target:
-        cfg = load_config(dtc.config, **overrides)
+        cfg = _target_config(dtc)
         return cfg, _random_target(cfg, dtc.seed + 1)
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
@@ -150,6 +156,20 @@ def load_target(dtc: DraftTrainConfig) -> tuple[K3Config, Any]:
     cfg_path = path / "config.json" if (path / "config.json").exists() else Path(dtc.config)
     cfg = load_config(cfg_path, **overrides)
     return cfg, ocp.StandardCheckpointer().restore(path)
+
+
+def _target_config(dtc: DraftTrainConfig) -> K3Config:
+    """``--config`` with the compute-dtype override ``load_target`` applies."""
+    overrides = {"dtype": dtc.dtype} if dtc.dtype else {}
+    if not overrides and jax.default_backend() == "cpu":
+        overrides = {"dtype": "float32"}
+    return load_config(dtc.config, **overrides)
+
+
+def _uncommitted(tree: Any) -> Any:
+    """Leaves placed as uncommitted device arrays, so a restored target hits the step compiled on a random one
+    (jit keys on committed placement)."""
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x)), tree)
 
 
 @functools.lru_cache(maxsize=2)
@@ -231,7 +251,33 @@ def init_state(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, target_p
 
 def run_config(cfg: K3Config, dtc: DraftTrainConfig) -> dict:
     return json.loads(json.dumps({"format": RUN_CONFIG_FORMAT, "model": dataclasses.asdict(cfg),
-                                  "train": dataclasses.asdict(dtc) | {"out": "(any)", "max_seconds": "(any)"}}))
+                                  "train": dataclasses.asdict(dtc) | {"out": "(any)", "max_seconds": "(any)",
+                                                                      "wait_for": "(any)"}}))
+
+
+def _step_options(dtc: DraftTrainConfig) -> DraftTrainConfig:
+    """``dtc`` without the options the compiled step does not depend on (its compile-cache key)."""
+    return dataclasses.replace(dtc, out="", target="", max_seconds=0.0, wait_for="")
+
+
+def _precompile_and_wait(dtc: DraftTrainConfig, say) -> K3Config:
+    """Run the step once on a random target of ``dtc.config`` (compiling it), then wait for ``dtc.wait_for``.
+    Returns the config the step was compiled for."""
+    t0 = time.perf_counter()
+    cfg = _target_config(dtc)
+    dcfg = draft_config_of(cfg, dtc)
+    target = _uncommitted(_random_target(cfg, dtc.seed + 1))
+    tokens = jnp.zeros((dtc.batch_size, dtc.seq_len + 1), jnp.int32)
+    step_fn = _compiled_step(cfg, dcfg, _step_options(dtc))
+    jax.block_until_ready(step_fn(init_state(cfg, dcfg, dtc, target), target, tokens, jnp.ones_like(tokens)))
+    say(f"draft step compiled on a random target ({time.perf_counter() - t0:.1f}s); waiting for {dtc.wait_for}")
+    waited = time.perf_counter()
+    while not Path(dtc.wait_for).exists():
+        time.sleep(0.2)
+        if time.perf_counter() - waited > 60:
+            say(f"still waiting for {dtc.wait_for}")
+            waited = time.perf_counter()
+    return cfg
 
 
 def export_draft(directory: Path, dcfg: DraftConfig, params: Any) -> Path:
@@ -259,7 +305,13 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     ``dtc.max_seconds`` the run ends after the first step that finishes past that many seconds of this call
     (compile included): checkpointed and exported as at the last step (the schedule still spans ``steps``)."""
     dtc = dtc.validate()
+    compiled_for = _precompile_and_wait(dtc, say) if dtc.wait_for else None
     cfg, target_params = load_target(dtc)
+    if compiled_for is not None:
+        target_params = _uncommitted(target_params)
+        diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(compiled_for, f.name)]
+        if diff:
+            say(f"the target's config differs from --config in {diff}: the step compiles again")
     dcfg = draft_config_of(cfg, dtc)
     out = Path(dtc.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -272,7 +324,7 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     if ckpt.latest_step() is not None:
         state, data_state, start, _ = resume(ckpt, state, ckpt.run_config, say=say)
         it.set_state(data_state)
-    step_fn = _compiled_step(cfg, dcfg, dataclasses.replace(dtc, out="", target="", max_seconds=0.0))  # ignored
+    step_fn = _compiled_step(cfg, dcfg, _step_options(dtc))
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(start + 1, dtc.steps + 1):
