@@ -186,6 +186,27 @@ def test_engine_rejects_paged_and_bad_draft_tokens(spec_mla):
         DraftConfig((5,)).validate(cfg)
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (virtual) devices; see tests/conftest.py")
+def test_sharded_target_greedy_identical():
+    """The target and draft split over a tensor=2 mesh (serve preset: heads over `tensor`, the KDA cache by
+    heads), one round and two-round blocks: greedy output = the single-device plain engine's."""
+    from sharding.mesh import make_mesh
+
+    cfg, params, base = _setup()
+    dcfg, dparams = _draft("mla", 1)
+    mesh = make_mesh("tensor=2", devices=jax.devices()[:2])
+    spec = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=2, max_batch=3, max_len=MAX_LEN,
+                             prefill_chunk=1, decode_block=2, mesh=mesh)
+    prompts = _prompts()
+    assert _run(spec, prompts, [_greedy()] * 3, draft_tokens=[2, 1, 2]) == _run(base, prompts, [_greedy()] * 3)
+    assert spec.spec.accepted > 0
+    split = [x for x in jax.tree.leaves((spec.variables, spec.draft_variables, spec.cache))
+             if not x.sharding.is_fully_replicated]
+    assert split and all(len(x.sharding.device_set) == 2 for x in split)
+    state = spec.cache["segments"][0]["layer_0"]["state"]  # the KDA layer's state [R, B, H, K, V]: heads split
+    assert state.sharding.spec[2] == "tensor"
+
+
 # ------------------------------------------------------------------------------------------ acceptance rule
 @functools.cache
 def _accept_fn():
@@ -302,3 +323,6 @@ def test_draft_training_resumes_exactly(tmp_path, monkeypatch):
     dcfg, dparams = load_draft(straight["draft_dir"], cfg)
     assert dcfg == draft_training.draft_config_of(cfg, draft_training.DraftTrainConfig())
     assert jax.tree.structure(dparams) is not None
+    if jax.device_count() >= 2:  # the target (and draft) split over a mesh: the same losses (fp32)
+        sharded = train("e", change={"mesh": "data=2,tensor=2,expert=-1"}, stop_at=2)
+        np.testing.assert_allclose(sharded["losses"], straight["losses"][:2], rtol=1e-5)

@@ -53,7 +53,7 @@ from k3_jax.draft import DraftConfig, DraftModel, init_draft_cache, target_featu
 from k3_jax.layers.kda import record_position_states
 from k3_jax.model import FEATURES, K3ForCausalLM
 from k3_jax.serving import media as media_lib
-from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces
+from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces, shard_variables
 from k3_jax.serving.sampling import SampleOutput, SamplingArrays, SamplingParams, _filtered_sorted_logits
 
 __all__ = ["SpeculativeEngine", "speculative_accept", "speculative_rounds", "sampling_probs", "greedy_probs",
@@ -315,11 +315,13 @@ class SpeculativeEngine(Engine):
 
     Args (beyond the engine's): ``draft_params`` (the draft's params or variables), ``draft_config``
     (:class:`~k3_jax.draft.DraftConfig`), ``num_draft_tokens`` (``k``, the most drafts per round).
-    ``max_len`` is the per-request limit as for the engine; the cache holds ``k`` more positions, the
-    room a verify pass needs at the end of a request. The contiguous cache only (``paged=False``).
-    ``decode_block``: rounds per device call (:func:`speculative_rounds`; tokens stream in bursts; a block runs
-    when no waiting request could take a free slot and no request is prefilling, else one round). :meth:`add_request`
-    takes ``draft_tokens`` (``0 .. k``) per request. :attr:`spec` holds the round counters (:class:`SpecStats`).
+    ``max_len`` is the per-request limit as for the engine; the cache holds ``k`` more positions, the room a
+    verify pass needs at the end of a request. The contiguous cache only (``paged=False``). ``decode_block``:
+    rounds per device call (:func:`speculative_rounds`; tokens stream in bursts; a block runs when no waiting
+    request could take a free slot and no request is prefilling, else one round). With the engine's ``mesh``,
+    the draft's parameters are placed by their logical names and its cache and pending pairs like the target's
+    cache. :meth:`add_request` takes ``draft_tokens`` (``0 .. k``) per request. :attr:`spec` holds the round
+    counters (:class:`SpecStats`).
     """
 
     def __init__(self, cfg: K3Config, params: Any, draft_params: Any, draft_config: DraftConfig,
@@ -334,12 +336,19 @@ class SpeculativeEngine(Engine):
         self.draft = DraftModel(cfg, self.dcfg)
         self.draft_variables = {"params": unbox_params(draft_params)}
         super().__init__(cfg, params, max_len=max_len + num_draft_tokens, **kwargs)
-        self._dcache_len = self.max_len + num_draft_tokens + 1
-        self.dcache = init_draft_cache(cfg, self.dcfg, self.max_batch, self._dcache_len, self._cache_dtype)
         nf = cfg.hidden_size * len(self.dcfg.feature_layers)
-        self._pend = (jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
-                      jnp.zeros((self.max_batch, self.k + 1), jnp.int32),
-                      jnp.zeros((self.max_batch,), jnp.int32))
+        if self.mesh is not None:
+            abstract = (jax.ShapeDtypeStruct((1, 2, nf), cfg.dtype), jax.ShapeDtypeStruct((1, 2), jnp.int32),
+                        jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), cfg.dtype),
+                        jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.dtype))
+            self.draft_variables = shard_variables(self.draft, abstract, self.draft_variables, self.mesh,
+                                                   self.sharding_preset)
+        self._dcache_len = self.max_len + num_draft_tokens + 1
+        self.dcache = self._place(init_draft_cache(cfg, self.dcfg, self.max_batch, self._dcache_len,
+                                                   self._cache_dtype))
+        self._pend = self._place((jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
+                                  jnp.zeros((self.max_batch, self.k + 1), jnp.int32),
+                                  jnp.zeros((self.max_batch,), jnp.int32)))
         self._draft_len = np.full(self.max_batch, self.k, np.int32)
         self._draft_len_by_id: dict[str, int] = {}
         self._feats_of: dict[str, list[jax.Array]] = {}  # target features of each prefilling request's pieces
@@ -387,7 +396,8 @@ class SpeculativeEngine(Engine):
             return speculative_rounds(model, draft, dcfg, variables, dvars, cache, dcache, last, pend, active,
                                       draft_len, left, samp, num_top, sampling, n)
 
-        jit_prefill = jax.jit(prefill, donate_argnums=(1,))
+        pin = self._pin
+        jit_prefill = self._jit(prefill, lambda o: (o[0], pin(o[1]), o[2]), donate_argnums=(1,))
 
         def prefill_collecting(variables, cache, slot, tokens, table, media=None):
             logits, cache, feats = jit_prefill(variables, cache, slot, tokens, table, media)
@@ -396,10 +406,11 @@ class SpeculativeEngine(Engine):
 
         self._prefill = prefill_collecting
         self._prefill_feats: list[jax.Array] = []
-        self._draft_prefill = jax.jit(draft_prefill, donate_argnums=(2,))
-        self._draft_reset = jax.jit(draft_reset, donate_argnums=(0, 1))
-        self._round = jax.jit(round_fn, donate_argnums=(2, 3, 5), static_argnums=(9, 10))
-        self._rounds = jax.jit(rounds_fn, donate_argnums=(2, 3, 5), static_argnums=(10, 11, 12))
+        pin_state = lambda o: (o[0], pin(o[1]), pin(o[2]), pin(o[3]))  # noqa: E731 - (out, cache, dcache, pend)
+        self._draft_prefill = self._jit(draft_prefill, pin, donate_argnums=(2,))
+        self._draft_reset = self._jit(draft_reset, lambda o: (pin(o[0]), pin(o[1])), donate_argnums=(0, 1))
+        self._round = self._jit(round_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(9, 10))
+        self._rounds = self._jit(rounds_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(10, 11, 12))
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: Sequence[int], params: SamplingParams, media: Any = None) -> None:
@@ -459,10 +470,12 @@ class SpeculativeEngine(Engine):
         events = super()._fail_running(exc)
         leaves = jax.tree.leaves((self.dcache, self._pend))
         if any(x.is_deleted() for x in leaves if isinstance(x, jax.Array)):
-            self.dcache = init_draft_cache(self.cfg, self.dcfg, self.max_batch, self._dcache_len, self._cache_dtype)
+            self.dcache = self._place(init_draft_cache(self.cfg, self.dcfg, self.max_batch, self._dcache_len,
+                                                       self._cache_dtype))
             nf = self._pend[0].shape[-1]
-            self._pend = (jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
-                          jnp.zeros((self.max_batch, self.k + 1), jnp.int32), jnp.zeros((self.max_batch,), jnp.int32))
+            self._pend = self._place((jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
+                                      jnp.zeros((self.max_batch, self.k + 1), jnp.int32),
+                                      jnp.zeros((self.max_batch,), jnp.int32)))
         return events
 
     # ------------------------------------------------------------------ decoding
