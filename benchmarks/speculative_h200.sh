@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 : "${PY:=python3}" "${OUT:=/tmp/spec_out}" "${WORK:=/tmp/spec_work}" "${CONFIG:=configs/k3-small.json}"
 : "${TOTAL_S:=255}"                       # the whole pipeline's wall-time budget
 : "${TARGET_STEPS:=400}" "${TARGET_BATCH:=8}" "${TARGET_SEQ:=512}" "${TARGET_LIMIT_S:=190}"
-# DRAFT_STEPS spans the learning-rate schedule: the drafts ran 0.055 s/step (two at once, step precompiled) on
-# the H200 on 2026-12-01, so 650 steps should about fill DRAFT_MAX_S (260 steps ended after 14 s there)
+# DRAFT_STEPS spans the drafts' learning-rate schedule: about DRAFT_MAX_S / (seconds per draft step, two drafts
+# at once; benchmarks/RESULTS.md), so the schedule decays inside the time limit and the limit is used
 : "${DRAFT_STEPS:=650}" "${DRAFT_BATCH:=8}" "${DRAFT_SEQ:=512}" "${DRAFT_MAX_S:=38}" "${DRAFT_TTT:=3}"
 : "${CASES:=1:4,16:6,4:4,1:3}" "${SAMPLE_CASES:=1:4,4:4,16:6}" "${BLOCK:=8}" "${BLOCK_BATCHES:=1}"
 : "${PROMPT_LEN:=65}" "${NEW_TOKENS:=128}" "${REPEATS:=2}" "${COMPILE_THREADS:=4}" "${BENCH_RESERVE_S:=5}"
