@@ -23,6 +23,9 @@ straight run's losses exactly. ``--max-seconds S`` ends the run after the step t
 (checkpointed and exported as at that step; a re-run resumes it). At the end ``OUT/draft`` holds
 ``draft_config.json`` and ``params`` (orbax), what ``serve.py --draft OUT/draft`` loads.
 
+Data (``--data``): token shards of the target's tokenizer (``python -m k3_jax.training.tokenize``), packed as
+``train.py`` packs them; the bundled corpus by default (the small models' tokenizer).
+
 ``--target`` is a training workdir of ``train.py`` (``checkpoints/<step>/state`` + its stored model config) or a
 converted orbax checkpoint (``--config`` or ``DIR/config.json`` gives the architecture).
 
@@ -107,6 +110,7 @@ class DraftTrainConfig:
 
     target: str = ""  # train.py workdir or converted orbax dir; "" = a random target of `config` (smoke only)
     config: str = "configs/k3-tiny.json"  # the target architecture (ignored for a train.py workdir)
+    data: tuple[str, ...] = ()  # token shards (.npz, k3_jax.training.tokenize); () = the bundled corpus
     out: str = "runs/draft"
     mixer: str = "mla"
     feature_layers: tuple[int, ...] = ()  # () = DraftConfig.default_for(target)
@@ -376,8 +380,9 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     dcfg = draft_config_of(cfg, dtc)
     out = Path(dtc.out)
     out.mkdir(parents=True, exist_ok=True)
-    it = DataIterator(make_dataset(DataConfig(seq_len=dtc.seq_len, batch_size=dtc.batch_size, seed=dtc.seed,
-                                              bos_id=cfg.bos_token_id or 1, eos_id=cfg.eos_token_id or 2)))
+    it = DataIterator(make_dataset(DataConfig(paths=tuple(dtc.data), seq_len=dtc.seq_len, batch_size=dtc.batch_size,
+                                              seed=dtc.seed, bos_id=cfg.bos_token_id or 1,
+                                              eos_id=cfg.eos_token_id or 2)))
     ckpt = Checkpointer(out / "checkpoints", keep=2, save_every=dtc.save_every, async_save=False)
     ckpt.run_config = run_config(cfg, dtc)
     state = init_state(cfg, dcfg, dtc, target_params)
@@ -425,7 +430,10 @@ def _parse(argv: list[str] | None) -> DraftTrainConfig:
     d = DraftTrainConfig()
     for f in dataclasses.fields(DraftTrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "feature_layers":
+        if f.name == "data":
+            p.add_argument(flag, type=lambda s: tuple(x for x in s.split(",") if x), default=(),
+                           help="comma-separated token shards (.npz; default: the bundled corpus)")
+        elif f.name == "feature_layers":
             p.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",") if x), default=(),
                            help="comma-separated target layers (default: low, middle, high)")
         elif f.name == "loss":
