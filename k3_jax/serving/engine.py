@@ -428,10 +428,10 @@ class Engine:
         self._copy_page = self._jit(copy_page, pin, donate_argnums=(0,))
         self._reset = self._jit(reset, pin, donate_argnums=(0,))
         # the model steps: XLA options of serving on this platform (k3_jax.xla_flags.serving_compiler_options)
-        model = {"compiler_options": self.model_compiler_options}
-        self._decode_multi = self._jit(decode_multi, pin_second, donate_argnums=(1,), static_argnums=(5, 7, 8), **model)
-        self._prefill = self._jit(prefill, pin_second, donate_argnums=(1,), **model)
-        self._decode = self._jit(decode, pin_second, donate_argnums=(1,), static_argnums=(5, 7), **model)
+        opts = {"compiler_options": self.model_compiler_options}
+        self._decode_multi = self._jit(decode_multi, pin_second, donate_argnums=(1,), static_argnums=(5, 7, 8), **opts)
+        self._prefill = self._jit(prefill, pin_second, donate_argnums=(1,), **opts)
+        self._decode = self._jit(decode, pin_second, donate_argnums=(1,), static_argnums=(5, 7), **opts)
         self._sample = self._jit(sample, static_argnames=("num_top_logprobs", "sampling"))
 
     # ------------------------------------------------------------------ request management

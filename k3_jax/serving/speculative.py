@@ -396,8 +396,8 @@ class SpeculativeEngine(Engine):
             return speculative_rounds(model, draft, dcfg, variables, dvars, cache, dcache, last, pend, active,
                                       draft_len, left, samp, num_top, sampling, n)
 
-        pin, model = self._pin, {"compiler_options": self.model_compiler_options}  # the model steps' XLA options
-        jit_prefill = self._jit(prefill, lambda o: (o[0], pin(o[1]), o[2]), donate_argnums=(1,), **model)
+        pin, opts = self._pin, {"compiler_options": self.model_compiler_options}  # the model steps' XLA options
+        jit_prefill = self._jit(prefill, lambda o: (o[0], pin(o[1]), o[2]), donate_argnums=(1,), **opts)
 
         def prefill_collecting(variables, cache, slot, tokens, table, media=None):
             logits, cache, feats = jit_prefill(variables, cache, slot, tokens, table, media)
@@ -407,11 +407,11 @@ class SpeculativeEngine(Engine):
         self._prefill = prefill_collecting
         self._prefill_feats: list[jax.Array] = []
         pin_state = lambda o: (o[0], pin(o[1]), pin(o[2]), pin(o[3]))  # noqa: E731 - (out, cache, dcache, pend)
-        self._draft_prefill = self._jit(draft_prefill, pin, donate_argnums=(2,), **model)
+        self._draft_prefill = self._jit(draft_prefill, pin, donate_argnums=(2,), **opts)
         self._draft_reset = self._jit(draft_reset, lambda o: (pin(o[0]), pin(o[1])), donate_argnums=(0, 1))
-        self._round = self._jit(round_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(9, 10), **model)
+        self._round = self._jit(round_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(9, 10), **opts)
         self._rounds = self._jit(rounds_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(10, 11, 12),
-                                 **model)
+                                 **opts)
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: Sequence[int], params: SamplingParams, media: Any = None) -> None:
