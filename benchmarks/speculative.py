@@ -145,7 +145,7 @@ def device_loop(engine, prompts, new_tokens: int):
             box[:] = [(cache, dcache, pend), last_of(out.tokens, out.emitted)]
         else:
             out, cache = engine._decode(engine.variables, state, last, active, samp, engine.max_logprobs,
-                                        engine._table)
+                                        engine._table, sampling=False)  # greedy, as the timed runs
             box[:] = [cache, out.tokens]
         return box
 
