@@ -2,30 +2,41 @@
 
     python benchmarks/speculative.py                                   # CPU smoke: micro target, random draft
     python benchmarks/speculative.py --target runs/ks --config configs/k3-small.json \
-        --drafts lk=runs/ks-lk/draft,ce=runs/ks-ce/draft --batches 1,4,16 --ks 2,4,6 --new-tokens 128
+        --drafts lk=runs/ks-lk/draft,ce=runs/ks-ce/draft --cases 1:4,1:6,4:4,16:6 --block 8 --new-tokens 128
     bash benchmarks/speculative_h200.sh   # issue 21's pipeline: train the target and an LK and a CE draft, then this
 
 Prompts are held-out documents of the bundled corpus (``--prompt-len`` tokens each), so a target trained on it
-is predictable. Per batch size the peer (``Engine``, no draft) and, for every ``k`` and draft, the
-``SpeculativeEngine`` generate ``--new-tokens`` tokens per row from the same prompts.
+is predictable. Cases are ``batch:k`` pairs (``--cases``, or every ``--batches`` x ``--ks``), measured in that
+order; per batch size the peer (``Engine``, no draft) and, for every case and draft, the ``SpeculativeEngine``
+generate ``--new-tokens`` tokens per row from the same prompts.
 
 Measured per case (one JSON line each, then a summary line):
-  * ``decode_tokens_per_s``: tokens emitted by decode steps / wall time of those steps (the engine's
+  * ``decode_tokens_per_s``: tokens emitted by decode calls / wall time of those calls (the engine's
     ``_decode_step``: host work, the jitted call and the sync on its result; the prefill and its first token are
-    left out), mean of ``--repeats`` greedy runs after a warm run; ``speedup`` = that over the peer's.
-  * ``acceptance_length``: tokens emitted per row per round (1 + accepted drafts), greedy; with
-    ``--sample-batches`` also at temperature 1 (``sampled_*``: the acceptance rule the LK loss targets).
-  * ``step_ms`` / ``round_ms``: wall time per decode step / round in the engine; ``pipelined_ms``: per call of the
-    same jitted step fed its own outputs ``--pipelined-calls`` times with one sync at the end (no host
-    bookkeeping, launches overlap the device), so ``round_ms - pipelined_ms`` is the engine's per-call host cost.
-  * ``greedy_equal`` / ``rows_equal`` / ``common_prefix``: the greedy outputs against the peer's.
+    left out), mean of ``--repeats`` greedy runs after a warm run, with one step (peer) or round (speculative)
+    per device call; ``block_tokens_per_s`` (batches in ``--block-batches``): the same with ``--block`` steps or
+    rounds per call (``decode_block``: the host syncs once per block). ``speedup_vs_step`` / ``speedup_vs_block``
+    = a speculative figure over the peer's with one step / ``--block`` steps per call, and ``speedup_vs_best``
+    = the speculative engine's best figure over the peer's best.
+  * ``acceptance_length``: tokens emitted per row per round (1 + accepted drafts), greedy; for ``--sample-cases``
+    also at temperature 1 (``sampled_*``: the acceptance rule the LK loss targets), one round per call.
+  * ``step_ms`` / ``round_ms`` (and ``block_*``): wall time per decode step / round in the engine; ``pipelined_ms``:
+    per call of the one-step/one-round jitted function fed its own outputs ``--pipelined-calls`` times with one
+    sync at the end (no host bookkeeping, launches overlap the device).
+  * ``rows_equal`` / ``common_prefix``: the greedy outputs against the peer's (one step per call);
+    ``diverge_margins``: for each row that differs, the peer's top-1 minus top-2 log-probability at the first
+    differing position (a near-tie there means a rounding difference flipped the argmax). The summary's
+    ``peer_batch_invariance`` compares the peer's own greedy outputs for the prompts that two batch sizes share,
+    and ``peer_block_equal`` the peer's outputs with one step and with ``--block`` steps per call.
 
 ``--wait-s S`` (the pipeline): the target and drafts may still be training when this starts. Every case is
 first built and compiled (``--compile-threads`` at a time) on random weights of the same shapes (``--config``,
 ``DraftConfig.default_for``); once every draft directory exists (at most ``S`` seconds) the trained weights are
-swapped in, each engine runs a short warm generate (it recompiles only if the trained trees differ from the
-init: ``warm_s`` shows it) and the timed runs follow, with no compile running beside them.
+swapped in, each engine runs short warm generates (they recompile only if the trained trees differ from the
+init: ``warm_compiles`` shows it) and the timed runs follow, with no compile running beside them.
 ``--deadline-s``: cases that would start after this many seconds are skipped (reported as skipped).
+``--profile``: at the end, the device-op breakdown (``benchmarks/_profile.py``) of the batch-1 peer step and of
+the batch-1 round of the first case's ``k`` (``--profile-dir`` keeps the traces).
 """
 
 from __future__ import annotations
@@ -100,9 +111,10 @@ def timed_generate(engine, prompts, new_tokens: int, temperature: float = 0.0) -
                   "steps": engine.stats["decode_steps"] - s0}
 
 
-def pipelined_ms(engine, prompts, new_tokens: int, calls: int) -> float:
-    """Milliseconds per call of the engine's jitted decode step (or speculative round) over the prompts' rows,
-    ``calls`` calls each fed the previous one's outputs, one sync at the end (one untimed call first)."""
+def device_loop(engine, prompts, new_tokens: int):
+    """``(call, finish)``: ``call()`` runs the engine's one-step decode (or one-round speculative) jitted function
+    over the prompts' rows, fed its previous outputs, without syncing; ``finish()`` gives the engine its state
+    back and aborts the requests (their rows are reset when reused)."""
     import jax
     import jax.numpy as jnp
 
@@ -120,41 +132,58 @@ def pipelined_ms(engine, prompts, new_tokens: int, calls: int) -> float:
     samp = SamplingArrays(temperature=jnp.zeros((b,), jnp.float32), top_k=jnp.zeros((b,), jnp.int32),
                           top_p=jnp.ones((b,), jnp.float32), seed=jnp.zeros((b,), jnp.uint32),
                           step=jnp.zeros((b,), jnp.int32))
-    last = jnp.asarray(engine._last_token)
-    try:
-        if isinstance(engine, SpeculativeEngine):
-            rows = jnp.arange(b)
-            drafts = jnp.asarray(engine._draft_len)
-            state = (engine.cache, engine.dcache, engine._pend)
+    spec = isinstance(engine, SpeculativeEngine)
+    box = [(engine.cache, engine.dcache, engine._pend) if spec else engine.cache, jnp.asarray(engine._last_token)]
+    drafts = jnp.asarray(engine._draft_len) if spec else None
+    last_of = jax.jit(lambda tokens, emitted: tokens[jnp.arange(b), emitted - 1])  # each row's last emitted token
 
-            def call(state, last):
-                out, cache, dcache, pend = engine._round(engine.variables, engine.draft_variables, state[0],
-                                                         state[1], last, state[2], active, drafts, samp,
-                                                         engine.max_logprobs, False)
-                return (cache, dcache, pend), out.tokens[rows, out.emitted - 1]
+    def call():
+        state, last = box
+        if spec:
+            out, cache, dcache, pend = engine._round(engine.variables, engine.draft_variables, state[0], state[1],
+                                                     last, state[2], active, drafts, samp, engine.max_logprobs, False)
+            box[:] = [(cache, dcache, pend), last_of(out.tokens, out.emitted)]
         else:
-            state = engine.cache
+            out, cache = engine._decode(engine.variables, state, last, active, samp, engine.max_logprobs,
+                                        engine._table, sampling=False)  # greedy, as the timed runs
+            box[:] = [cache, out.tokens]
+        return box
 
-            def call(state, last):
-                out, cache = engine._decode(engine.variables, state, last, active, samp, engine.max_logprobs,
-                                            engine._table)
-                return cache, out.tokens
+    def finish():
+        if spec:
+            engine.cache, engine.dcache, engine._pend = box[0]
+        else:
+            engine.cache = box[0]
+        gen.close()
 
-        for _ in range(2):  # the second call sees its own outputs' placement (the first, the engine's)
-            state, last = call(state, last)
-        jax.block_until_ready((state, last))
+    return call, finish
+
+
+def pipelined_ms(engine, prompts, new_tokens: int, calls: int) -> float:
+    """Milliseconds per call of :func:`device_loop`'s ``call`` over ``calls`` calls with one sync at the end (two
+    untimed calls first: the second sees its own outputs' placement)."""
+    import jax
+
+    call, finish = device_loop(engine, prompts, new_tokens)
+    try:
+        for _ in range(2):
+            jax.block_until_ready(call())
         t0 = time.perf_counter()
         for _ in range(calls):
-            state, last = call(state, last)
-        jax.block_until_ready((state, last))
-        ms = (time.perf_counter() - t0) / calls * 1e3
+            call()
+        jax.block_until_ready(call())
+        return (time.perf_counter() - t0) / (calls + 1) * 1e3
     finally:
-        if isinstance(engine, SpeculativeEngine):
-            engine.cache, engine.dcache, engine._pend = state
-        else:
-            engine.cache = state
-        gen.close()  # aborts the requests; their rows are reset when reused
-    return ms
+        finish()
+
+
+def peer_margins(engine, prompts, new_tokens: int) -> list[list[float]]:
+    """Per row, per generated token of a greedy run: the top-1 minus top-2 log-probability of the model."""
+    margins: list[list[float]] = [[] for _ in prompts]
+    for ev in engine.generate_stream(prompts, max_new_tokens=new_tokens, stop_token_ids=[], logprobs=2):
+        top = ev.top_logprobs or []
+        margins[int(ev.request_id.split("-")[1])].append(top[0][1] - top[1][1] if len(top) > 1 else float("nan"))
+    return margins
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -186,16 +215,21 @@ def main() -> None:
     p.add_argument("--drafts", default="", help="name=DIR,... drafts from k3_jax.training.draft (default: random)")
     p.add_argument("--batches", default="1,2")
     p.add_argument("--ks", default="2,4")
+    p.add_argument("--cases", default="", help="batch:k,... measured in this order (default: --batches x --ks)")
+    p.add_argument("--block", type=int, default=4, help="steps / rounds per device call of the block variants")
+    p.add_argument("--block-batches", default="1", help="batch sizes also measured with --block per call")
     p.add_argument("--prompt-len", type=int, default=33, help="prompt tokens (chunk·n + 1: one draft-prefill shape)")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2, help="timed greedy runs per case")
-    p.add_argument("--sample-batches", default="", help="batch sizes also measured at temperature 1")
+    p.add_argument("--sample-cases", default="", help="batch:k,... also measured at temperature 1")
     p.add_argument("--pipelined-calls", type=int, default=8)
     p.add_argument("--dtype", default="")
     p.add_argument("--wait-s", type=float, default=0.0, help="compile on random weights, wait for the trained ones")
     p.add_argument("--deadline-s", type=float, default=0.0, help="skip cases that would start after this (0: none)")
     p.add_argument("--compile-threads", type=int, default=1)
     p.add_argument("--compile-cache", default="", help="persistent XLA cache dir shared by identical programs")
+    p.add_argument("--profile", action="store_true", help="device-op breakdown of the batch-1 step and round")
+    p.add_argument("--profile-dir", default="/tmp/spec_profile")
     args = p.parse_args()
 
     import flax.linen as nn
@@ -255,18 +289,40 @@ def main() -> None:
         drafts = {name: (dc, uncommitted(dp)) for name, (dc, dp) in
                   ((name, load_draft(path, cfg)) for name, path in draft_dirs.items())}
 
-    batches = [int(b) for b in args.batches.split(",")]
-    ks = [int(k) for k in args.ks.split(",")]
-    sample_batches = {int(b) for b in filter(None, args.sample_batches.split(","))}
+    def pairs(text: str) -> list[tuple[int, int]]:
+        return [(int(b), int(k)) for b, k in (c.split(":") for c in filter(None, text.split(",")))]
+
+    spec_cases = pairs(args.cases) or [(int(b), int(k)) for b in args.batches.split(",") for k in args.ks.split(",")]
+    batches = list(dict.fromkeys(b for b, _ in spec_cases))
+    block_batches = {int(b) for b in filter(None, args.block_batches.split(","))}
+    sample_cases = set(pairs(args.sample_cases))
+    sample_batches = {b for b, _ in sample_cases}
     max_len = args.prompt_len + args.new_tokens + 1
     chunk = 1 << max(0, min(64, args.prompt_len).bit_length() - 1)
     prompts = {b: corpus_prompts(b, args.prompt_len, cfg.vocab_size) for b in batches}
-    # every speculative engine of a batch size has the same target cache length (max_len + max k), so its
-    # prefill is one program for all k (shared through --compile-cache)
-    kmax = max(ks)
-    cases = [(b, k) for b in batches for k in [0, *ks]]  # k = 0: the peer
+    # every engine of a batch size has the same target cache length (max_len + max k), so its prefill is one
+    # program for all k (shared through --compile-cache)
+    kmax = max(k for _, k in spec_cases)
+    cases = []  # the peer of a batch size first, then its speculative cases, in --cases order
+    for case in spec_cases:
+        if (case[0], 0) not in cases:
+            cases.append((case[0], 0))
+        cases.append(case)
     engines: dict[tuple[int, int], object] = {}
+    keep: dict[tuple[int, int], object] = {}  # batch-1 engines kept for --profile
     warm_tokens = 4
+
+    def warm(e, case) -> None:
+        """Run every program a case's timed runs use once (one step/round per call, a block, sampling)."""
+        b, k = case
+        e.decode_block = 1
+        e.generate(prompts[b], max_new_tokens=warm_tokens, stop_token_ids=[])
+        if b in block_batches:
+            e.decode_block = args.block
+            e.generate(prompts[b], max_new_tokens=args.block + 2, stop_token_ids=[])
+            e.decode_block = 1
+        if case in sample_cases or (k == 0 and b in sample_batches):
+            e.generate(prompts[b], max_new_tokens=warm_tokens, temperature=1.0, stop_token_ids=[])
 
     def build(case):
         b, k = case
@@ -277,12 +333,9 @@ def main() -> None:
             e = SpeculativeEngine(cfg, params, dp0, dc0, num_draft_tokens=k, max_batch=b,
                                   max_len=max_len + kmax - k, prefill_chunk=chunk)
         t = time.perf_counter()
-        e.generate(prompts[b], max_new_tokens=warm_tokens, stop_token_ids=[])
-        if b in sample_batches:
-            e.generate(prompts[b], max_new_tokens=warm_tokens, temperature=1.0, stop_token_ids=[])
+        warm(e, case)
         engines[case] = e
         return time.perf_counter() - t
-
     def draft_ready() -> bool:
         return all((Path(d) / "params").is_dir() and (Path(d) / "draft_config.json").is_file()
                    for d in draft_dirs.values())
@@ -324,6 +377,20 @@ def main() -> None:
 
     rows, peers = [], {}
 
+    def timed(e, b, block: int, temperature: float = 0.0):
+        """``(outputs, tokens/s of each run, ms per call, SpecStats of the last run)`` of ``--repeats`` runs."""
+        e.decode_block = block
+        runs, outs, m = [], None, None
+        try:
+            for _ in range(args.repeats if temperature == 0 else 1):
+                if hasattr(e, "spec"):
+                    e.spec = type(e.spec)()
+                outs, m = timed_generate(e, prompts[b], args.new_tokens, temperature)
+                runs.append(m["tokens"] / m["seconds"])
+        finally:
+            e.decode_block = 1
+        return outs, runs, m["seconds"] / m["steps"] * 1e3, getattr(e, "spec", None)
+
     def measure(case):
         b, k = case
         if case not in engines:
@@ -337,46 +404,56 @@ def main() -> None:
                     raise ValueError(f"draft {name}: config {drafts[name][0]} differs from the engine's {e.dcfg}")
                 e.draft_variables = {"params": drafts[name][1]}
             t, c0 = time.perf_counter(), COMPILES[0]
-            e.generate(prompts[b], max_new_tokens=warm_tokens, stop_token_ids=[])
+            warm(e, case)
             warm_s, warm_compiles, c0 = time.perf_counter() - t, COMPILES[0] - c0, COMPILES[0]
-            runs, outs = [], None
-            for _ in range(args.repeats):
-                if k:
-                    e.spec = type(e.spec)()
-                outs, m = timed_generate(e, prompts[b], args.new_tokens)
-                runs.append(m["tokens"] / m["seconds"])
+            outs, runs, ms, st = timed(e, b, 1)
+            unit = "step" if k == 0 else "round"
             row = {"side": "peer" if k == 0 else "speculative", "batch": b, "k": k,
                    "decode_tokens_per_s": round(float(np.mean(runs)), 2), "runs": [round(r, 2) for r in runs],
-                   ("step_ms" if k == 0 else "round_ms"): round(m["seconds"] / m["steps"] * 1e3, 3),
-                   "warm_s": round(warm_s, 2), "warm_compiles": warm_compiles}
+                   f"{unit}_ms": round(ms, 3), "warm_s": round(warm_s, 2), "warm_compiles": warm_compiles}
+            if b in block_batches:
+                block_outs, block_runs, block_ms, _ = timed(e, b, args.block)
+                row.update({"block": args.block, "block_tokens_per_s": round(float(np.mean(block_runs)), 2),
+                            "block_runs": [round(r, 2) for r in block_runs], f"block_{unit}_ms": round(block_ms, 3),
+                            "block_equal": block_outs == outs})
+            best = max(row["decode_tokens_per_s"], row.get("block_tokens_per_s", 0.0))
             if k:
-                st = e.spec
                 peer = peers[b]
+                div = [peer["margins"][i][common_prefix(a, c)] for i, (a, c) in enumerate(zip(outs, peer["outs"],
+                                                                                              strict=True)) if a != c]
                 row.update({"draft": name, "mixer": e.dcfg.mixer,
                             "peer_decode_tokens_per_s": peer["decode_tokens_per_s"],
-                            "speedup": round(row["decode_tokens_per_s"] / peer["decode_tokens_per_s"], 3),
+                            "speedup_vs_step": round(row["decode_tokens_per_s"] / peer["decode_tokens_per_s"], 3),
+                            "speedup_vs_best": round(best / peer["best"], 3),
                             "acceptance_length": round(st.acceptance_length, 3),
                             "acceptance_rate": round(st.acceptance_rate, 3),
                             "accepted_hist": dict(sorted(st.accepted_hist.items())),
-                            "greedy_equal": outs == peer["outs"],
                             "rows_equal": sum(a == c for a, c in zip(outs, peer["outs"], strict=True)),
                             "common_prefix": round(float(np.mean([common_prefix(a, c) for a, c in
-                                                                  zip(outs, peer["outs"], strict=True)])), 1)})
-            if b in sample_batches:
+                                                                  zip(outs, peer["outs"], strict=True)])), 1),
+                            "diverge_margins": [round(x, 4) for x in div]})
+                if "block_tokens_per_s" in row and "block_tokens_per_s" in peer:
+                    row["peer_block_tokens_per_s"] = peer["block_tokens_per_s"]
+                    row["speedup_vs_block"] = round(row["block_tokens_per_s"] / peer["block_tokens_per_s"], 3)
+            if case in sample_cases or (k == 0 and b in sample_batches):
+                _, sruns, _, sst = timed(e, b, 1, temperature=1.0)
+                row["sampled_decode_tokens_per_s"] = round(sruns[0], 2)
                 if k:
-                    e.spec = type(e.spec)()
-                _, m = timed_generate(e, prompts[b], args.new_tokens, temperature=1.0)
-                row["sampled_decode_tokens_per_s"] = round(m["tokens"] / m["seconds"], 2)
-                if k:
-                    row["sampled_acceptance_length"] = round(e.spec.acceptance_length, 3)
-                    row["sampled_speedup"] = round(row["sampled_decode_tokens_per_s"]
-                                                   / peers[b]["sampled_decode_tokens_per_s"], 3)
-            row["pipelined_ms"] = round(pipelined_ms(e, prompts[b], args.new_tokens, args.pipelined_calls), 3)
+                    row["sampled_acceptance_length"] = round(sst.acceptance_length, 3)
+                    row["sampled_accepted_hist"] = dict(sorted(sst.accepted_hist.items()))
+                    if "sampled_decode_tokens_per_s" in peers[b]:
+                        row["sampled_speedup_vs_step"] = round(sruns[0] / peers[b]["sampled_decode_tokens_per_s"], 3)
             row["timed_compiles"] = COMPILES[0] - c0  # compiles during the timed runs (0: clean timings)
+            row["pipelined_ms"] = round(pipelined_ms(e, prompts[b], args.new_tokens, args.pipelined_calls), 3)
             if k == 0:
-                peers[b] = {**row, "outs": outs}
+                peer_margin = peer_margins(e, prompts[b], args.new_tokens)
+            if k == 0:
+                peers[b] = {**row, "outs": outs, "margins": peer_margin, "best": best,
+                            "block_outs": block_outs if b in block_batches else None}
             emit(row)
             rows.append(row)
+        if b == 1 and (k == 0 or not any(c[0] == 1 and c[1] for c in keep)):
+            keep[case] = e  # the batch-1 peer and first speculative engine, for --profile
 
     last_case_s = 0.0
     for case in cases:
@@ -396,6 +473,24 @@ def main() -> None:
         engines.pop(case, None)
         last_case_s = time.perf_counter() - t_case
 
+    if args.profile and keep and (not args.deadline_s or elapsed() + 15 < args.deadline_s):
+        import sys
+
+        sys.path.insert(0, str(REPO))
+        from benchmarks._profile import device_op_times
+
+        for (b, k), e in keep.items():
+            if k:
+                e.draft_variables = {"params": next(iter(drafts.values()))[1]}
+            call, finish = device_loop(e, prompts[b], args.new_tokens)
+            try:
+                prof = device_op_times(call, out_dir=f"{args.profile_dir}/b{b}k{k}", iters=4, top=15)
+            except Exception as ex:  # noqa: BLE001 - the profile is optional
+                prof = {"error": f"{type(ex).__name__}: {ex}"[:500]}
+            finally:
+                finish()
+            emit({"profile": "peer step" if k == 0 else f"round k={k} ({next(iter(drafts))})", "batch": b, **prof})
+
     spec_rows = [r for r in rows if r["side"] == "speculative"]
     by = {(r["draft"], r["batch"], r["k"]): r for r in spec_rows}
     lk_vs_ce = [{"batch": b, "k": k, "lk": by[("lk", b, k)]["acceptance_length"],
@@ -403,12 +498,20 @@ def main() -> None:
                  "lk_sampled": by[("lk", b, k)].get("sampled_acceptance_length"),
                  "ce_sampled": by[("ce", b, k)].get("sampled_acceptance_length")}
                 for (d, b, k) in by if d == "lk" and ("ce", b, k) in by]
-    best1 = max((r for r in spec_rows if r["batch"] == 1), key=lambda r: r["speedup"], default=None)
+    invariance = []
+    for i, b1 in enumerate(sorted(peers)):
+        for b2 in sorted(peers)[i + 1:]:
+            a, c = peers[b1]["outs"], peers[b2]["outs"][:b1]
+            invariance.append({"batches": [b1, b2], "rows_equal": sum(x == y for x, y in zip(a, c, strict=True)),
+                               "rows": b1, "common_prefix": [common_prefix(x, y) for x, y in zip(a, c, strict=True)]})
+    best1 = max((r for r in spec_rows if r["batch"] == 1), key=lambda r: r["speedup_vs_best"], default=None)
     emit({"summary": True, "device": str(jax.devices()[0].device_kind), "target": args.target or "random",
           "config": args.config or "micro", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-          "best_batch1": None if best1 is None else {x: best1[x] for x in ("draft", "k", "speedup",
-                                                                           "acceptance_length")},
-          "lk_vs_ce": lk_vs_ce, "all_greedy_equal": all(r["greedy_equal"] for r in spec_rows),
+          "block": args.block,
+          "best_batch1": None if best1 is None else {x: best1.get(x) for x in (
+              "draft", "k", "speedup_vs_best", "speedup_vs_step", "speedup_vs_block", "acceptance_length")},
+          "lk_vs_ce": lk_vs_ce, "peer_batch_invariance": invariance,
+          "peer_block_equal": {b: p["block_outs"] == p["outs"] for b, p in peers.items() if p["block_outs"]},
           "wall_s": round(elapsed(), 1)})
 
 

@@ -6,6 +6,7 @@ draws; one engine-level check with top-k 1), the LK loss and gradient equal nump
 exactly."""
 
 import functools
+import threading
 import time
 import types
 
@@ -117,6 +118,29 @@ def test_greedy_identical_batch_and_draft_lengths(spec_mla):
     assert _run(spec_mla, prompts, sampled) == want
 
 
+def test_several_rounds_per_call_equal_single_rounds(spec_mla):
+    """decode_block=3: rounds run in one scan with the bookkeeping on the device; rows that reach max_tokens or a
+    stop token inside a block, per-request draft lengths and sampling keys (the per-row step) all as single rounds."""
+    cfg, params, base = _setup()
+    prompts = _prompts()
+    want = _run(base, prompts, [_greedy()] * 3)
+    stop = want[1][4]  # request 1 stops at its 5th token (or earlier, where that token comes first)
+    greedy = [_greedy(), SamplingParams(max_tokens=NEW, ignore_eos=True, stop_token_ids=(stop,)), _greedy(9)]
+    sampled = [SamplingParams(max_tokens=NEW - i, ignore_eos=True, temperature=1.0, seed=s)
+               for i, s in enumerate((11, 12, 13))]
+    single = _run(spec_mla, prompts, sampled, draft_tokens=[3, 2, 1])
+    spec_mla.decode_block = 3
+    try:
+        steps = spec_mla.stats["decode_steps"]
+        got = _run(spec_mla, prompts, greedy, draft_tokens=[3, 1, 2])
+        assert spec_mla.stats["decode_steps"] - steps > 3  # blocks of 3 rounds ran
+        assert _run(spec_mla, prompts, sampled, draft_tokens=[3, 2, 1]) == single
+    finally:
+        spec_mla.decode_block = 1
+    assert got[0] == want[0] and got[2] == want[2][:9]
+    assert got[1] == want[1][:want[1].index(stop) + 1]
+
+
 def test_target_state_after_partial_acceptance_equals_plain_decode(spec_mla):
     cfg, params, base = _setup()
     prompt = [3, 5, 4, 6, 7]
@@ -160,6 +184,27 @@ def test_engine_rejects_paged_and_bad_draft_tokens(spec_mla):
         spec_mla.add_request([3, 4], _greedy(), draft_tokens=4)
     with pytest.raises(ValueError, match="feature_layers"):
         DraftConfig((5,)).validate(cfg)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (virtual) devices; see tests/conftest.py")
+def test_sharded_target_greedy_identical():
+    """The target and draft split over a tensor=2 mesh (serve preset: heads over `tensor`, the KDA cache by
+    heads), one round and two-round blocks: greedy output = the single-device plain engine's."""
+    from sharding.mesh import make_mesh
+
+    cfg, params, base = _setup()
+    dcfg, dparams = _draft("mla", 1)
+    mesh = make_mesh("tensor=2", devices=jax.devices()[:2])
+    spec = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=2, max_batch=3, max_len=MAX_LEN,
+                             prefill_chunk=1, decode_block=2, mesh=mesh)
+    prompts = _prompts()
+    assert _run(spec, prompts, [_greedy()] * 3, draft_tokens=[2, 1, 2]) == _run(base, prompts, [_greedy()] * 3)
+    assert spec.spec.accepted > 0
+    split = [x for x in jax.tree.leaves((spec.variables, spec.draft_variables, spec.cache))
+             if not x.sharding.is_fully_replicated]
+    assert split and all(len(x.sharding.device_set) == 2 for x in split)
+    state = spec.cache["segments"][0]["layer_0"]["state"]  # the KDA layer's state [R, B, H, K, V]: heads split
+    assert state.sharding.spec[2] == "tensor"
 
 
 # ------------------------------------------------------------------------------------------ acceptance rule
@@ -257,7 +302,7 @@ def test_draft_training_resumes_exactly(tmp_path, monkeypatch):
         return draft_training.train(dtc, say=lambda s: None, **kw)
 
     straight = train("a")
-    first = train("b", stop_at=2)
+    first = train("b", stop_at=1)  # the packer holds no remainder after one row: its JSON state must still restore
     with pytest.raises(ResumeError, match="train.lr"):  # a changed option is refused on resume
         train("b", change={"lr": 2e-2})
     rest = train("b")
@@ -269,6 +314,15 @@ def test_draft_training_resumes_exactly(tmp_path, monkeypatch):
     assert timed["step"] == 2 and load_draft(timed["draft_dir"], cfg)[0] is not None  # checkpointed and exported
     assert timed["losses"] + train("c")["losses"] == straight["losses"]  # a re-run without the limit resumes
     assert straight["losses"][-1] < straight["losses"][0]
+    flag = tmp_path / "target.done"  # --wait-for: compiled on a random target first, then trained once flag exists
+    threading.Timer(0.5, flag.touch).start()
+    said = []
+    waited = draft_training.train(draft_training.DraftTrainConfig(out=str(tmp_path / "d"), wait_for=str(flag),
+                                                                  **common), say=said.append)
+    assert waited["losses"] == straight["losses"] and any("waiting for" in line for line in said)
     dcfg, dparams = load_draft(straight["draft_dir"], cfg)
     assert dcfg == draft_training.draft_config_of(cfg, draft_training.DraftTrainConfig())
     assert jax.tree.structure(dparams) is not None
+    if jax.device_count() >= 2:  # the target (and draft) split over a mesh: the same losses (fp32)
+        sharded = train("e", change={"mesh": "data=2,tensor=2,expert=-1"}, stop_at=2)
+        np.testing.assert_allclose(sharded["losses"], straight["losses"][:2], rtol=1e-5)

@@ -6,11 +6,14 @@
     python serve.py --config configs/k3-tiny.json --prompt "def f("     # RANDOM weights (demo only)
     python serve.py --checkpoint DIR --chat --prompt "What is this?" --image cat.png   # a vision model
     python serve.py --checkpoint DIR --draft DRAFT_DIR --prompt "Hi"    # speculative decoding with a draft
+    python serve.py --checkpoint DIR --mesh tensor=8 --prompt "Hi"     # the model split over 8 local devices
 
 ``--checkpoint`` accepts an HF checkpoint directory (``config.json`` + safetensors index, loaded with
 :func:`k3_jax.convert.load_checkpoint`; MXFP4 experts stay packed with ``--experts mxfp4``) or an orbax
 directory written by the converter (then ``--config`` or ``DIR/config.json`` gives the architecture). The
-tokenizer is the checkpoint's ``tiktoken.model`` when present, else the bundled small tokenizer.
+tokenizer is the checkpoint's ``tiktoken.model`` when present, else the bundled small tokenizer. ``--mesh`` (one
+process, several devices): the model and the draft are split over the mesh by the ``--sharding-preset`` rules
+(an orbax checkpoint is read straight onto it), see :class:`k3_jax.serving.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -60,10 +63,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-block", type=int, default=512, help="prefix cache: hash block tokens")
     p.add_argument("--prefix-stride", type=int, default=8192, help="prefix cache: KDA snapshot stride (tokens)")
     p.add_argument("--decode-block", type=int, default=1,
-                   help="decode steps per device call (tokens stream in bursts of this size; see Engine)")
+                   help="decode steps (with --draft: speculative rounds) per device call (tokens stream in bursts; "
+                        "see Engine)")
     p.add_argument("--draft", default=None,
                    help="speculative decoding with this draft dir (from python -m k3_jax.training.draft)")
     p.add_argument("--draft-tokens", type=int, default=4, help="with --draft: tokens drafted per round (k)")
+    p.add_argument("--mesh", default=None,
+                   help="split the model over this process's devices, e.g. tensor=8 (axes of sharding.make_mesh)")
+    p.add_argument("--sharding-preset", default="serve", help="with --mesh: the sharding.rules preset")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="HTTP request bodies over this many bytes get 413 before parsing (default: 4 MiB)")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random init (no checkpoint)")
@@ -76,8 +83,8 @@ def _warn(msg: str) -> None:
     print(f"\n{bar}\n{msg}\n{bar}\n", file=sys.stderr, flush=True)
 
 
-def load_model(args: argparse.Namespace):
-    """Returns ``(cfg, params, tokenizer, name)``."""
+def load_model(args: argparse.Namespace, mesh=None):
+    """Returns ``(cfg, params, tokenizer, name)``; with ``mesh`` an orbax checkpoint is read onto it."""
     import jax
 
     from k3_jax.config import load_config
@@ -105,7 +112,7 @@ def load_model(args: argparse.Namespace):
         cfg = load_config(cfg_path).replace(**overrides)
         if args.experts:
             cfg = cfg.replace(expert_format=args.experts)
-        params = restore_params(ckpt)
+        params = restore_params(ckpt, None if mesh is None else _sharded_target(cfg, mesh, args.sharding_preset))
         name = ckpt.name
     else:
         cfg_path = args.config or DEFAULT_CONFIG
@@ -132,6 +139,20 @@ def load_model(args: argparse.Namespace):
     return cfg, params, tok, args.model_name or name
 
 
+def _sharded_target(cfg, mesh, preset: str):
+    """Abstract params of ``cfg`` placed on ``mesh`` by their logical names (orbax restores straight onto it)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from k3_jax.model import K3ForCausalLM
+    from sharding.rules import param_shardings
+
+    boxed = jax.eval_shape(K3ForCausalLM(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), nn.unbox(boxed),
+                        param_shardings(boxed, mesh, preset))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.prompt is None and args.port is None:
@@ -154,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     from k3_jax.serving.engine import Engine
     from k3_jax.serving.sampling import SamplingParams
 
-    cfg, params, tok, name = load_model(args)
+    mesh = None
+    if args.mesh:
+        from sharding.mesh import make_mesh
+
+        mesh = make_mesh(args.mesh)
+    cfg, params, tok, name = load_model(args, mesh)
     eos = (tok.eos_id,) if tok.eos_id is not None else ()
     prefix = None
     if args.prefix_cache:
@@ -167,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                                    page_size=args.page_size or 6144, block_size=args.prefix_block,
                                    stride=args.prefix_stride)
     engine_kwargs = dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                         tokenizer=tok, eos_ids=eos)
+                         tokenizer=tok, eos_ids=eos, mesh=mesh, sharding_preset=args.sharding_preset)
     if args.draft:
-        if args.decode_block != 1:
-            raise SystemExit("--draft emits up to --draft-tokens + 1 tokens per step already: drop --decode-block")
         if prefix is not None:
             raise SystemExit("--draft and --prefix-cache cannot be combined yet (the speculative engine has no "
                              "paged cache)")
@@ -180,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             dcfg, dparams = load_draft(args.draft, cfg)
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"--draft {args.draft}: {e}") from None
-        engine = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=args.draft_tokens, **engine_kwargs)
+        engine = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=args.draft_tokens,
+                                   decode_block=args.decode_block, **engine_kwargs)
     else:
         engine = Engine(cfg, params, decode_block=args.decode_block, paged=prefix is not None,
                         page_size=args.page_size, prefix_cache=prefix, **engine_kwargs)

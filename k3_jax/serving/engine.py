@@ -56,6 +56,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from k3_jax.cache import init_cache
 from k3_jax.config import K3Config
@@ -69,6 +70,7 @@ from k3_jax.serving.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixHi
 from k3_jax.serving.sampling import SamplingArrays, SamplingParams, StopStrings, sample
 from k3_jax.xla_flags import serving_compiler_options
 from pallas_kernels.registry import target_platform
+from sharding import rules
 
 __all__ = ["Engine", "TokenEvent", "RequestError", "RequestFailed"]
 
@@ -184,6 +186,11 @@ class Engine:
         take a free slot and every running request has ``>= n`` tokens left, otherwise one step runs. A request
         that stops inside a block drops the rest of its block (its slot row is reset when reused), so outputs
         equal those of ``decode_block=1`` exactly.
+      mesh: a :class:`jax.sharding.Mesh` (:func:`sharding.make_mesh`) to run the model sharded over, one process:
+        the parameters are placed by their logical axis names under ``sharding_preset``'s rules, the cache is
+        split by KDA heads and otherwise replicated (:func:`cache_shardings`), and every jitted function is traced
+        with the mesh and rules active and keeps the cache's placement. None: one device.
+      sharding_preset: the :mod:`sharding.rules` preset with ``mesh`` (default ``"serve"``).
     """
 
     def __init__(
@@ -204,6 +211,8 @@ class Engine:
         latent_dtype: str | None = None,
         decode_block: int = 1,
         prefix_cache: PrefixCacheConfig | None = None,
+        mesh: Mesh | None = None,
+        sharding_preset: str = "serve",
     ):
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"max_batch must be >= 1 and max_len >= 2, got {max_batch}, {max_len}")
@@ -232,6 +241,10 @@ class Engine:
         params = nn.unbox(params)
         self.variables = params if "params" in params and "model" not in params else {"params": params}
         self.model = K3ForCausalLM(cfg)
+        self.mesh, self.sharding_preset = mesh, sharding_preset
+        if mesh is not None:
+            self.variables = shard_variables(self.model, (jnp.zeros((1, 1), jnp.int32),), self.variables, mesh,
+                                             sharding_preset)
         self._axes = _batch_axes(cfg, max_len)
         self._cache_dtype = cache_dtype
         self.cache = init_cache(cfg, max_batch, max_len, cache_dtype)
@@ -239,6 +252,7 @@ class Engine:
         self._table = None
         self.compute_dtype = jnp.dtype(cache_dtype or cfg.dtype)
         self.platform = target_platform(cfg.platform)
+        self.model_compiler_options = serving_compiler_options(self.platform) or None  # for the model steps' jits
         if paged:
             self.page_spec = PagedCacheSpec.from_config(
                 cfg,
@@ -258,6 +272,7 @@ class Engine:
         self.prefix: PrefixCache | None = None
         if prefix_cache is not None:
             self.prefix = PrefixCache(prefix_cache, self.allocator, _page_bytes(self.page_spec))
+        self.cache = self._place(self.cache)
         self.metrics = ServingMetrics()
         self._build_fns()
         self._media_encoder: media_lib.MediaEncoder | None = None  # built at the first request with media
@@ -297,6 +312,32 @@ class Engine:
             segs.append({k: v[0] for k, v in pairs.items()})
             seg_axes.append({k: v[1] for k, v in pairs.items()})
         return {**cache, "segments": segs}, {**axes, "segments": seg_axes}
+
+    # ------------------------------------------------------------------ placement on a mesh
+    def _place(self, cache: Any) -> Any:
+        """``cache`` (or any tree of the engine's device state) placed on the mesh (:func:`cache_shardings`)."""
+        return cache if self.mesh is None else jax.device_put(cache, cache_shardings(cache, self.mesh,
+                                                                                      self.sharding_preset))
+
+    def _pin(self, tree: Any) -> Any:
+        """Inside a traced function: ``tree`` constrained to the placement :meth:`_place` gives it (no-op off a
+        mesh), so a jitted function's outputs keep their inputs' layout (no recompile, donation in place)."""
+        if self.mesh is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, cache_shardings(tree, self.mesh, self.sharding_preset))
+
+    def _jit(self, fn: Any, pin: Any = None, **kwargs: Any) -> Any:
+        """``jax.jit(fn, **kwargs)``; on a mesh ``fn`` is traced with the mesh and the preset's rules active and
+        ``pin`` (outputs -> outputs, e.g. :meth:`_pin` on the cache) applied to its outputs."""
+        if self.mesh is None:
+            return jax.jit(fn, **kwargs)
+
+        @functools.wraps(fn)
+        def pinned(*args: Any, **kw: Any) -> Any:
+            out = fn(*args, **kw)
+            return out if pin is None else pin(out)
+
+        return jax.jit(rules.on_input_mesh(pinned, self.sharding_preset), **kwargs)
 
     # ------------------------------------------------------------------ jitted functions
     def _build_fns(self) -> None:
@@ -381,16 +422,17 @@ class Engine:
                 return {k: v.at[:, dst].set(v[:, src]) for k, v in e.items()}
             return {**cache, "segments": [{k: entry(v) for k, v in seg.items()} for seg in cache["segments"]]}
 
-        self._take_kda = jax.jit(take_kda)
-        self._put_kda = jax.jit(put_kda, donate_argnums=(0,))
-        self._copy_page = jax.jit(copy_page, donate_argnums=(0,))
-        self._reset = jax.jit(reset, donate_argnums=(0,))
+        pin, pin_second = self._pin, lambda out: (out[0], self._pin(out[1]))
+        self._take_kda = self._jit(take_kda)
+        self._put_kda = self._jit(put_kda, pin, donate_argnums=(0,))
+        self._copy_page = self._jit(copy_page, pin, donate_argnums=(0,))
+        self._reset = self._jit(reset, pin, donate_argnums=(0,))
         # the model steps: XLA options of serving on this platform (k3_jax.xla_flags.serving_compiler_options)
-        model_jit = functools.partial(jax.jit, compiler_options=serving_compiler_options(self.platform) or None)
-        self._decode_multi = model_jit(decode_multi, donate_argnums=(1,), static_argnums=(5, 7, 8))
-        self._prefill = model_jit(prefill, donate_argnums=(1,))
-        self._decode = model_jit(decode, donate_argnums=(1,), static_argnums=(5, 7))
-        self._sample = jax.jit(sample, static_argnames=("num_top_logprobs", "sampling"))
+        opts = {"compiler_options": self.model_compiler_options}
+        self._decode_multi = self._jit(decode_multi, pin_second, donate_argnums=(1,), static_argnums=(5, 7, 8), **opts)
+        self._prefill = self._jit(prefill, pin_second, donate_argnums=(1,), **opts)
+        self._decode = self._jit(decode, pin_second, donate_argnums=(1,), static_argnums=(5, 7), **opts)
+        self._sample = self._jit(sample, static_argnames=("num_top_logprobs", "sampling"))
 
     # ------------------------------------------------------------------ request management
     def validate(self, prompt: Sequence[int], params: SamplingParams,
@@ -566,7 +608,7 @@ class Engine:
             cache = init_cache(self.cfg, self.max_batch, self.max_len, self._cache_dtype)
             if self.paged:
                 cache, _ = self._to_paged(cache, _batch_axes(self.cfg, self.max_len))
-            self.cache = cache
+            self.cache = self._place(cache)
             if self.prefix is not None:  # the pages the entries describe are zeros now
                 self.prefix.clear()
         return events
@@ -904,3 +946,29 @@ def _page_bytes(spec: PagedCacheSpec) -> int:
     """Bytes of one page over all MLA pools (latent values + the f32 per-token scales)."""
     item = jnp.dtype(spec.latent_dtype).itemsize
     return spec.num_mla_layers * spec.page_size * (spec.latent_dim * item + 4)
+
+
+def cache_shardings(tree: Any, mesh: Mesh, preset: str) -> Any:
+    """Placement of a decode-cache tree on ``mesh``: every KDA ``state`` leaf (``[..., H, K, V]``) split over the
+    axes ``preset`` gives ``kda_heads`` (where they divide ``H``), every other leaf replicated."""
+
+    def one(path: Any, x: Any) -> NamedSharding:
+        names: list[str | None] = [None] * x.ndim
+        key = path[-1] if path else None
+        if getattr(key, "key", None) == "state" and x.ndim >= 3:
+            names[x.ndim - 3] = "kda_heads"
+        return NamedSharding(mesh, rules.logical_to_pspec(names, preset, mesh, shape=x.shape))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def shard_variables(module: nn.Module, init_args: Sequence[Any], variables: Any, mesh: Mesh, preset: str) -> Any:
+    """``variables`` placed on ``mesh`` by the logical axis names of ``module``'s parameters (from
+    ``module.init(key, *init_args)`` traced abstractly) under ``preset``'s rules."""
+    abstract = jax.eval_shape(functools.partial(module.init, jax.random.PRNGKey(0)), *init_args)
+    shardings = rules.param_shardings(abstract, mesh, preset)
+    want, got = jax.tree_util.tree_structure(shardings), jax.tree_util.tree_structure(variables)
+    if want != got:
+        raise ValueError(f"{type(module).__name__} variables do not match the module's parameters "
+                         f"({got.num_leaves} leaves vs {want.num_leaves}): cannot place them on the mesh")
+    return jax.device_put(variables, shardings)

@@ -26,6 +26,11 @@ One decode round (:func:`speculative_round`, one jitted call for all slots):
    arithmetic of plain decode steps.
 
 Per-request draft length: ``k_b <= k`` per row (drafts past ``k_b`` are ignored); rows accept independently.
+
+Several rounds per device call (:func:`speculative_rounds`, the engine's ``decode_block``): the rounds run in one
+``lax.scan`` with the bookkeeping on the device (each round's last token, sampling step and tokens left per row
+feed the next round; a row stops when it has no tokens left), so the host syncs once per ``n`` rounds; the
+outputs are those of ``n`` single rounds.
 Randomness: the keys of a row come from ``fold_in(key(seed), step)`` (``step`` = tokens generated so far), so
 a request's draws do not depend on its batch row or its neighbours.
 """
@@ -48,10 +53,11 @@ from k3_jax.draft import DraftConfig, DraftModel, init_draft_cache, target_featu
 from k3_jax.layers.kda import record_position_states
 from k3_jax.model import FEATURES, K3ForCausalLM
 from k3_jax.serving import media as media_lib
-from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces
+from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces, shard_variables
 from k3_jax.serving.sampling import SampleOutput, SamplingArrays, SamplingParams, _filtered_sorted_logits
 
-__all__ = ["SpeculativeEngine", "speculative_accept", "sampling_probs", "greedy_probs", "RoundOutput", "SpecStats"]
+__all__ = ["SpeculativeEngine", "speculative_accept", "speculative_rounds", "sampling_probs", "greedy_probs",
+           "RoundOutput", "SpecStats"]
 
 _TAG_DRAFT, _TAG_ACCEPT, _TAG_NEXT = 1, 2, 3
 
@@ -241,6 +247,35 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
     return out, cache, committed, feats, out_tokens, jnp.where(active, keep, 0).astype(jnp.int32)
 
 
+def speculative_rounds(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfig, variables: dict,
+                       draft_variables: dict, cache: dict, dcache: dict, last_token: jax.Array,
+                       pend: tuple[jax.Array, jax.Array, jax.Array], active: jax.Array, draft_len: jax.Array,
+                       left: jax.Array, samp: SamplingArrays, num_top: int, sampling: bool, n: int):
+    """``n`` rounds of :func:`speculative_round` in one ``lax.scan``, each fed the previous one's state: the last
+    emitted token of a row, its sampling step (``samp.step`` + tokens emitted so far) and its tokens left.
+
+    ``draft_len [B]``: drafts per round of each row (``k_b``); ``left [B]``: tokens each row may still emit. A round
+    drafts ``min(k_b, left - 1)`` per row and runs a row only while ``left > 0`` (as :class:`SpeculativeEngine`
+    does for single rounds), so the outputs equal ``n`` single rounds'. Returns ``(RoundOutput with a leading
+    [n] axis (``emitted`` 0 for a row in a round it did not run), cache, dcache, pend)``."""
+    rows = jnp.arange(last_token.shape[0])
+
+    def body(carry, _):
+        cache, dcache, pend, last, step, left = carry
+        run = active & (left > 0)
+        num_drafts = jnp.minimum(draft_len, jnp.maximum(left - 1, 0))
+        out, cache, dcache, pf, pt, pn = speculative_round(
+            target, draft, dcfg, variables, draft_variables, cache, dcache, last, *pend, run, num_drafts,
+            samp._replace(step=step), num_top, sampling)
+        emitted = jnp.where(run, out.emitted, 0)
+        last = jnp.where(run, out.tokens[rows, jnp.maximum(out.emitted - 1, 0)], last)
+        return (cache, dcache, (pf, pt, pn), last, step + emitted, left - emitted), out._replace(emitted=emitted)
+
+    (cache, dcache, pend, *_), outs = jax.lax.scan(body, (cache, dcache, pend, last_token, samp.step, left), None,
+                                                   length=n)
+    return outs, cache, dcache, pend
+
+
 @dataclasses.dataclass
 class SpecStats:
     """Counters of the speculative rounds: ``rounds`` (row-rounds), ``drafted``, ``accepted`` (drafts kept;
@@ -280,10 +315,13 @@ class SpeculativeEngine(Engine):
 
     Args (beyond the engine's): ``draft_params`` (the draft's params or variables), ``draft_config``
     (:class:`~k3_jax.draft.DraftConfig`), ``num_draft_tokens`` (``k``, the most drafts per round).
-    ``max_len`` is the per-request limit as for the engine; the cache holds ``k`` more positions, the
-    room a verify pass needs at the end of a request. The contiguous cache only (``paged=False``) and
-    ``decode_block=1`` (a round already emits up to ``k + 1`` tokens per call). :meth:`add_request` takes
-    ``draft_tokens`` (``0 .. k``) per request. :attr:`spec` holds the round counters (:class:`SpecStats`).
+    ``max_len`` is the per-request limit as for the engine; the cache holds ``k`` more positions, the room a
+    verify pass needs at the end of a request. The contiguous cache only (``paged=False``). ``decode_block``:
+    rounds per device call (:func:`speculative_rounds`; tokens stream in bursts; a block runs when no waiting
+    request could take a free slot and no request is prefilling, else one round). With the engine's ``mesh``,
+    the draft's parameters are placed by their logical names and its cache and pending pairs like the target's
+    cache. :meth:`add_request` takes ``draft_tokens`` (``0 .. k``) per request. :attr:`spec` holds the round
+    counters (:class:`SpecStats`).
     """
 
     def __init__(self, cfg: K3Config, params: Any, draft_params: Any, draft_config: DraftConfig,
@@ -292,20 +330,25 @@ class SpeculativeEngine(Engine):
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if kwargs.get("paged"):
             raise ValueError("speculative decoding runs on the contiguous cache: pass paged=False")
-        if kwargs.get("decode_block", 1) != 1:
-            raise ValueError("speculative decoding emits up to k + 1 tokens per call already: decode_block must be 1")
         self.dcfg = draft_config.validate(cfg)
         self.k = num_draft_tokens
         self.request_max_len = max_len
         self.draft = DraftModel(cfg, self.dcfg)
         self.draft_variables = {"params": unbox_params(draft_params)}
         super().__init__(cfg, params, max_len=max_len + num_draft_tokens, **kwargs)
-        self._dcache_len = self.max_len + num_draft_tokens + 1
-        self.dcache = init_draft_cache(cfg, self.dcfg, self.max_batch, self._dcache_len, self._cache_dtype)
         nf = cfg.hidden_size * len(self.dcfg.feature_layers)
-        self._pend = (jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
-                      jnp.zeros((self.max_batch, self.k + 1), jnp.int32),
-                      jnp.zeros((self.max_batch,), jnp.int32))
+        if self.mesh is not None:
+            abstract = (jax.ShapeDtypeStruct((1, 2, nf), cfg.dtype), jax.ShapeDtypeStruct((1, 2), jnp.int32),
+                        jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), cfg.dtype),
+                        jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.dtype))
+            self.draft_variables = shard_variables(self.draft, abstract, self.draft_variables, self.mesh,
+                                                   self.sharding_preset)
+        self._dcache_len = self.max_len + num_draft_tokens + 1
+        self.dcache = self._place(init_draft_cache(cfg, self.dcfg, self.max_batch, self._dcache_len,
+                                                   self._cache_dtype))
+        self._pend = self._place((jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
+                                  jnp.zeros((self.max_batch, self.k + 1), jnp.int32),
+                                  jnp.zeros((self.max_batch,), jnp.int32)))
         self._draft_len = np.full(self.max_batch, self.k, np.int32)
         self._draft_len_by_id: dict[str, int] = {}
         self._feats_of: dict[str, list[jax.Array]] = {}  # target features of each prefilling request's pieces
@@ -348,7 +391,13 @@ class SpeculativeEngine(Engine):
                 sampling)
             return out, cache, dcache, (pf, pt, pn)
 
-        jit_prefill = jax.jit(prefill, donate_argnums=(1,))
+        def rounds_fn(variables, dvars, cache, dcache, last, pend, active, draft_len, left, samp, num_top, sampling,
+                      n):
+            return speculative_rounds(model, draft, dcfg, variables, dvars, cache, dcache, last, pend, active,
+                                      draft_len, left, samp, num_top, sampling, n)
+
+        pin, opts = self._pin, {"compiler_options": self.model_compiler_options}  # the model steps' XLA options
+        jit_prefill = self._jit(prefill, lambda o: (o[0], pin(o[1]), o[2]), donate_argnums=(1,), **opts)
 
         def prefill_collecting(variables, cache, slot, tokens, table, media=None):
             logits, cache, feats = jit_prefill(variables, cache, slot, tokens, table, media)
@@ -357,9 +406,12 @@ class SpeculativeEngine(Engine):
 
         self._prefill = prefill_collecting
         self._prefill_feats: list[jax.Array] = []
-        self._draft_prefill = jax.jit(draft_prefill, donate_argnums=(2,))
-        self._draft_reset = jax.jit(draft_reset, donate_argnums=(0, 1))
-        self._round = jax.jit(round_fn, donate_argnums=(2, 3, 5), static_argnums=(9, 10))
+        pin_state = lambda o: (o[0], pin(o[1]), pin(o[2]), pin(o[3]))  # noqa: E731 - (out, cache, dcache, pend)
+        self._draft_prefill = self._jit(draft_prefill, pin, donate_argnums=(2,), **opts)
+        self._draft_reset = self._jit(draft_reset, lambda o: (pin(o[0]), pin(o[1])), donate_argnums=(0, 1))
+        self._round = self._jit(round_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(9, 10), **opts)
+        self._rounds = self._jit(rounds_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(10, 11, 12),
+                                 **opts)
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: Sequence[int], params: SamplingParams, media: Any = None) -> None:
@@ -419,29 +471,48 @@ class SpeculativeEngine(Engine):
         events = super()._fail_running(exc)
         leaves = jax.tree.leaves((self.dcache, self._pend))
         if any(x.is_deleted() for x in leaves if isinstance(x, jax.Array)):
-            self.dcache = init_draft_cache(self.cfg, self.dcfg, self.max_batch, self._dcache_len, self._cache_dtype)
+            self.dcache = self._place(init_draft_cache(self.cfg, self.dcfg, self.max_batch, self._dcache_len,
+                                                       self._cache_dtype))
             nf = self._pend[0].shape[-1]
-            self._pend = (jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
-                          jnp.zeros((self.max_batch, self.k + 1), jnp.int32), jnp.zeros((self.max_batch,), jnp.int32))
+            self._pend = self._place((jnp.zeros((self.max_batch, self.k + 1, nf), self.compute_dtype),
+                                      jnp.zeros((self.max_batch, self.k + 1), jnp.int32),
+                                      jnp.zeros((self.max_batch,), jnp.int32)))
         return events
 
     # ------------------------------------------------------------------ decoding
+    def _block_size(self) -> int:
+        """Rounds of the next device call: ``decode_block`` unless a waiting request could take a free slot or a
+        request is prefilling (then 1). Rows with fewer tokens left stop inside the block on the device."""
+        if self.decode_block == 1 or (self._waiting and any(r is None for r in self._slots)):
+            return 1
+        if any(r is not None and r.prefilling for r in self._slots):
+            return 1
+        return self.decode_block
+
     def _decode_step(self) -> list:
         t0 = time.perf_counter()
         active = np.asarray([r is not None and not r.prefilling for r in self._slots])
         steps = np.asarray([len(r.output) if r is not None else 0 for r in self._slots], np.int32)
         left = np.asarray([r.max_tokens - len(r.output) if r is not None else 1 for r in self._slots], np.int32)
-        num_drafts = np.minimum(self._draft_len, np.maximum(left - 1, 0)).astype(np.int32)
         samp = SamplingArrays(
             temperature=jnp.asarray(self._samp["temperature"]), top_k=jnp.asarray(self._samp["top_k"]),
             top_p=jnp.asarray(self._samp["top_p"]), seed=jnp.asarray(self._samp["seed"]), step=jnp.asarray(steps))
         sampling = bool(np.any(self._samp["temperature"][active] > 0))  # static: greedy batches skip the sorts
+        n = self._block_size()
         saved = self._save_prefilling_rows()
         try:
-            out, self.cache, self.dcache, self._pend = self._round(
-                self.variables, self.draft_variables, self.cache, self.dcache, jnp.asarray(self._last_token),
-                self._pend, jnp.asarray(active), jnp.asarray(num_drafts), samp, self.max_logprobs, sampling)
-            out = jax.device_get(out)
+            if n == 1:
+                num_drafts = np.minimum(self._draft_len, np.maximum(left - 1, 0)).astype(np.int32)
+                out, self.cache, self.dcache, self._pend = self._round(
+                    self.variables, self.draft_variables, self.cache, self.dcache, jnp.asarray(self._last_token),
+                    self._pend, jnp.asarray(active), jnp.asarray(num_drafts), samp, self.max_logprobs, sampling)
+                outs = jax.tree.map(lambda x: x[None], jax.device_get(out))
+            else:
+                outs, self.cache, self.dcache, self._pend = self._rounds(
+                    self.variables, self.draft_variables, self.cache, self.dcache, jnp.asarray(self._last_token),
+                    self._pend, jnp.asarray(active), jnp.asarray(self._draft_len), jnp.asarray(left), samp,
+                    self.max_logprobs, sampling, n)
+                outs = jax.device_get(outs)
             self._restore_prefilling_rows(saved)
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: fail its requests, keep the engine
             self.step_failures += 1
@@ -449,28 +520,31 @@ class SpeculativeEngine(Engine):
             return self._fail_running(e)
         self.step_failures = 0
         self.last_step_error = None
-        self.stats["decode_steps"] += 1
+        self.stats["decode_steps"] += n
         events = []
-        for slot, req in enumerate(self._slots):
-            if req is None or not active[slot]:
-                continue
-            emitted = int(out.emitted[slot])
-            self.spec.rounds += 1
-            self.spec.drafted += int(num_drafts[slot])
-            self.spec.accepted += emitted - 1
-            self.spec.accepted_hist[emitted - 1] = self.spec.accepted_hist.get(emitted - 1, 0) + 1
-            for i in range(emitted):
-                tok = SampleOutput(out.tokens[:, i], out.logprob[:, i], out.top_ids[:, i], out.top_logprobs[:, i])
-                try:
-                    ev = self._emit(req, int(out.tokens[slot, i]), tok, slot)
-                except Exception as e:  # noqa: BLE001 - this request alone fails
-                    events.append(self._fail(req, e))
-                    break
-                events.append(ev)
-                self.stats["decode_tokens"] += 1
-                self.spec.emitted += 1
-                if ev.finished:
-                    break
+        for r in range(n):
+            out = jax.tree.map(lambda x, r=r: x[r], outs)
+            for slot, req in enumerate(self._slots):
+                emitted = int(out.emitted[slot])
+                if req is None or not active[slot] or emitted == 0:  # finished earlier in the block: left
+                    continue
+                self.spec.rounds += 1
+                self.spec.drafted += int(min(self._draft_len[slot], max(left[slot] - 1, 0)))
+                left[slot] -= emitted
+                self.spec.accepted += emitted - 1
+                self.spec.accepted_hist[emitted - 1] = self.spec.accepted_hist.get(emitted - 1, 0) + 1
+                for i in range(emitted):
+                    tok = SampleOutput(out.tokens[:, i], out.logprob[:, i], out.top_ids[:, i], out.top_logprobs[:, i])
+                    try:
+                        ev = self._emit(req, int(out.tokens[slot, i]), tok, slot)
+                    except Exception as e:  # noqa: BLE001 - this request alone fails
+                        events.append(self._fail(req, e))
+                        break
+                    events.append(ev)
+                    self.stats["decode_tokens"] += 1
+                    self.spec.emitted += 1
+                    if ev.finished:
+                        break
         self.spec.seconds += time.perf_counter() - t0
         return events
 

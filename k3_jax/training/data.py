@@ -215,8 +215,19 @@ class DataIterator:
                              "size must match the checkpoint's)")
         for r in self.rows:
             it = iter(self._ds.streams[r])
-            it.set_state(saved[str(r)])
+            it.set_state(_from_json(saved[str(r)]))
             self._its[r] = it
+
+
+def _from_json(state: Any) -> Any:
+    """A grain iterator state as :meth:`DataIterator.get_state` stored it, with its tuples back (JSON made them
+    lists): grain compares some entries to tuples, e.g. the packer's empty-remainder sentinel ``(-1, -1)``, which
+    as a list would read as a remainder and skip a document on restore."""
+    if isinstance(state, dict):
+        return {k: _from_json(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return tuple(_from_json(v) for v in state)
+    return state
 
 
 def merge_row_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:

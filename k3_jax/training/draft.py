@@ -23,8 +23,22 @@ straight run's losses exactly. ``--max-seconds S`` ends the run after the step t
 (checkpointed and exported as at that step; a re-run resumes it). At the end ``OUT/draft`` holds
 ``draft_config.json`` and ``params`` (orbax), what ``serve.py --draft OUT/draft`` loads.
 
+Data (``--data``): token shards of the target's tokenizer (``python -m k3_jax.training.tokenize``), packed as
+``train.py`` packs them; the bundled corpus by default (the small models' tokenizer).
+
 ``--target`` is a training workdir of ``train.py`` (``checkpoints/<step>/state`` + its stored model config) or a
 converted orbax checkpoint (``--config`` or ``DIR/config.json`` gives the architecture).
+
+``--mesh AXES`` (e.g. ``expert=2,tensor=8``; one process, :func:`sharding.make_mesh`): the target's parameters are
+placed on the mesh by their logical axis names under ``--sharding-preset`` (default ``serve``; a converted
+checkpoint is read straight onto the mesh), the draft's parameters and optimizer state by theirs, and the step runs
+with the mesh and rules active (the layers pick their parallel forms), so a target too large for one device
+trains a draft; the batch is replicated. The mesh is not part of the run config: a run may resume on another.
+
+``--wait-for FILE`` (a pipeline that trains the target first): the step is compiled and run once on a random
+target of ``--config``'s shapes, then the trainer waits until ``FILE`` exists and loads the target, so the first
+real step compiles nothing (unless the target's stored config differs from ``--config``: that is logged) and
+``--max-seconds`` counts training alone.
 """
 
 from __future__ import annotations
@@ -44,13 +58,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3_jax.config import K3Config, load_config
 from k3_jax.draft import DraftConfig, DraftModel, target_features, target_head
 from k3_jax.model import FEATURES, K3ForCausalLM
+from k3_jax.serving.engine import shard_variables
 from k3_jax.training.checkpoint import Checkpointer
 from k3_jax.training.data import DataConfig, DataIterator, make_dataset
 from k3_jax.training.resume import RUN_CONFIG_FORMAT, resume
+from sharding import rules
+from sharding.mesh import make_mesh
 
 LOSSES = ("lk", "kl", "ce")
 
@@ -92,6 +110,7 @@ class DraftTrainConfig:
 
     target: str = ""  # train.py workdir or converted orbax dir; "" = a random target of `config` (smoke only)
     config: str = "configs/k3-tiny.json"  # the target architecture (ignored for a train.py workdir)
+    data: tuple[str, ...] = ()  # token shards (.npz, k3_jax.training.tokenize); () = the bundled corpus
     out: str = "runs/draft"
     mixer: str = "mla"
     feature_layers: tuple[int, ...] = ()  # () = DraftConfig.default_for(target)
@@ -108,6 +127,9 @@ class DraftTrainConfig:
     save_every: int = 50
     dtype: str = ""  # compute dtype ("" = the target config's; float32 on CPU)
     max_seconds: float = 0.0  # > 0: end (checkpoint + export) after the step that passes this wall time
+    wait_for: str = ""  # compile on a random target of `config`, then wait until this file exists (module doc)
+    mesh: str = ""  # e.g. "expert=2,tensor=8": the target (and draft) sharded over a mesh; "" = one device
+    sharding_preset: str = "serve"  # sharding.rules preset that lays out the parameters with --mesh
 
     def validate(self) -> DraftTrainConfig:
         if self.loss not in LOSSES:
@@ -122,17 +144,35 @@ class DraftTrainConfig:
         return self
 
 
-def load_target(dtc: DraftTrainConfig) -> tuple[K3Config, Any]:
-    """``(cfg, params)`` of the target named by ``dtc.target`` (see the module docstring)."""
+def load_target(dtc: DraftTrainConfig, mesh: Mesh | None = None) -> tuple[K3Config, Any]:
+    """``(cfg, params)`` of the target named by ``dtc.target`` (see the module docstring); with ``mesh`` the
+    params are placed on it (:func:`place_on_mesh`; a converted checkpoint is read straight onto it)."""
     overrides = {"dtype": dtc.dtype} if dtc.dtype else {}
     if not overrides and jax.default_backend() == "cpu":
         overrides = {"dtype": "float32"}  # XLA:CPU cannot run bf16 x bf16 -> f32 dots
+    path = Path(dtc.target).absolute()
+    if dtc.target and mesh is not None and (path / "k3_config.json").is_file():
+        from k3_jax.convert.orbax_io import restore_params_on_mesh  # noqa: PLC0415
+
+        return restore_params_on_mesh(path, mesh, dtc.sharding_preset, **overrides)
+    cfg, params = _load_target(dtc, path, overrides)
+    if mesh is not None:
+        params = place_on_mesh(K3ForCausalLM(cfg), (jnp.zeros((1, 1), jnp.int32),), params, mesh,
+                               dtc.sharding_preset)
+    return cfg, params
+
+
+def place_on_mesh(module: nn.Module, init_args: tuple, params: Any, mesh: Mesh, preset: str) -> Any:
+    """``params`` of ``module`` placed on ``mesh`` by their logical axis names under ``preset``'s rules."""
+    return shard_variables(module, init_args, {"params": params}, mesh, preset)["params"]
+
+
+def _load_target(dtc: DraftTrainConfig, path: Path, overrides: dict) -> tuple[K3Config, Any]:
     if not dtc.target:
-        cfg = load_config(dtc.config, **overrides)
+        cfg = _target_config(dtc)
         return cfg, _random_target(cfg, dtc.seed + 1)
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
-    path = Path(dtc.target).absolute()
     if not path.exists():
         raise FileNotFoundError(f"--target {path}: no such directory")
     if (path / "checkpoints").is_dir():
@@ -150,6 +190,20 @@ def load_target(dtc: DraftTrainConfig) -> tuple[K3Config, Any]:
     cfg_path = path / "config.json" if (path / "config.json").exists() else Path(dtc.config)
     cfg = load_config(cfg_path, **overrides)
     return cfg, ocp.StandardCheckpointer().restore(path)
+
+
+def _target_config(dtc: DraftTrainConfig) -> K3Config:
+    """``--config`` with the compute-dtype override ``load_target`` applies."""
+    overrides = {"dtype": dtc.dtype} if dtc.dtype else {}
+    if not overrides and jax.default_backend() == "cpu":
+        overrides = {"dtype": "float32"}
+    return load_config(dtc.config, **overrides)
+
+
+def _uncommitted(tree: Any) -> Any:
+    """Leaves placed as uncommitted device arrays, so a restored target hits the step compiled on a random one
+    (jit keys on committed placement)."""
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x)), tree)
 
 
 @functools.lru_cache(maxsize=2)
@@ -186,6 +240,34 @@ def unrolled_loss(draft: DraftModel, dcfg: DraftConfig, cfg: K3Config, kind: str
 @functools.lru_cache(maxsize=4)
 def _compiled_step(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig):
     """The jitted train step of one (target, draft, options) combination (cached: resumes reuse the compile)."""
+    return jax.jit(_step_function(cfg, dcfg, dtc), donate_argnums=(0,))
+
+
+def _sharded_step(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, mesh: Mesh, state: dict):
+    """The train step on ``mesh``: traced with the mesh and ``dtc.sharding_preset``'s rules active; the new state
+    keeps ``state``'s placement (loss outputs replicated)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    placement = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(rules.on_input_mesh(_step_function(cfg, dcfg, dtc), dtc.sharding_preset), donate_argnums=(0,),
+                   out_shardings=(placement, replicated, replicated))
+
+
+def _place_state(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, state: dict, mesh: Mesh) -> dict:
+    """``state`` on ``mesh``: the draft's params by their logical names, the optimizer state by the params it
+    mirrors (created from the placed params), the step counter replicated."""
+    nf = cfg.hidden_size * len(dcfg.feature_layers)
+    abstract = (jax.ShapeDtypeStruct((1, 2, nf), cfg.dtype), jax.ShapeDtypeStruct((1, 2), jnp.int32),
+                jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), cfg.dtype),
+                jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.dtype))
+    params = place_on_mesh(DraftModel(cfg, dcfg), abstract, state["params"], mesh, dtc.sharding_preset)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_state = jax.tree.map(lambda x: x if x.sharding.num_devices > 1 else jax.device_put(x, replicated),
+                             make_optimizer(dtc).init(params))
+    return {"step": jax.device_put(state["step"], replicated), "params": params, "opt_state": opt_state}
+
+
+def _step_function(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig):
+    """``step(state, target_params, tokens, segment_ids) -> (state, loss, per-TTT-step losses)``."""
     target, draft, tx = K3ForCausalLM(cfg), DraftModel(cfg, dcfg), make_optimizer(dtc)
 
     def step(state: dict, target_params: Any, tokens: jax.Array, segment_ids: jax.Array):
@@ -200,7 +282,7 @@ def _compiled_step(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig):
         params = optax.apply_updates(state["params"], updates)
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, loss, per_step
 
-    return jax.jit(step, donate_argnums=(0,))
+    return step
 
 
 def make_optimizer(dtc: DraftTrainConfig) -> optax.GradientTransformation:
@@ -231,7 +313,33 @@ def init_state(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, target_p
 
 def run_config(cfg: K3Config, dtc: DraftTrainConfig) -> dict:
     return json.loads(json.dumps({"format": RUN_CONFIG_FORMAT, "model": dataclasses.asdict(cfg),
-                                  "train": dataclasses.asdict(dtc) | {"out": "(any)", "max_seconds": "(any)"}}))
+                                  "train": dataclasses.asdict(dtc) | {"out": "(any)", "max_seconds": "(any)",
+                                                                      "wait_for": "(any)", "mesh": "(any)"}}))
+
+
+def _step_options(dtc: DraftTrainConfig) -> DraftTrainConfig:
+    """``dtc`` without the options the compiled step does not depend on (its compile-cache key)."""
+    return dataclasses.replace(dtc, out="", target="", max_seconds=0.0, wait_for="", mesh="")
+
+
+def _precompile_and_wait(dtc: DraftTrainConfig, say) -> K3Config:
+    """Run the step once on a random target of ``dtc.config`` (compiling it), then wait for ``dtc.wait_for``.
+    Returns the config the step was compiled for."""
+    t0 = time.perf_counter()
+    cfg = _target_config(dtc)
+    dcfg = draft_config_of(cfg, dtc)
+    target = _uncommitted(_random_target(cfg, dtc.seed + 1))
+    tokens = jnp.zeros((dtc.batch_size, dtc.seq_len + 1), jnp.int32)
+    step_fn = _compiled_step(cfg, dcfg, _step_options(dtc))
+    jax.block_until_ready(step_fn(init_state(cfg, dcfg, dtc, target), target, tokens, jnp.ones_like(tokens)))
+    say(f"draft step compiled on a random target ({time.perf_counter() - t0:.1f}s); waiting for {dtc.wait_for}")
+    waited = time.perf_counter()
+    while not Path(dtc.wait_for).exists():
+        time.sleep(0.2)
+        if time.perf_counter() - waited > 60:
+            say(f"still waiting for {dtc.wait_for}")
+            waited = time.perf_counter()
+    return cfg
 
 
 def export_draft(directory: Path, dcfg: DraftConfig, params: Any) -> Path:
@@ -259,20 +367,35 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     ``dtc.max_seconds`` the run ends after the first step that finishes past that many seconds of this call
     (compile included): checkpointed and exported as at the last step (the schedule still spans ``steps``)."""
     dtc = dtc.validate()
-    cfg, target_params = load_target(dtc)
+    mesh = make_mesh(dtc.mesh) if dtc.mesh else None
+    if mesh is not None and dtc.wait_for:
+        raise ValueError("--wait-for compiles the single-device step: it cannot be combined with --mesh")
+    compiled_for = _precompile_and_wait(dtc, say) if dtc.wait_for else None
+    cfg, target_params = load_target(dtc, mesh)
+    if compiled_for is not None:
+        target_params = _uncommitted(target_params)
+        diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(compiled_for, f.name)]
+        if diff:
+            say(f"the target's config differs from --config in {diff}: the step compiles again")
     dcfg = draft_config_of(cfg, dtc)
     out = Path(dtc.out)
     out.mkdir(parents=True, exist_ok=True)
-    it = DataIterator(make_dataset(DataConfig(seq_len=dtc.seq_len, batch_size=dtc.batch_size, seed=dtc.seed,
-                                              bos_id=cfg.bos_token_id or 1, eos_id=cfg.eos_token_id or 2)))
+    it = DataIterator(make_dataset(DataConfig(paths=tuple(dtc.data), seq_len=dtc.seq_len, batch_size=dtc.batch_size,
+                                              seed=dtc.seed, bos_id=cfg.bos_token_id or 1,
+                                              eos_id=cfg.eos_token_id or 2)))
     ckpt = Checkpointer(out / "checkpoints", keep=2, save_every=dtc.save_every, async_save=False)
     ckpt.run_config = run_config(cfg, dtc)
     state = init_state(cfg, dcfg, dtc, target_params)
+    if mesh is not None:
+        state = _place_state(cfg, dcfg, dtc, state, mesh)
     start = 0
     if ckpt.latest_step() is not None:
         state, data_state, start, _ = resume(ckpt, state, ckpt.run_config, say=say)
         it.set_state(data_state)
-    step_fn = _compiled_step(cfg, dcfg, dataclasses.replace(dtc, out="", target="", max_seconds=0.0))  # ignored
+    if mesh is None:
+        step_fn = _compiled_step(cfg, dcfg, _step_options(dtc))
+    else:
+        step_fn = _sharded_step(cfg, dcfg, _step_options(dtc), mesh, state)
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(start + 1, dtc.steps + 1):
@@ -307,7 +430,10 @@ def _parse(argv: list[str] | None) -> DraftTrainConfig:
     d = DraftTrainConfig()
     for f in dataclasses.fields(DraftTrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "feature_layers":
+        if f.name == "data":
+            p.add_argument(flag, type=lambda s: tuple(x for x in s.split(",") if x), default=(),
+                           help="comma-separated token shards (.npz; default: the bundled corpus)")
+        elif f.name == "feature_layers":
             p.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",") if x), default=(),
                            help="comma-separated target layers (default: low, middle, high)")
         elif f.name == "loss":
