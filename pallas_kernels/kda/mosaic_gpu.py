@@ -146,10 +146,22 @@ def _load_slot(c, r: _Refs, io):
     plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], r.beta.at[slot], bar)
 
 
+def _neumann_step(x16, p16, p_ref, stage, *, last: bool):
+    """``(x P, P P)`` with ``P`` in ``p_ref`` (and as ``p16``); the last step skips the square."""
+
+    def run(acc_x, acc_p):
+        _mma(acc_x, x16, p_ref, stage)
+        if not last:
+            _mma(acc_p, p16, p_ref, stage)
+        return acc_x[...], acc_p[...]
+
+    return run
+
+
 def _intra(c, r: _Refs, stage, scale: float, g_ref, b, h, n_chunks: int):
     """Chunk ``c``'s state-independent part (intra warpgroup); see the module docstring and :class:`_Refs`."""
     wg = plgpu.Layout.WGMMA
-    col_vec, row_vec = wg.reduce(0), wg.reduce(1)
+    row_vec = wg.reduce(1)
     slot = lax.rem(c, 2)
     w, xs, aq = r.w.at[slot], r.x.at[slot], r.aqk.at[slot]
     tile = plgpu.broadcasted_iota(jnp.int32, (CHUNK, HEAD_DIM), 0, layout=wg) // SUB
@@ -225,6 +237,8 @@ def _intra(c, r: _Refs, stage, scale: float, g_ref, b, h, n_chunks: int):
     vf = plgpu.layout_cast(r.v.at[slot][...], wg).astype(_F32)
     r.v.at[slot][...] = (vf * beta_t).astype(_BF16)
 
+    plgpu.commit_smem()
+
     @pl.when(c + 1 < n_chunks)
     def _():
         plgpu.copy_gmem_to_smem(g_ref.at[b, pl.ds((c + 1) * CHUNK, CHUNK), h], r.g, r.g_loaded)
@@ -238,17 +252,12 @@ def _intra(c, r: _Refs, stage, scale: float, g_ref, b, h, n_chunks: int):
     plgpu.commit_smem()
     p = pl.run_scoped(lambda acc: square(acc, n.astype(_BF16)), plgpu.ACC((CHUNK, CHUNK), _F32))
     for step in range(NEUMANN_STEPS):
-        xs[...] = p.astype(_BF16)
+        p16 = p.astype(_BF16)
+        xs[...] = p16
         plgpu.commit_smem()
-        last = step == NEUMANN_STEPS - 1
-
-        def mul(acc_x, acc_p, x16=x.astype(_BF16), p16=p.astype(_BF16), last=last):
-            _mma(acc_x, x16, xs, stage)
-            if not last:
-                _mma(acc_p, p16, xs, stage)
-            return acc_x[...], acc_p[...]
-
-        dx, p = pl.run_scoped(mul, plgpu.ACC((CHUNK, CHUNK), _F32), plgpu.ACC((CHUNK, CHUNK), _F32))
+        dx, p = pl.run_scoped(
+            _neumann_step(x.astype(_BF16), p16, xs, stage, last=step == NEUMANN_STEPS - 1),
+            plgpu.ACC((CHUNK, CHUNK), _F32), plgpu.ACC((CHUNK, CHUNK), _F32))
         x = x + dx
     x16 = x.astype(_BF16)
     xs[...] = x16
@@ -289,11 +298,11 @@ def _state_step(c, s_t, j: int, r: _Refs, stage, o_ref, io, n_chunks: int):
 
     o_t, s_t = _accumulate(second, (o_part, s_t * _bcast_cols(decay)), stage is not None)
     plgpu.barrier_arrive(r.free.at[slot])
-    if j == 0:
+    if j == 0:  # waits on every phase (the interpreter checks that no phase goes unobserved)
+        plgpu.barrier_wait(r.free.at[slot])
 
         @pl.when(c + 2 < n_chunks)
         def _():
-            plgpu.barrier_wait(r.free.at[slot])
             _load_slot(c + 2, r, io)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
