@@ -1,8 +1,12 @@
-"""KDA kernel benchmark on a GPU: this repo's Pallas (Triton) kernels vs the pure-JAX reference vs
-flash-linear-attention's Triton kernels (``fla-core``), in one run.
+"""KDA kernel benchmark on a GPU: this repo's Pallas kernels (``--impls``: the Triton and the Mosaic GPU
+backends of ``ops.CHUNK``) vs the pure-JAX reference vs flash-linear-attention's Triton kernels (``fla-core``),
+in one run.
 
 Prints one JSON line on stdout (progress goes to stderr). Times are milliseconds per call (median of
-repeats, after warm-up); ``speed_vs_fla`` = fla time / our time (>= 1 means we are faster).
+repeats, after warm-up); ``speed_vs_fla`` = fla time / our time (>= 1 means we are faster). The ``ours_*`` keys
+are the first of ``--impls``; every implementation also gets ``<impl>_fwd_ms``, ``<impl>_fwdbwd_ms``,
+``<impl>_vs_fla_rel_err`` (outputs) and ``<impl>_grads_vs_fla_rel_err`` (dq, dk, dv, dg, dbeta on the same
+inputs and output cotangent as fla's).
 
     python benchmarks/kda.py                       # the issue-4 shapes + decode
     python benchmarks/kda.py --shapes 1x8192x96 --no-reference --configs 64:4:1,32:4:1,64:4:2:4:1:4,64:4:2:8:2:8:32
@@ -100,7 +104,7 @@ def bench_fla_chunk(q, k, v, g, beta, do):
         from triton.testing import do_bench
     except Exception as e:  # noqa: BLE001
         log("fla unavailable:", repr(e))
-        return None, None, None
+        return None, None, None, None
     bf = torch.bfloat16
     tq, tk, tv, tb = (to_torch(x, bf) for x in (q, k, v, beta))
     tg = to_torch(g)
@@ -121,47 +125,80 @@ def bench_fla_chunk(q, k, v, g, beta, do):
         o.backward(tdo)
 
     t_fb = do_bench(fwdbwd, warmup=3, rep=50)
-    return t_fwd, t_fb, o_fla.float().cpu().numpy()
+    grads = [x.grad.float().cpu().numpy() for x in leaves]  # of the last fwdbwd() call
+    return t_fwd, t_fb, o_fla.float().cpu().numpy(), grads
+
+
+GRAD_NAMES = ("q", "k", "v", "g", "beta")
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def bench_impl(impl, inputs, do, args, gpu_cfg, res, key, profile_tag=None):
+    """Time ``impl``'s forward (and forward+backward) into ``res[f"{key}_..."]``; returns its output and grads."""
+    B, T, H = profile_tag or (0, 0, 0)
+    t0 = time.perf_counter()
+    fwd, grad = jax_fns(impl, 128, gpu_cfg if impl == "triton" else None)
+    o = fwd(*inputs)[0]
+    res[f"{key}_compile_s"] = round(time.perf_counter() - t0, 1)
+    res[f"{key}_fwd_ms"] = time_jax(fwd, *inputs)
+    if args.profile_dir and profile_tag:
+        res[f"{key}_fwd_profile"] = device_op_times(fwd, *inputs, top=8,
+                                                    out_dir=os.path.join(args.profile_dir, f"fwd_{B}x{T}x{H}"))
+    log(res)
+    grads = None
+    if not args.no_bwd:
+        res[f"{key}_fwdbwd_ms"] = time_jax(grad, *inputs, do, iters=3, repeats=2)
+        grads = [np.asarray(x, np.float32) for x in grad(*inputs, do)]
+        if args.profile_dir and profile_tag:
+            res[f"{key}_fwdbwd_profile"] = device_op_times(
+                grad, *inputs, do, top=15, out_dir=os.path.join(args.profile_dir, f"fb_{B}x{T}x{H}"))
+        log(res)
+    return np.asarray(o, np.float32), grads
 
 
 def bench_shape(B, T, H, args, gpu_cfg):
     K = V = 128
-    q, k, v, g, beta = make_inputs(B, T, H, K, V)
+    inputs = make_inputs(B, T, H, K, V)
     do = jax.random.normal(jax.random.PRNGKey(7), (B, T, H, V), jnp.float32)
     res = {"shape": f"B={B},T={T},H={H},K={K},V={V}", "dtype": "bf16"}
-    t0 = time.perf_counter()
-    fwd, grad = jax_fns("triton", K, gpu_cfg)
-    o_ours = fwd(q, k, v, g, beta)[0]
-    res["ours_compile_s"] = round(time.perf_counter() - t0, 1)
-    res["ours_fwd_ms"] = time_jax(fwd, q, k, v, g, beta)
-    if args.profile_dir:
-        res["ours_fwd_profile"] = device_op_times(fwd, q, k, v, g, beta, top=8,
-                                                  out_dir=os.path.join(args.profile_dir, f"fwd_{B}x{T}x{H}"))
-    log(res)
-    if not args.no_bwd:
-        res["ours_fwdbwd_ms"] = time_jax(grad, q, k, v, g, beta, do, iters=3, repeats=2)
-        if args.profile_dir:
-            res["ours_fwdbwd_profile"] = device_op_times(
-                grad, q, k, v, g, beta, do, top=15, out_dir=os.path.join(args.profile_dir, f"fb_{B}x{T}x{H}"))
-        log(res)
+    impls = [i for i in args.impls.split(",") if i]
+    outs = {}
+    for n, impl in enumerate(impls):
+        outs[impl] = bench_impl(impl, inputs, do, args, gpu_cfg, res, impl, (B, T, H) if n == 0 else None)
+        for suffix in ("compile_s", "fwd_ms", "fwdbwd_ms", "fwd_profile", "fwdbwd_profile"):
+            if n == 0 and f"{impl}_{suffix}" in res:
+                res[f"ours_{suffix}"] = res[f"{impl}_{suffix}"]
     if not args.no_reference:
         rfwd, rgrad = jax_fns("reference", K)
-        o_ref = rfwd(q, k, v, g, beta)[0]
-        res["ref_fwd_ms"] = time_jax(rfwd, q, k, v, g, beta, iters=3, repeats=2)
+        o_ref = rfwd(*inputs)[0]
+        res["ref_fwd_ms"] = time_jax(rfwd, *inputs, iters=3, repeats=2)
         if not args.no_bwd:
-            res["ref_fwdbwd_ms"] = time_jax(rgrad, q, k, v, g, beta, do, iters=2, repeats=2)
-        of, orf = np.asarray(o_ours, np.float32), np.asarray(o_ref, np.float32)
-        res["ours_vs_ref_rel_err"] = float(np.linalg.norm(of - orf) / np.linalg.norm(orf))
+            res["ref_fwdbwd_ms"] = time_jax(rgrad, *inputs, do, iters=2, repeats=2)
+        for impl in impls:
+            res[f"{impl}_vs_ref_rel_err"] = rel_err(outs[impl][0], o_ref)
+        res["ours_vs_ref_rel_err"] = res[f"{impls[0]}_vs_ref_rel_err"]
         log(res)
     if not args.no_fla:
-        t_fwd, t_fb, o_fla = bench_fla_chunk(q, k, v, g, beta, do)
+        t_fwd, t_fb, o_fla, g_fla = bench_fla_chunk(*inputs, do)
         res["fla_fwd_ms"], res["fla_fwdbwd_ms"] = t_fwd, t_fb
         if o_fla is not None:
-            of = np.asarray(o_ours, np.float32)
-            res["ours_vs_fla_rel_err"] = float(np.linalg.norm(of - o_fla) / np.linalg.norm(o_fla))
-            res["speed_vs_fla_fwd"] = t_fwd / res["ours_fwd_ms"]
-            if "ours_fwdbwd_ms" in res:
-                res["speed_vs_fla_fwdbwd"] = t_fb / res["ours_fwdbwd_ms"]
+            for n, impl in enumerate(impls):
+                o, grads = outs[impl]
+                res[f"{impl}_vs_fla_rel_err"] = rel_err(o, o_fla)
+                res[f"speed_vs_fla_fwd_{impl}"] = t_fwd / res[f"{impl}_fwd_ms"]
+                if grads is not None:
+                    res[f"{impl}_grads_vs_fla_rel_err"] = {
+                        name: rel_err(a, b) for name, a, b in zip(GRAD_NAMES, grads, g_fla, strict=True)}
+                    res[f"speed_vs_fla_fwdbwd_{impl}"] = t_fb / res[f"{impl}_fwdbwd_ms"]
+                if n == 0:
+                    res["ours_vs_fla_rel_err"] = res[f"{impl}_vs_fla_rel_err"]
+                    res["speed_vs_fla_fwd"] = res[f"speed_vs_fla_fwd_{impl}"]
+                    if grads is not None:
+                        res["speed_vs_fla_fwdbwd"] = res[f"speed_vs_fla_fwdbwd_{impl}"]
     log(res)
     return res
 
@@ -245,6 +282,8 @@ def main():
     p.add_argument("--configs", default="64:4:3", help="GPU kernel configs, comma list of ints in the order "
                    + ":".join(GPU_CFG_KEYS) + " (state kernel, then the A / solve / W-U kernels; trailing ones "
                    "left out = defaults of gpu.chunk_kda_fwd); the fastest on the first shape is used for the rest")
+    p.add_argument("--impls", default="triton,mosaic_gpu",
+                   help="comma list of ops.CHUNK backends to time; the first fills the ours_* keys")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--no-bwd", action="store_true")

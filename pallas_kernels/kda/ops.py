@@ -4,20 +4,27 @@ Two ops, each an ordered table (:class:`pallas_kernels.registry.Registry`; ``"au
 the call, an explicit name that cannot run raises with the reason):
 
 * :data:`CHUNK` (``chunk_kda``, training / prefill): ``mosaic_tpu`` (:mod:`.tpu`, :mod:`.tpu_bwd`), ``triton``
-  (:mod:`.gpu`, :mod:`.gpu_bwd`), ``xla`` (:mod:`.reference`, the chunked UT/WY form).
+  (:mod:`.gpu`, :mod:`.gpu_bwd`), ``mosaic_gpu`` (:mod:`.mosaic_gpu`: the fused sm_90 forward; its backward is
+  the Triton kernels' while JAX ships them, else the reference VJP), ``xla`` (:mod:`.reference`, the chunked
+  UT/WY form).
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``xla``.
 
-``mosaic_gpu`` (Hopper wgmma/TMA kernels) is reserved: it goes ahead of ``triton`` in both tables once written.
+Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (:data:`TRITON_SHIPPED`), then
+``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`), then ``xla``. ``triton`` is ahead because the
+Mosaic GPU forward loses to it on the H200 (benchmarks/RESULTS.md); ``mosaic_gpu`` is what ``"auto"`` picks on
+Hopper once the Triton backend is gone, and can be chosen by name today. There is no Mosaic GPU decode kernel.
 
 What a backend checks (``supports``): the target platform (``platform=`` or
 :func:`pallas_kernels.registry.target_platform`: the mesh's devices, else the default device; ``interpret=True``
-runs the Pallas kernels on CPU in interpret mode, ``"auto"`` then picks ``mosaic_tpu``), the dtype, head dims,
+runs the Pallas kernels on CPU in interpret mode, ``"auto"`` then picks ``mosaic_tpu``; an explicit
+``mosaic_gpu`` then runs the Mosaic GPU interpreter), the dtype, head dims,
 chunk size, the Triton launch's shared memory (:mod:`.launch`), and the gate bound: the kernels need the K3
 lower-bounded log-decay ``g >= -5`` per token; a call promises ``g >= gate_bound`` (``None``: no bound), and
 ``gate_bound < -5`` or None leaves only ``xla`` (exact for any ``g <= 0``).
 
 Gradients: the kernel forwards sit inside ``jax.custom_vjp`` (only the inputs are saved); ``backward="auto"`` /
-``"kernel"`` = the backend's backward kernels, ``"xla"`` = the VJP of the recomputed chunked reference.
+``"kernel"`` = the backend's backward kernels (for ``mosaic_gpu``: the Triton backward kernels; ``"auto"`` takes
+the reference VJP when JAX no longer ships Triton), ``"xla"`` = the VJP of the recomputed chunked reference.
 The decode kernels are forward-only.
 """
 
@@ -25,10 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.kda import launch
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.registry import Backend, Registry, target_platform
@@ -38,11 +47,15 @@ KERNEL_GATE_BOUND = -5.0
 BACKWARDS = ("auto", "kernel", "xla")
 ALIASES = {"reference": "xla"}
 """Old name of the reference still accepted (``sharding.plan``, benchmark scripts)."""
+TRITON_SHIPPED = importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+"""Whether this JAX still ships the (deprecated) Pallas Triton backend."""
 
 
 @dataclasses.dataclass(frozen=True)
 class KdaCall:
-    """What the backends of a KDA op look at. ``shape = (B, T, H, K, V)``; ``dtype`` = promoted q/v dtype."""
+    """What the backends of a KDA op look at. ``shape = (B, T, H, K, V)``; ``dtype`` = promoted q/v dtype;
+    ``compute_capability``: the target GPU's (None when the target is not a GPU or unknown); ``packed``: the
+    call has ``segment_ids``."""
 
     platform: str
     dtype: str
@@ -50,6 +63,8 @@ class KdaCall:
     chunk_size: int
     gate_bound: float | None
     interpret: bool = False
+    compute_capability: float | None = None
+    packed: bool = False
 
 
 def _pow2(d: int) -> bool:
@@ -85,6 +100,10 @@ def _tpu_chunk(call: KdaCall) -> str | None:
                   None if c >= 16 and c & (c - 1) == 0 else f"chunk_size must be a power of two >= 16, got {c}")
 
 
+def _triton_shipped() -> str | None:
+    return None if TRITON_SHIPPED else "this JAX no longer ships the Pallas Triton backend"
+
+
 def _triton_chunk(call: KdaCall) -> str | None:
     _, _, _, k, v = call.shape
     dims = None if _pow2(k) and _pow2(v) and _pow2(call.chunk_size) else (
@@ -93,7 +112,24 @@ def _triton_chunk(call: KdaCall) -> str | None:
     if call.platform == "gpu" and dims is None:
         dt = jnp.dtype(call.dtype)
         smem = launch.chunk_launch_reason(chunk=call.chunk_size, k=k, v=v, q_dtype=dt, v_dtype=dt)
-    return _first(_platform_reason(call, "gpu"), _dtype_reason(call), _gate_reason(call), dims, smem)
+    return _first(_platform_reason(call, "gpu"), _triton_shipped(), _dtype_reason(call), _gate_reason(call), dims,
+                  smem)
+
+
+def _mosaic_gpu_chunk(call: KdaCall) -> str | None:
+    if _platform_reason(call, "gpu") is not None:
+        return (f"needs target platform gpu (or cpu with interpret=True: the Mosaic GPU interpreter), target is "
+                f"{call.platform}")
+    arch = None
+    if not call.interpret:
+        cc = call.compute_capability
+        arch = (f"needs compute capability >= 9.0 (wgmma, TMA), the target GPU's is {cc or 'unknown'}"
+                if cc is None or cc < 9.0 else None)
+    from pallas_kernels.kda import mosaic_gpu  # noqa: PLC0415  (imports the Mosaic GPU toolchain)
+
+    _, _, _, k, v = call.shape
+    return _first(arch, _gate_reason(call), mosaic_gpu.supports_reason(
+        dtype=call.dtype, k=k, v=v, chunk_size=call.chunk_size, packed=call.packed))
 
 
 def _decode_reason(call: KdaCall) -> str | None:
@@ -106,13 +142,15 @@ def _tpu_decode(call: KdaCall) -> str | None:
 
 
 def _triton_decode(call: KdaCall) -> str | None:
-    return _first(_platform_reason(call, "gpu"), _decode_reason(call), _dtype_reason(call))
+    return _first(_platform_reason(call, "gpu"), _triton_shipped(), _decode_reason(call), _dtype_reason(call))
 
 
 XLA = Backend("xla", "pure-JAX reference (any g <= 0, any dtype and head dims)", lambda call: None)
 CHUNK = Registry("kda.chunk", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU chunk forward + backward kernels", _tpu_chunk),
     Backend("triton", "Pallas Triton chunk forward (5 kernels) + backward (9 kernels)", _triton_chunk),
+    Backend("mosaic_gpu", "Pallas Mosaic GPU fused chunk forward (sm_90 wgmma + TMA, warp-specialised); backward: "
+            "the Triton kernels while shipped, else the reference VJP", _mosaic_gpu_chunk),
     XLA,
 ), ALIASES)
 DECODE = Registry("kda.decode", (
@@ -122,13 +160,20 @@ DECODE = Registry("kda.decode", (
 ), ALIASES)
 
 
-def make_call(q, v, chunk_size: int, gate_bound: float | None, interpret, platform: str | None) -> KdaCall:
+def make_call(q, v, chunk_size: int, gate_bound: float | None, interpret, platform: str | None,
+              packed: bool = False) -> KdaCall:
     B, T, H, K = q.shape
-    return KdaCall(target_platform(platform), jnp.promote_types(q.dtype, v.dtype).name, (B, T, H, K, v.shape[-1]),
-                   int(chunk_size), None if gate_bound is None else float(gate_bound), bool(interpret))
+    target = target_platform(platform)
+    return KdaCall(target, jnp.promote_types(q.dtype, v.dtype).name, (B, T, H, K, v.shape[-1]), int(chunk_size),
+                   None if gate_bound is None else float(gate_bound), bool(interpret),
+                   visible_gpu_compute_capability() if target == "gpu" else None, bool(packed))
 
 
 def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpret):
+    if impl == "mosaic_gpu":
+        from pallas_kernels.kda import mosaic_gpu  # noqa: PLC0415
+
+        return mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, scale, h0, seg, chunk_size, interpret=interpret)
     if impl == "mosaic_tpu":
         from pallas_kernels.kda import tpu  # noqa: PLC0415
 
@@ -154,13 +199,14 @@ def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backwa
         q, k, v, g, beta, h0, seg = res
         do, dht = cts
         if backward == "kernel":
-            if impl == "triton":
+            if impl in ("triton", "mosaic_gpu"):
                 from pallas_kernels.kda import gpu_bwd as bwd_mod  # noqa: PLC0415
             else:
                 from pallas_kernels.kda import tpu_bwd as bwd_mod  # noqa: PLC0415
 
             grads = bwd_mod.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
-                                          dht.astype(jnp.float32), chunk_size, interpret=interpret)
+                                          dht.astype(jnp.float32), chunk_size,
+                                          interpret=bool(interpret) if impl == "mosaic_gpu" else interpret)
             return (*grads, None)
 
         def fwd(q, k, v, g, beta, h0):
@@ -191,7 +237,23 @@ def _interpret_params(impl: str, interpret):
         from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
 
         return pltpu.InterpretParams()
+    if impl == "mosaic_gpu" and interpret is True:
+        from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
+
+        return plgpu.InterpretGPUParams()
     return interpret
+
+
+def _backward_for(impl: str, backward: str) -> str:
+    """``"kernel"`` or ``"xla"`` for ``backward`` (one of :data:`BACKWARDS`) on kernel backend ``impl``."""
+    if impl != "mosaic_gpu":
+        return "kernel" if backward == "auto" else backward
+    if backward == "auto":
+        return "kernel" if TRITON_SHIPPED else "xla"
+    if backward == "kernel" and not TRITON_SHIPPED:
+        raise ValueError("chunk_kda: backward='kernel' on mosaic_gpu needs the Triton backward kernels, which this "
+                         "JAX no longer ships; use backward='auto' or 'xla'")
+    return backward
 
 
 def chunk_kda(
@@ -232,7 +294,8 @@ def chunk_kda(
     q, k, g = _fused_inputs(q, k, g, A_log, dt_bias, lower_bound, use_qk_l2norm)
     if A_log is not None:
         gate_bound = lower_bound
-    impl = CHUNK.select(implementation, make_call(q, v, chunk_size, gate_bound, interpret, platform)).backend
+    call = make_call(q, v, chunk_size, gate_bound, interpret, platform, packed=segment_ids is not None)
+    impl = CHUNK.select(implementation, call).backend
     if impl == "xla":
         return ref.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, segment_ids, chunk_size)
     B, T, H, K = q.shape
@@ -240,8 +303,8 @@ def chunk_kda(
     if scale is None:
         scale = K**-0.5
     h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    bwd = "kernel" if backward == "auto" else backward
-    fn = _kernel_chunk_fn(impl, float(scale), int(chunk_size), _interpret_params(impl, interpret), bwd)
+    fn = _kernel_chunk_fn(impl, float(scale), int(chunk_size), _interpret_params(impl, interpret),
+                          _backward_for(impl, backward))
     o, ht = fn(q, k, v, g, beta, h0, segment_ids)
     return o, (ht if output_final_state else None)
 

@@ -1,0 +1,166 @@
+"""KDA chunked forward on Pallas Mosaic GPU: the per-platform selection (CPU), the kernel's numerics in the Mosaic
+GPU interpreter against the reference, its lowering for sm_90 from this CPU host, and forward + gradients on a
+GPU (``-m gpu``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import mosaic_gpu, ops
+from pallas_kernels.kda import reference as ref
+from pallas_kernels.registry import KernelUnavailable
+
+K3 = (1, 8192, 96, 128, 128)  # B, T, H, K, V
+
+
+def _call(platform="gpu", cc=9.0, dtype="bfloat16", shape=K3, chunk=64, gate_bound=-5.0, interpret=False,
+          packed=False):
+    return ops.KdaCall(platform, dtype, shape, chunk, gate_bound, interpret, cc, packed)
+
+
+@pytest.mark.parametrize("call, want", [
+    (_call(), "triton"),  # faster on the H200 than the Mosaic GPU forward: first while JAX ships it
+    (_call(cc=8.0), "triton"),
+    (_call(platform="cpu", cc=None), "xla"),
+])
+def test_auto_order_with_triton_shipped(monkeypatch, call, want):
+    monkeypatch.setattr(ops, "TRITON_SHIPPED", True)
+    assert ops.CHUNK.select("auto", call, record=False).backend == want
+
+
+@pytest.mark.parametrize("call, want, why", [
+    (_call(), "mosaic_gpu", None),
+    (_call(shape=(2, 100, 3, 128, 128)), "mosaic_gpu", None),
+    (_call(cc=8.0), "xla", "compute capability >= 9.0"),  # A100 / L4 / T4 class
+    (_call(cc=None), "xla", "unknown"),
+    (_call(packed=True), "xla", "packed sequences"),
+    (_call(dtype="float32"), "xla", "bfloat16"),
+    (_call(shape=(1, 64, 2, 64, 64)), "xla", "K = V = 128"),
+    (_call(chunk=32), "xla", "chunk_size 64"),
+    (_call(gate_bound=None), "xla", "g >= -5"),
+    (_call(platform="cpu", cc=None), "xla", "target is cpu"),
+])
+def test_auto_order_once_jax_drops_triton(monkeypatch, call, want, why):
+    """Without the Pallas Triton backend: mosaic_gpu on sm_90+ for what it takes, else the XLA reference, each
+    passed-over backend with its reason."""
+    monkeypatch.setattr(ops, "TRITON_SHIPPED", False)
+    sel = ops.CHUNK.select("auto", call, record=False)
+    assert sel.backend == want
+    passed = dict(sel.passed_over)
+    if call.platform == "gpu":
+        assert "no longer ships" in passed["triton"]
+    if why is not None:
+        assert why in passed["mosaic_gpu"]
+
+
+def test_explicit_mosaic_gpu_runs_where_it_fits_and_raises_with_the_reason_elsewhere():
+    assert ops.CHUNK.select("mosaic_gpu", _call(), record=False).backend == "mosaic_gpu"
+    assert ops.CHUNK.select("mosaic_gpu", _call(platform="cpu", cc=None, interpret=True),
+                            record=False).backend == "mosaic_gpu"
+    with pytest.raises(KernelUnavailable, match="compute capability >= 9.0"):
+        ops.CHUNK.select("mosaic_gpu", _call(cc=8.6), record=False)
+    with pytest.raises(KernelUnavailable, match="Mosaic GPU interpreter"):
+        ops.CHUNK.select("mosaic_gpu", _call(platform="cpu", cc=None), record=False)
+
+
+def test_backward_choice(monkeypatch):
+    monkeypatch.setattr(ops, "TRITON_SHIPPED", True)
+    assert ops._backward_for("mosaic_gpu", "auto") == "kernel"
+    monkeypatch.setattr(ops, "TRITON_SHIPPED", False)
+    assert ops._backward_for("mosaic_gpu", "auto") == "xla"
+    with pytest.raises(ValueError, match="no longer ships"):
+        ops._backward_for("mosaic_gpu", "kernel")
+    assert ops._backward_for("triton", "auto") == "kernel"
+
+
+def _inputs(B, T, H, seed=0, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = ref.l2norm(jax.random.normal(ks[0], (B, T, H, 128), jnp.float32)).astype(dtype)
+    k = ref.l2norm(jax.random.normal(ks[1], (B, T, H, 128), jnp.float32)).astype(dtype)
+    v = jax.random.normal(ks[2], (B, T, H, 128), jnp.float32).astype(dtype)
+    g = ref.kda_gate(jax.random.normal(ks[3], (B, T, H, 128), jnp.float32), jnp.zeros((H,), jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H), jnp.float32))
+    h0 = jax.random.normal(ks[5], (B, H, 128, 128), jnp.float32) * 0.1
+    return q, k, v, g, beta, h0
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _reference(q, k, v, g, beta, h0):
+    f = lambda x: x.astype(jnp.float32)
+    return ref.chunk_kda(f(q), f(k), f(v), g, f(beta), None, h0, True)
+
+
+def test_interpreter_forward_and_final_state_match_reference():
+    """Three chunks (T padded from 130 to 192) with an initial state, through ``ops.chunk_kda`` on the Mosaic GPU
+    interpreter: every slot, barrier phase and the padding path run; errors are at the bf16-operand level."""
+    q, k, v, g, beta, h0 = _inputs(1, 130, 1)
+    o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, implementation="mosaic_gpu",
+                          interpret=True, platform="cpu")
+    ro, rh = _reference(q, k, v, g, beta, h0)
+    assert o.dtype == jnp.bfloat16 and o.shape == q.shape and ht.shape == h0.shape
+    assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
+
+
+def test_lowers_to_one_mosaic_gpu_kernel_with_wgmma_on_a_cpu_host():
+    s = jax.ShapeDtypeStruct
+    args = (*(s((2, 200, 3, 128), jnp.bfloat16),) * 3, s((2, 200, 3, 128), jnp.float32), s((2, 200, 3), jnp.float32))
+    text = jax.jit(lambda *a: mosaic_gpu.chunk_kda_fwd(*a, 128**-0.5)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert "wgmma.mma_async" in text
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype=jnp.float32), "bfloat16"),
+    (dict(segment_ids=True), "packed sequences"),
+])
+def test_forward_rejects_calls_outside_its_contract(kwargs, match):
+    q, k, v, g, beta, _ = _inputs(1, 64, 1, dtype=kwargs.get("dtype", jnp.bfloat16))
+    seg = jnp.zeros((1, 64), jnp.int32) if kwargs.get("segment_ids") else None
+    with pytest.raises(ValueError, match=match):
+        mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, segment_ids=seg)
+
+
+def _hopper() -> bool:
+    from pallas_kernels.attention import visible_gpu_compute_capability
+
+    cc = visible_gpu_compute_capability()
+    return cc is not None and cc >= 9.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, H", [(1, 256, 2), (2, 300, 3)])
+def test_gpu_forward_matches_reference(B, T, H):
+    if not _hopper():
+        pytest.skip("needs an sm_90+ GPU")
+    q, k, v, g, beta, h0 = _inputs(B, T, H, seed=T)
+    o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, implementation="mosaic_gpu")
+    ro, rh = _reference(q, k, v, g, beta, h0)
+    assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_match_reference():
+    """The Mosaic GPU forward with the default backward (the Triton kernels while shipped) against the VJP of
+    the fp32 reference."""
+    if not _hopper():
+        pytest.skip("needs an sm_90+ GPU")
+    q, k, v, g, beta, h0 = _inputs(1, 256, 2, seed=1)
+    do = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.float32)
+
+    def loss(impl, *a):
+        o, ht = ops.chunk_kda(*a, initial_state=h0, output_final_state=True, implementation=impl)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht)
+
+    f = lambda x: x.astype(jnp.float32)
+    got = jax.grad(lambda *a: loss("mosaic_gpu", *a), argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3, 4))(f(q), f(k), f(v), g, f(beta))
+    for name, a, b in zip("q k v g beta".split(), got, want, strict=True):
+        assert _rel(a, b) < 2e-2, name
