@@ -1,5 +1,6 @@
 """MoE grouped matmul on Pallas Mosaic GPU: the per-platform selection (CPU), the kernels' lowering for sm_90
-from a CPU host (Mosaic GPU has no interpreter), and numerics/gradients against the reference on a GPU."""
+from a CPU host (JAX's ragged-dot kernels have no interpret mode), and numerics/gradients against the reference on a
+GPU."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_explicit_mosaic_gpu_runs_where_it_fits():
 def test_explicit_mosaic_gpu_that_cannot_run_raises_with_the_reason():
     with pytest.raises(KernelUnavailable, match="compute capability >= 9.0"):
         ops.EXPERT_FFN.select("mosaic_gpu", _call(cc=8.6), record=False)
-    with pytest.raises(KernelUnavailable, match="no interpreter"):
+    with pytest.raises(KernelUnavailable, match="no interpret mode"):
         ops.EXPERT_FFN.select("mosaic_gpu", _call(platform="cpu", interpret=True), record=False)
 
 

@@ -8,7 +8,7 @@ of one program per SM), through the kernels JAX ships in ``jax.experimental.pall
 Contract (checked by :func:`shape_reason`, which ``ops.EXPERT_FFN`` uses to pass this backend over):
 bf16 operands; K and N multiples of 128; an sm_90+ GPU. The kernels write the operand dtype: a requested f32
 output is the bf16-rounded f32 accumulator, widened. Rows past ``sum(group_sizes)`` are zeroed here (the
-forward kernel does not write them). No CPU interpreter exists for Mosaic GPU: CPU tests lower the kernels.
+forward kernel does not write them). JAX's kernels take no interpret flag: CPU tests lower them.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ ahead because the Mosaic GPU grouped matmul loses to it on Hopper (benchmarks/RE
 what ``"auto"`` picks on Hopper once the Triton backend is gone, and can be chosen by name today.
 Backends check the target platform (``platform=`` or :func:`pallas_kernels.registry.target_platform`;
 ``interpret=True`` runs the Pallas kernels on CPU in interpret mode, ``"auto"`` then picks ``mosaic_tpu``;
-Mosaic GPU has no interpreter) and the dtype.
+JAX's Mosaic GPU grouped-matmul kernels take no interpret flag) and the dtype.
 
 Gradients: every bf16/f32 path is differentiable w.r.t. tokens, routing weights and expert weights; the MXFP4
 kernels are forward only, and :func:`expert_ffn` over MXFP4 weights differentiates w.r.t. the tokens alone
@@ -86,7 +86,8 @@ def _kernel_reason(platform: str):
 
 def _mosaic_gpu_reason(call: MoeCall) -> str | None:
     if call.platform != "gpu":
-        return f"needs target platform gpu (no interpreter), target is {call.platform}"
+        return (f"needs target platform gpu (JAX's ragged_dot_mgpu kernels have no interpret mode), "
+                f"target is {call.platform}")
     if call.mxfp4:
         return "takes bf16 weights, not MXFP4"
     from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415  (imports the Mosaic GPU toolchain)
