@@ -130,13 +130,13 @@ def test_failed_decode_call_fails_its_batch_then_engine_recovers(setup, monkeypa
     real = engine._decode
     calls = {"n": 0}
 
-    def flaky(*args):
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             if calls.pop("consume", False):  # as a call that failed on the device: its donated cache is gone
                 jax.tree.leaves(args[1])[0].delete()
             raise RuntimeError("injected device failure")
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(engine, "_decode", flaky)
     calls["consume"] = True
@@ -412,11 +412,11 @@ def test_health_is_degraded_only_while_the_engine_cannot_step(server, monkeypatc
     client, _, engine, runner = server
     real, calls = engine._decode, {"n": 0}
 
-    def fails_once(*args):
+    def fails_once(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected device failure")
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(engine, "_decode", fails_once)
     body = {"prompt": [5, 6, 9], "max_tokens": 4, "ignore_eos": True, "temperature": 0}

@@ -31,9 +31,9 @@ def eng():
     first_logits = []
     sample = engine._sample
 
-    def recording_sample(logits, samp, num_top_logprobs):  # the prefill's last logits [1, V] f32
+    def recording_sample(logits, samp, num_top_logprobs, sampling=True):  # the prefill's last logits [1, V] f32
         first_logits.append(np.asarray(logits[0]))
-        return sample(logits, samp, num_top_logprobs=num_top_logprobs)
+        return sample(logits, samp, num_top_logprobs=num_top_logprobs, sampling=sampling)
 
     engine._sample = recording_sample
     engine.first_logits = first_logits
