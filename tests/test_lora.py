@@ -234,6 +234,21 @@ def test_qat_forward_equals_exported_mxfp4_forward_bit_for_bit(setup):
     assert float(jnp.max(jnp.abs(y_qat - y_plain))) > 0  # QAT does change the forward
 
 
+def test_qat_train_step_forward_quantises_the_fp32_masters(setup):
+    """bf16 compute: the train step's once-per-step cast keeps QAT's experts in fp32, so its forward equals the
+    MXFP4 export of the fp32 masters bit for bit; quantising a bf16 copy instead (double rounding) does not."""
+    from k3_jax.training.compute_cast import cast_for_compute, compute_cast_mask
+
+    cfg, _, tokens, _, params, _, _ = setup
+    qat_cfg = cfg.replace(qat="mxfp4", dtype="bfloat16")
+    apply = _apply(qat_cfg)
+    y_step = apply({"params": cast_for_compute(params, compute_cast_mask(params, "mxfp4"), jnp.bfloat16)}, tokens)
+    y_exported = _apply(qat_cfg.replace(expert_format="mxfp4"))({"params": _packed_experts(params)}, tokens)
+    np.testing.assert_array_equal(np.asarray(y_step), np.asarray(y_exported))
+    y_bf16_first = apply({"params": cast_for_compute(params, compute_cast_mask(params), jnp.bfloat16)}, tokens)
+    assert not np.array_equal(np.asarray(y_bf16_first), np.asarray(y_exported))
+
+
 def test_finetune_merge_export_load_gives_same_logits(setup, finetuned, tmp_path):
     cfg, model, tokens, _, _, _, _ = setup
     _, new_state, _, _ = finetuned

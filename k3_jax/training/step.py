@@ -164,7 +164,7 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
         params = state["params"]
         micro = _split_micro(batch, step_cfg.accum)
         # gradients are taken w.r.t. these (bf16 copies of the GEMM-only weights, f32 elsewhere)
-        compute_params = (cast_for_compute(params, compute_cast_mask(params), compute_dtype) if cast_once
+        compute_params = (cast_for_compute(params, compute_cast_mask(params, cfg.qat), compute_dtype) if cast_once
                           else params)
 
         def body(carry, mb):
