@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 : "${Q_CONFIG:=configs/k3-small.json}" "${Q_BATCH:=16}" "${Q_SEQ:=512}"
 : "${PRETRAIN_STEPS:=150}" "${FINETUNE_STEPS:=60}" "${EVAL_EVERY:=10}"
 : "${B_CONFIG:=configs/k3-slice.json}" "${B_BATCH:=8}" "${B_SEQ:=1024}" "${B_STEPS:=3}"
-: "${VARIANTS:=full,lora16_mxfp4,lora64_mxfp4}"
+: "${VARIANTS=full,lora16_mxfp4,lora64_mxfp4}"  # unset: these; empty: no cost run
 export K3_BENCH_LOCK="$WORK/accelerator.lock" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 rm -rf "$WORK" && mkdir -p "$WORK" && touch "$K3_BENCH_LOCK"
