@@ -258,7 +258,9 @@ def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *,
     two AttnRes mixes save theirs), ~5 ``[T, D]`` and the mixer's projections (KDA ~10 ``[T, H·K/t]`` bf16 + one
     f32; MLA its q / k / v heads), and the MoE's expert-parallel dispatch: ``A = T·n_e·k`` assignment rows
     (all-gather over the ``expert`` axis of size ``n_e``) with the sorted expert inputs ``[A, Lat]`` (bf16) and the
-    combine's f32 operand ``[A, Lat]`` — 6 bytes per row and latent unit, the dominant term at K3's widths.
+    combine's f32 operand ``[A, Lat]`` — 6 bytes per row and latent unit, the dominant term at K3's widths. (That
+    is the expert-parallel kernel path; ``moe_implementation="xla"`` leaves the MoE to XLA's partitioner, whose
+    buffers this does not model.)
     On top, the larger of the loss phase and one layer's backward (the loss's buffers are gone before the layers'
     backward starts): the layer's residuals again under remat (recomputed), plus the MoE backward's buffers
     (cotangents ~12 bytes per ``A·Lat`` element, and the local experts once more in bf16: decoded from MXFP4 for the
@@ -270,7 +272,8 @@ def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *,
     d, s = cfg.hidden_size, cfg.num_attn_res_blocks + 1
     bank = s * tokens * d * a
     n_e = sizes.get("expert", 1)
-    if n_e <= 1 or cfg.num_experts % n_e or cfg.moe_expert_parallel == "none":
+    no_ep = cfg.moe_expert_parallel == "none" or (cfg.moe_expert_parallel == "auto" and cfg.moe_implementation == "xla")
+    if n_e <= 1 or cfg.num_experts % n_e or no_ep:  # as k3_jax.layers.moe.expert_parallel_strategy decides
         n_e = 1
     rows = tokens * n_e * cfg.num_experts_per_token  # A: assignment rows one device's local experts may get
     lat, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
