@@ -262,7 +262,8 @@ def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *,
     is the expert-parallel kernel path; ``moe_implementation="xla"`` leaves the MoE to XLA's partitioner, whose
     buffers this does not model.)
     On top, the larger of the loss phase and one layer's backward (the loss's buffers are gone before the layers'
-    backward starts): the layer's residuals again under remat (recomputed), plus the MoE backward's buffers
+    backward starts): under remat the layer's residuals again (recomputed, with the recomputed dispatch's bf16 rows
+    before the sort and at the combine), plus the MoE backward's buffers
     (cotangents ~12 bytes per ``A·Lat`` element, and the local experts once more in bf16: decoded from MXFP4 for the
     tokens' gradient, or their weight gradients when they train); the loss phase holds a chunk's logits and their
     gradient (f32 ``[chunk, V/t]``). ``lora``: only adapters train (frozen bf16 experts get no weight gradient).
@@ -294,8 +295,11 @@ def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *,
     saved_none = [common + mixer[m] + ffn[f] for m, f in kinds]
     remat = cfg.remat == "full"
     per_layer = [bank] * len(kinds) if remat else saved_none
-    # a layer's backward: its transients, plus its residuals again where remat recomputes them
-    one_layer = max(bwd[f] + (sn if remat else 0) for sn, (_, f) in zip(saved_none, kinds, strict=True))
+    # a layer's backward: its transients, plus, where remat recomputes the layer, its residuals again and the
+    # recomputed dispatch's bf16 rows (the gathered rows before the sort, the combine's input: 4 bytes per A·Lat)
+    recompute = {"dense": 0, "moe": rows * lat * 2 * a}
+    one_layer = max(bwd[f] + ((sn + recompute[f]) if remat else 0) for sn, (_, f) in zip(saved_none, kinds,
+                                                                                          strict=True))
     loss = 2 * loss_chunk * (cfg.vocab_size // t) * 4
     out = {"bank_per_layer": float(bank), "saved_layers": float(sum(per_layer)), "one_layer_backward": float(one_layer),
            "loss_chunk": float(loss), "moe_rows": float(rows)}

@@ -86,6 +86,8 @@ def test_cli_prints_table(capsys):
 COMPILED_LORA_CUTS = [
     ("k3.json", "fsdp=4,expert=4,tensor=4", 16, 2048, "none", 4, 21.925),
     ("k3.json", "fsdp=4,expert=4,tensor=4", 16, 2048, "none", 8, 34.227),
+    ("k3.json", "fsdp=4,expert=4,tensor=4", 16, 2048, "full", 2, 15.173),
+    ("k3.json", "fsdp=4,expert=4,tensor=4", 16, 2048, "full", 3, 15.185),
     ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "none", 2, 0.480),
     ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "none", 3, 0.754),
 ]
