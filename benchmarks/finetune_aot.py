@@ -71,7 +71,7 @@ def one(config: str, layers: int | None, topology: str, mesh: str, batch: int, s
     from k3_jax.training.aot import compile_train_step
 
     over = {"expert_format": "mxfp4", "param_dtype": "bfloat16", "moe_implementation": moe, "remat": remat,
-            **(depth_cut(config, layers) if layers else {})}
+            "vision": None, **(depth_cut(config, layers) if layers else {})}  # the text model's step
     t0 = time.perf_counter()
     est = planned(config, over, mesh, batch, seq_len, rank, accum)
     plan_gb = {k: round(v / GB, 3) for k, v in est.items()}

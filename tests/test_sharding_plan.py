@@ -90,6 +90,8 @@ COMPILED_LORA_CUTS = [
     ("k3.json", "fsdp=4,expert=4,tensor=4", 16, 2048, "full", 3, 15.185),
     ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "none", 2, 0.480),
     ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "none", 3, 0.754),
+    ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "full", 2, 0.428),
+    ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "full", 3, 0.440),
 ]
 
 
