@@ -341,3 +341,22 @@ def test_mxfp4_expert_kernels_differentiate_wrt_tokens():
         want = np.asarray(jax.jit(jax.grad(loss("xla", False)))(x))
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_router_statistics_do_not_depend_on_the_token_order():
+    """The train step merges micro-batches token-major for Quantile Balancing and the load metrics (so the merged
+    scores keep the batch sharding): the bias update and the loads are the same for any order of the tokens."""
+    from k3_jax.training import quantile_balancing as qb
+
+    rng = np.random.default_rng(0)
+    accum, n, e, k = 2, 64, 16, 4
+    scores = jnp.asarray(rng.standard_normal((accum, n, e)), jnp.float32)
+    bias = jnp.asarray(0.1 * rng.standard_normal(e), jnp.float32)
+    accum_major = scores.reshape(accum * n, e)
+    token_major = jnp.transpose(scores, (1, 0, 2)).reshape(accum * n, e)
+    assert not np.array_equal(np.asarray(accum_major), np.asarray(token_major))
+    np.testing.assert_array_equal(np.asarray(qb.expert_loads(token_major, bias, k)),
+                                  np.asarray(qb.expert_loads(accum_major, bias, k)))
+    for method in ("histogram", "exact"):
+        np.testing.assert_array_equal(np.asarray(qb.qb_bias_update(token_major, bias, k, method=method)),
+                                      np.asarray(qb.qb_bias_update(accum_major, bias, k, method=method)))
