@@ -29,10 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -154,7 +156,9 @@ def run_variants(variants: list[str], args: argparse.Namespace) -> dict[str, dic
     results: dict[str, dict] = {}
     pending = list(variants)
     running: dict[str, subprocess.Popen] = {}
-    while pending or running:
+    stopped = threading.Event()  # SIGTERM: stop the variants still going and report the others
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    while (pending or running) and not stopped.is_set():
         while pending and len(running) < max(args.jobs, 1):
             name = pending.pop(0)
             log = logs / f"{name}.log"
@@ -171,6 +175,12 @@ def run_variants(variants: list[str], args: argparse.Namespace) -> dict[str, dic
                 results[name] = json.loads(out[-1])
             print(json.dumps(results[name]), flush=True)
         time.sleep(0.5)
+    for name in [*running, *pending]:
+        if name in running:
+            running[name].kill()
+            running[name].wait()
+        results[name] = {"variant": name, "error": "stopped by SIGTERM"}
+        print(json.dumps(results[name]), flush=True)
     return {n: results[n] for n in variants}
 
 

@@ -48,7 +48,7 @@ def depth_cut(config: str, layers: int) -> dict:
             "first_k_dense_replace": min(cfg.first_k_dense_replace, layers)}
 
 
-def planned(config: str, overrides: dict, mesh: str, batch: int, seq_len: int, rank: int) -> dict:
+def planned(config: str, overrides: dict, mesh: str, batch: int, seq_len: int, rank: int, accum: int = 1) -> dict:
     """:func:`sharding.memory.plan`'s per-device bytes of the LoRA step (as ``python -m sharding.plan --lora``)."""
     import jax.numpy as jnp
 
@@ -61,21 +61,22 @@ def planned(config: str, overrides: dict, mesh: str, batch: int, seq_len: int, r
     boxed = abstract_params(cfg)
     boxed = lora.with_adapters(boxed, lora.adapter_shapes(boxed, lora.LoraConfig(rank=rank, targets=TARGETS),
                                                           dtype=jnp.float32))
-    res = plan(cfg, "train", mesh, batch=batch, seq_len=seq_len, optimizer="adamw", boxed=boxed, lora=True)
+    res = plan(cfg, "train", mesh, batch=batch, seq_len=seq_len, optimizer="adamw", boxed=boxed, lora=True,
+               accum=accum)
     return {k: int(v) for k, v in res.per_device.items()}
 
 
 def one(config: str, layers: int | None, topology: str, mesh: str, batch: int, seq_len: int, rank: int,
-        moe: str = "auto") -> dict:
+        moe: str = "auto", remat: str = "none", accum: int = 1) -> dict:
     from k3_jax.training.aot import compile_train_step
 
-    over = {"expert_format": "mxfp4", "param_dtype": "bfloat16", "moe_implementation": moe,
-            **(depth_cut(config, layers) if layers else {})}
+    over = {"expert_format": "mxfp4", "param_dtype": "bfloat16", "moe_implementation": moe, "remat": remat,
+            "vision": None, **(depth_cut(config, layers) if layers else {})}  # the text model's step
     t0 = time.perf_counter()
-    est = planned(config, over, mesh, batch, seq_len, rank)
+    est = planned(config, over, mesh, batch, seq_len, rank, accum)
     plan_gb = {k: round(v / GB, 3) for k, v in est.items()}
     try:
-        out = compile_train_step(config, topology, mesh, batch, seq_len, overrides=over,
+        out = compile_train_step(config, topology, mesh, batch, seq_len, overrides=over, accum=accum,
                                  train_overrides={"optimizer": "adamw", "lora_rank": rank, "lora_alpha": float(rank),
                                                   "lora_targets": TARGETS})
     except Exception as e:  # XLA:TPU refuses a program over HBM; its message states the bytes it needed
@@ -104,16 +105,19 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--moe", default="auto", help="moe_implementation of the routed experts (see above)")
     ap.add_argument("--layers", default=None, help="L1,L2: depth cuts to compile (default: the whole model)")
+    ap.add_argument("--remat", default="none", choices=("none", "full", "dots"), help="the model's remat policy")
+    ap.add_argument("--accum", type=int, default=1, help="gradient-accumulation micro-batches per step")
     args = ap.parse_args()
     from k3_jax.config import load_config
 
     total = load_config(args.config).num_hidden_layers
     cuts = [int(x) for x in args.layers.split(",")] if args.layers else [None]
-    rows = [one(args.config, c, args.topology, args.mesh, args.batch_size, args.seq_len, args.rank, args.moe)
-            for c in cuts]
+    rows = [one(args.config, c, args.topology, args.mesh, args.batch_size, args.seq_len, args.rank, args.moe,
+                args.remat, args.accum) for c in cuts]
     res = {"bench": "finetune_aot", "config": args.config, "topology": args.topology, "mesh": args.mesh,
            "batch": args.batch_size, "seq_len": args.seq_len, "lora_rank": args.rank, "lora_targets": TARGETS,
-           "experts": "mxfp4 (frozen, packed)", "moe_implementation": args.moe, "cuts": rows}
+           "experts": "mxfp4 (frozen, packed)", "moe_implementation": args.moe, "remat": args.remat,
+           "accum": args.accum, "cuts": rows}
     if len(cuts) == 2 and None not in cuts and all(r["fits"] for r in rows):
         (l1, r1), (l2, r2) = sorted(zip(cuts, rows, strict=True), key=lambda x: x[0])
         scaled = {}
@@ -122,8 +126,8 @@ def main() -> None:
             scaled[key] = {"per_layer": round(per, 4), "scaled_93": round(r1[key] + per * (total - l1), 2)}
         res["scaled_from_cuts"] = scaled
         res["plan_full_gb"] = {k: round(v / GB, 3) for k, v in planned(
-            args.config, {"expert_format": "mxfp4", "param_dtype": "bfloat16"}, args.mesh, args.batch_size,
-            args.seq_len, args.rank).items()}
+            args.config, {"expert_format": "mxfp4", "param_dtype": "bfloat16", "remat": args.remat}, args.mesh,
+            args.batch_size, args.seq_len, args.rank, args.accum).items()}
     print(json.dumps(res), flush=True)
 
 

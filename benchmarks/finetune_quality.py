@@ -14,13 +14,16 @@ experts, :func:`k3_jax.training.lora.export`) and fine-tuned from it (``init_fro
 
 Held-out loss (``Trainer.evaluate``: the eval split of the fine-tuning slice, every 50th of its documents, never
 trained on) is measured at step 0 and every ``--eval-every`` steps. Each run is its own process; all compile at
-once (:meth:`Trainer.precompile`; the fine-tunes compile before the base exists, through a persistent
-compilation cache in ``OUT/xla-cache``) and take turns on the accelerator (``benchmarks/_lock.accelerator_lock``).
-Writes ``OUT/curves.json`` (``{run: {"train": [[step, loss]...], "eval": [[step, loss]...], ...}}``) and
-prints one JSON line with the final held-out losses; ``--plot PNG`` draws the held-out curves side by side
-(also from an existing file: ``--from-curves OUT/curves.json --plot PNG``, no accelerator).
+once from shapes (:meth:`Trainer.precompile`; a fine-tune's init step takes the base's shapes, so nothing is
+compiled once the base exists) and take turns on the accelerator (``benchmarks/_lock.accelerator_lock``; the
+pre-training first in practice, the others wait for its base). No run writes a checkpoint.
+``--curves`` (default ``OUT/curves.json``: ``{"meta": ..., "runs": {run: {"train": [[step, loss]...],
+"eval": [[step, loss]...], ...}}}``) is rewritten as the runs progress (a run still going is marked
+``"partial"``) and as each ends, so an interrupted call still leaves the curves so far; the last line printed is
+one JSON line with the final held-out losses. ``--plot PNG`` draws the held-out curves side by side as each run
+ends (also from an existing file: ``--from-curves curves.json --plot PNG``, no accelerator).
 
-    python benchmarks/finetune_quality.py --out /tmp/ftq --pretrain-steps 300 --finetune-steps 150   # H200
+    python benchmarks/finetune_quality.py --out /tmp/ftq --pretrain-steps 150 --finetune-steps 60    # H200
     python benchmarks/finetune_quality.py --config configs/k3-tiny.json --batch-size 2 --seq-len 64 \\
         --pretrain-steps 4 --finetune-steps 2 --eval-every 1 --out /tmp/ftq                          # CPU smoke
 """
@@ -31,9 +34,11 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,7 +77,7 @@ def train_config(args: argparse.Namespace, run: str):
     over = parse_overrides(args.set)
     common = {"config": args.config, "seq_len": args.seq_len, "batch_size": args.batch_size, "optimizer": "adamw",
               "tensorboard": False, "resume": False, "mesh": "none", "log_every": 0, "eval_batches": 2,
-              "workdir": str(out / run), "save_every": 0}
+              "workdir": str(out / run), "save_every": 0, "save_final": False}
     if run == "pretrain":
         return TrainConfig(**common, data=(str(out / "pretrain.npz"),), steps=args.pretrain_steps, lr=args.lr_pretrain,
                            eval_every=max(args.pretrain_steps // 4, 1), model_overrides=over)
@@ -88,51 +93,78 @@ def train_config(args: argparse.Namespace, run: str):
 
 
 def _curves(workdir: Path) -> dict:
+    """``{"train": [[step, loss]...], "eval": [[step, loss]...]}`` from a run's metrics so far (empty before it
+    logs), with the step-0 held-out loss of a fine-tune (``eval0.json``, written before its first step)."""
     from k3_jax.training.plot import read_metrics
 
-    rows = read_metrics(workdir)
+    rows = read_metrics(workdir) if (workdir / "metrics.jsonl").is_file() else []
     train = sorted({r["step"]: r["loss"] for r in rows if r.get("kind") == "train" and "loss" in r}.items())
-    evals = sorted({r["step"]: r["eval_loss"] for r in rows if r.get("kind") == "eval"}.items())
-    return {"train": [list(p) for p in train], "eval": [list(p) for p in evals]}
+    evals = dict(r for r in ((r["step"], r["eval_loss"]) for r in rows if r.get("kind") == "eval"))
+    if (workdir / "eval0.json").is_file():
+        evals[0] = json.loads((workdir / "eval0.json").read_text())["eval_loss"]
+    return {"train": [list(p) for p in train], "eval": [list(p) for p in sorted(evals.items())]}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _stop_on_term() -> threading.Event:
+    """An event set by SIGTERM (instead of the default exit), so a parent can stop its children and report."""
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    return stopped
 
 
 def child(args: argparse.Namespace, run: str) -> dict:
-    """Run ``run`` in this process (see the module docstring); returns its curves and timings."""
+    """Run ``run`` in this process (see the module docstring); returns its curves and timings.
+
+    A fine-tune compiles its steps from shapes before the base exists: its trainer is built from ``--config``
+    (what the base's ``config.json`` will say; checked once the base is written) with ``init_from`` set to the
+    base directory, which is only read by ``init_state``.
+    """
     from benchmarks._lock import accelerator_lock
-    from k3_jax import compile_cache
+    from k3_jax.config import load_config
     from k3_jax.training import lora
     from k3_jax.training.loop import Trainer
 
-    compile_cache.enable(min_compile_seconds=0.0)
     out = Path(args.out)
     base_dir = out / "base"
     tc = train_config(args, run)
     t0 = time.time()
     tr = Trainer(tc)
-    pre = tr.precompile()  # fine-tunes: the same steps as from the base (its config.json is this config)
-    info: dict = {"run": run}
     if run != "pretrain":
+        tr.tc = dataclasses.replace(tc, init_from=str(base_dir))
+    pre = tr.precompile()
+    info: dict = {"run": run, "compile_s": round(time.time() - t0, 1)}
+    if run != "pretrain":
+        t1 = time.time()
         while not (base_dir / "config.json").is_file():
-            time.sleep(1.0)
-        tr2 = Trainer(dataclasses.replace(tc, init_from=str(base_dir)))
-        info["config_equal_to_base"] = tr2.cfg == tr.cfg  # else the cache misses and it compiles again
-        tr = tr2
-        pre = tr.precompile()
-    info["compile_s"] = round(time.time() - t0, 1)
+            time.sleep(0.5)
+        info["base_wait_s"] = round(time.time() - t1, 1)
+        base_cfg = load_config(base_dir / "config.json", **tc.model_overrides)
+        if base_cfg != tr.cfg:
+            raise SystemExit(f"{base_dir}/config.json differs from {tc.config} with --set overrides: the steps "
+                             "compiled from shapes do not fit the base")
+    t1 = time.time()
     with accelerator_lock():
+        info["lock_wait_s"] = round(time.time() - t1, 1)
+        t1 = time.time()
         if run != "pretrain":
             state = tr.init_state()
-            ev0 = tr.evaluate(tr.compiled_steps(state)[1], state["params"])
+            _write_json(Path(tc.workdir) / "eval0.json", tr.evaluate(tr.compiled_steps(state)[1], state["params"]))
             del state
-        t1 = time.time()
         res = tr.run()
         info["run_s"] = round(time.time() - t1, 1)
     info.update(_curves(Path(tc.workdir)))
-    if run != "pretrain":
-        info["eval"] = [[0, ev0["eval_loss"]], *info["eval"]]
-    else:
+    if run == "pretrain":
+        t1 = time.time()
         ex = lora.export(tr.cfg, res["state"]["params"], base_dir, experts="bf16")
         info["exported"] = ex["path"]
+        info["export_s"] = round(time.time() - t1, 1)
     if tr.trainable is not None:
         info["trainable"] = lora.count_trainable(res["state"]["params"], tr.trainable)
     del pre
@@ -167,7 +199,10 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="model-config override for every run (e.g. num_hidden_layers=2; repeatable)")
-    ap.add_argument("--plot", default=None, metavar="PNG", help="draw the held-out curves to this PNG")
+    ap.add_argument("--curves", default=None, metavar="JSON",
+                    help="where curves.json goes (default OUT/curves.json); rewritten as the runs progress")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="draw the held-out curves to this PNG (redrawn as each run ends)")
     ap.add_argument("--from-curves", default=None, metavar="JSON", help="only plot an existing curves.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -185,32 +220,51 @@ def main() -> None:
     if (out / "base").exists():
         raise SystemExit(f"{out / 'base'} exists: give a fresh --out directory")
     out.mkdir(parents=True, exist_ok=True)
+    curves_path = Path(args.curves) if args.curves else out / "curves.json"
     *_, info = split_corpus(out, args.heldout_frac)
-    env = dict(os.environ, K3_COMPILATION_CACHE=str(out / "xla-cache"))
+    env = dict(os.environ)
     lock = env.setdefault("K3_BENCH_LOCK", os.path.join(tempfile.gettempdir(), f"k3-ftq-{os.getpid()}.lock"))
     Path(lock).touch()
+    meta = {**info, "config": args.config, "batch": args.batch_size, "seq_len": args.seq_len,
+            "pretrain_steps": args.pretrain_steps, "finetune_steps": args.finetune_steps,
+            "lr": {"pretrain": args.lr_pretrain, "full": args.lr_full, "qat": args.lr_full, "lora": args.lr_lora},
+            "lora_rank": args.lora_rank}
     procs = {}
     for run in ("pretrain", *FINETUNES):  # each child's stdout (its metric lines, then one JSON line) to OUT/RUN.log
         with open(out / f"{run}.log", "w") as log:
             procs[run] = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--child", run], env=env,
                                           stdout=log, text=True)
-    while procs["pretrain"].poll() is None:
+    runs: dict[str, dict] = {}
+    stopped = _stop_on_term()
+    last_write = 0.0
+    while len(runs) < len(procs):
+        ended = False
+        for run, proc in procs.items():
+            if run in runs or proc.poll() is None:
+                continue
+            lines = (out / f"{run}.log").read_text().strip().splitlines()
+            runs[run] = (json.loads(lines[-1]) if proc.returncode == 0 and lines
+                         else {"error": f"exit {proc.returncode} (see {out / run}.log)", **_curves(out / run)})
+            ended = True
+            print(json.dumps({"ended": run, **{k: v for k, v in runs[run].items() if k not in ("train", "eval")},
+                              "eval": runs[run].get("eval")}), flush=True)
+            if run == "pretrain" and proc.returncode != 0:  # the fine-tunes would wait for the base forever
+                for other in FINETUNES:
+                    procs[other].terminate()
+        if stopped.is_set():  # SIGTERM: the runs still going end here, with their curves so far
+            for run, proc in procs.items():
+                if run not in runs:
+                    proc.kill()
+                    proc.wait()
+                    runs[run] = {"error": "stopped by SIGTERM", **_curves(out / run)}
+            ended = True
+        if ended or time.time() - last_write > 10.0:  # running children's curves so far, marked partial
+            partial = {r: {"partial": True, **_curves(out / r)} for r in procs if r not in runs}
+            _write_json(curves_path, {"meta": meta, "runs": {**partial, **runs}})
+            last_write = time.time()
+            if ended and args.plot:
+                plot(json.loads(curves_path.read_text()), args.plot)
         time.sleep(1.0)
-    if procs["pretrain"].returncode != 0:  # the fine-tunes would wait for the base forever
-        for run in FINETUNES:
-            procs[run].terminate()
-    runs = {}
-    for run, proc in procs.items():
-        proc.wait()
-        lines = (out / f"{run}.log").read_text().strip().splitlines()
-        runs[run] = (json.loads(lines[-1]) if proc.returncode == 0 and lines
-                     else {"error": f"exit {proc.returncode} (see {out / run}.log)"})
-    meta = {**info, "config": args.config, "batch": args.batch_size, "seq_len": args.seq_len,
-            "pretrain_steps": args.pretrain_steps, "finetune_steps": args.finetune_steps,
-            "lr": {"pretrain": args.lr_pretrain, "full": args.lr_full, "qat": args.lr_full, "lora": args.lr_lora},
-            "lora_rank": args.lora_rank}
-    curves = {"meta": meta, "runs": runs}
-    (out / "curves.json").write_text(json.dumps(curves))
     final = {run: {"eval_first": r["eval"][0] if r.get("eval") else None,
                    "eval_last": r["eval"][-1] if r.get("eval") else None,
                    "eval_min": min((p[1] for p in r.get("eval", [])), default=None),
@@ -218,7 +272,7 @@ def main() -> None:
              for run, r in runs.items()}
     print(json.dumps({"bench": "finetune_quality", **meta, "runs": final}), flush=True)
     if args.plot:
-        print(plot(curves, args.plot))
+        print(plot(json.loads(curves_path.read_text()), args.plot))
 
 
 if __name__ == "__main__":

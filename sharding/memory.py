@@ -166,7 +166,7 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
          conv_dtype: str = "bfloat16", optimizer: str = "none", master_fp32: bool = False,
          prefill_chunk: int = 8192, train_tokens_per_device: int | None = None,
          prefix_kda_budget: float = 0, prefix_mla_budget: float = 0, boxed: Any,
-         lora: bool = False) -> MemoryPlan:
+         lora: bool = False, accum: int = 1) -> MemoryPlan:
     """Memory plan of ``cfg`` whose boxed abstract parameters are ``boxed`` (their dtypes follow the config's
     ``param_dtype`` and ``expert_format``). ``lora``: ``boxed`` holds LoRA adapters
     (:mod:`k3_jax.training.lora`) and only they are trained (optimizer and gradient bytes for them alone)."""
@@ -225,24 +225,86 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
     d = cfg.hidden_size
     act_item = np.dtype(jnp.dtype(cfg.dtype)).itemsize
     tok_div = math.prod(sizes[a] for a in ("data", "fsdp", "expert", "sequence") if sizes[a] > 1) or 1
+    bank = cfg.num_attn_res_blocks * (prefill_chunk // max(sizes["sequence"], 1)) * d * act_item
     if optimizer == "none":  # serving: one prefill chunk, batch replicated over tensor/expert
         tokens_local = prefill_chunk // max(sizes["sequence"], 1)
         res.notes.append(f"activations: one prefill chunk of {prefill_chunk} tokens")
+        widest = max(3 * h * dk, cfg.intermediate_size // max(sizes["tensor"], 1),
+                     cfg.num_experts_per_token * cfg.routed_expert_hidden_size,
+                     cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) // max(sizes["tensor"], 1))
+        res.per_device["activations_est"] = bank + tokens_local * (4 * d + 3 * widest) * act_item
     else:
-        tokens_local = train_tokens_per_device or max(batch * seq_len // tok_div, 1)
-        res.notes.append(f"activations: {tokens_local} tokens per device, per-layer remat (layer inputs kept)")
-    bank = cfg.num_attn_res_blocks * tokens_local * d * act_item
-    widest = max(3 * h * dk, cfg.intermediate_size // max(sizes["tensor"], 1),
-                 cfg.num_experts_per_token * cfg.routed_expert_hidden_size,
-                 cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) // max(sizes["tensor"], 1))
-    layer_ws = tokens_local * (4 * d + 3 * widest) * act_item
-    act = bank + layer_ws
-    if optimizer != "none":
-        act += cfg.num_hidden_layers * tokens_local * d * act_item  # remat boundaries (one [T, D] per layer)
-    res.per_device["activations_est"] = act
+        tokens_local = train_tokens_per_device or max(batch * seq_len // accum // tok_div, 1)
+        terms = train_activation_terms(cfg, sizes, tokens_local, lora=lora)
+        res.per_device["activations_est"] = terms["total"]
+        res.whole.update({f"activation_{k}_per_device": v for k, v in terms.items() if k != "total"})
+        res.notes.append(f"activations: {tokens_local} tokens per device per micro-batch, remat={cfg.remat!r} "
+                         "(train_activation_terms)")
+        res.per_device["gradients"] = p["train_elems_local"] * 4  # the f32 gradient accumulator of the step
+        bank = terms["bank_per_layer"]
     res.whole["attn_res_bank_per_chunk"] = bank * max(sizes["sequence"], 1)
     res.notes.append("not included: communication buffers, GEMM workspaces, allocator fragmentation")
     return res
+
+
+def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *, lora: bool = False,
+                           loss_chunk: int = 1024) -> dict[str, float]:
+    """Per-device bytes of a train step's activations for ``tokens`` tokens per device (one micro-batch), by term.
+
+    What the compiled step keeps (read off XLA:TPU buffer assignments of LoRA step cuts, see
+    ``benchmarks/finetune_aot.py``): every layer saves its inputs for the backward — with ``remat="full"`` only
+    that, the AttnRes source bank ``[S, T, D]`` (S = blocks + 1, the whole bank, since it is the layer's input);
+    with ``remat="none"`` (and ``"dots"``, counted the same: an upper bound) also its residuals: two banks (the
+    two AttnRes mixes save theirs), ~5 ``[T, D]`` and the mixer's projections (KDA ~10 ``[T, H·K/t]`` bf16 + one
+    f32; MLA its q / k / v heads), and the MoE's expert-parallel dispatch: ``A = T·n_e·k`` assignment rows
+    (all-gather over the ``expert`` axis of size ``n_e``) with the sorted expert inputs ``[A, Lat]`` (bf16) and the
+    combine's f32 operand ``[A, Lat]`` — 6 bytes per row and latent unit, the dominant term at K3's widths. (That
+    is the expert-parallel kernel path; ``moe_implementation="xla"`` leaves the MoE to XLA's partitioner, whose
+    buffers this does not model.)
+    On top, the larger of the loss phase and one layer's backward (the loss's buffers are gone before the layers'
+    backward starts): under remat the layer's residuals again (recomputed, with the recomputed dispatch's bf16 rows
+    before the sort and at the combine), plus the MoE backward's buffers
+    (cotangents ~12 bytes per ``A·Lat`` element, and the local experts once more in bf16: decoded from MXFP4 for the
+    tokens' gradient, or their weight gradients when they train); the loss phase holds a chunk's logits and their
+    gradient (f32 ``[chunk, V/t]``). ``lora``: only adapters train (frozen bf16 experts get no weight gradient).
+    """
+    a = np.dtype(jnp.dtype(cfg.dtype)).itemsize
+    t = max(sizes.get("tensor", 1), 1)
+    d, s = cfg.hidden_size, cfg.num_attn_res_blocks + 1
+    bank = s * tokens * d * a
+    n_e = sizes.get("expert", 1)
+    no_ep = cfg.moe_expert_parallel == "none" or (cfg.moe_expert_parallel == "auto" and cfg.moe_implementation == "xla")
+    if n_e <= 1 or cfg.num_experts % n_e or no_ep:  # as k3_jax.layers.moe.expert_parallel_strategy decides
+        n_e = 1
+    rows = tokens * n_e * cfg.num_experts_per_token  # A: assignment rows one device's local experts may get
+    lat, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    inter_t = inter // t if inter % t == 0 else inter
+    shared_t = cfg.num_shared_experts * inter // t
+    hk_t = cfg.kda_num_heads * cfg.kda_head_dim // t
+    heads_t = max(cfg.num_attention_heads // t, 1)
+    common = 2 * bank + 5 * tokens * d * a
+    mixer = {"kda": tokens * hk_t * (10 * a + 4),
+             "mla": tokens * heads_t * (3 * cfg.q_head_dim + 2 * cfg.v_head_dim) * a
+             + tokens * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a}
+    ffn = {"dense": 3 * tokens * (cfg.intermediate_size // t) * a,
+           "moe": rows * lat * (a + 4) + tokens * (2 * lat + 3 * shared_t) * a + tokens * cfg.num_experts * 4}
+    # local experts in bf16 once more: decoded from MXFP4 for the tokens' gradient, or their weight gradients
+    expert_bwd = 3 * (cfg.num_experts // n_e) * lat * inter_t * a if cfg.expert_format == "mxfp4" or not lora else 0
+    bwd = {"dense": 2 * ffn["dense"], "moe": rows * lat * 12 + 3 * rows * inter_t * a + expert_bwd}
+    kinds = [(cfg.mixer_kind(i), cfg.ffn_kind(i)) for i in range(cfg.num_hidden_layers)]
+    saved_none = [common + mixer[m] + ffn[f] for m, f in kinds]
+    remat = cfg.remat == "full"
+    per_layer = [bank] * len(kinds) if remat else saved_none
+    # a layer's backward: its transients, plus, where remat recomputes the layer, its residuals again and the
+    # recomputed dispatch's bf16 rows (the gathered rows before the sort, the combine's input: 4 bytes per A·Lat)
+    recompute = {"dense": 0, "moe": rows * lat * 2 * a}
+    one_layer = max(bwd[f] + ((sn + recompute[f]) if remat else 0) for sn, (_, f) in zip(saved_none, kinds,
+                                                                                          strict=True))
+    loss = 2 * loss_chunk * (cfg.vocab_size // t) * 4
+    out = {"bank_per_layer": float(bank), "saved_layers": float(sum(per_layer)), "one_layer_backward": float(one_layer),
+           "loss_chunk": float(loss), "moe_rows": float(rows)}
+    out["total"] = out["saved_layers"] + max(out["one_layer_backward"], out["loss_chunk"])  # loss first, then layers
+    return out
 
 
 def process_layout(sizes: dict[str, int], processes: int, batch: int, per_device_total: float) -> dict[str, Any]:

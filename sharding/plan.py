@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-mla-gb", type=float, default=0.0,
                     help="serving: prefix cache MLA page budget (GB, PrefixCacheConfig.mla_budget_bytes)")
     ap.add_argument("--tokens-per-device", type=int, default=None,
-                    help="training: tokens per device per micro-step (default batch*seq-len / data axes)")
+                    help="training: tokens per device per micro-step (default batch*seq-len / accum / data axes)")
+    ap.add_argument("--accum", type=int, default=1, help="training: gradient-accumulation micro-batches per step")
+    ap.add_argument("--remat", choices=["none", "full", "dots"], default=None,
+                    help="training: the model's remat policy (default: the config's)")
     ap.add_argument("--capacity-gib", type=float, default=None, help="per-device memory, e.g. 141 (H200), 95 (v5p)")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK",
                     help="LoRA fine-tuning: adapters of this rank (k3_jax.training.lora) are the only trained leaves")
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     over: dict[str, Any] = {"param_dtype": a.param_dtype, "dtype": "bfloat16"}
     if a.experts != "config":
         over["expert_format"] = a.experts
+    if a.remat is not None:
+        over["remat"] = a.remat
     cfg = load_config(a.config, **over)
     boxed = abstract_params(cfg)
     if a.lora:
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                latent_dtype=a.latent_dtype, optimizer=a.optimizer, master_fp32=a.master_fp32,
                prefill_chunk=a.prefill_chunk, train_tokens_per_device=a.tokens_per_device,
                prefix_kda_budget=a.prefix_kda_gb * GB, prefix_mla_budget=a.prefix_mla_gb * GB,
-               boxed=boxed, lora=bool(a.lora))
+               boxed=boxed, lora=bool(a.lora), accum=a.accum)
     if a.aot:
         comp = aot_memory(cfg, a.preset, a.mesh, a.aot, tokens=a.aot_tokens)
         res.whole["aot_compiler_argument_bytes_per_device"] = comp["argument_bytes"]

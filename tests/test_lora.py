@@ -234,6 +234,21 @@ def test_qat_forward_equals_exported_mxfp4_forward_bit_for_bit(setup):
     assert float(jnp.max(jnp.abs(y_qat - y_plain))) > 0  # QAT does change the forward
 
 
+def test_qat_train_step_forward_quantises_the_fp32_masters(setup):
+    """bf16 compute: the train step's once-per-step cast keeps QAT's experts in fp32, so its forward equals the
+    MXFP4 export of the fp32 masters bit for bit; quantising a bf16 copy instead (double rounding) does not."""
+    from k3_jax.training.compute_cast import cast_for_compute, compute_cast_mask
+
+    cfg, _, tokens, _, params, _, _ = setup
+    qat_cfg = cfg.replace(qat="mxfp4", dtype="bfloat16")
+    apply = _apply(qat_cfg)
+    y_step = apply({"params": cast_for_compute(params, compute_cast_mask(params, "mxfp4"), jnp.bfloat16)}, tokens)
+    y_exported = _apply(qat_cfg.replace(expert_format="mxfp4"))({"params": _packed_experts(params)}, tokens)
+    np.testing.assert_array_equal(np.asarray(y_step), np.asarray(y_exported))
+    y_bf16_first = apply({"params": cast_for_compute(params, compute_cast_mask(params), jnp.bfloat16)}, tokens)
+    assert not np.array_equal(np.asarray(y_bf16_first), np.asarray(y_exported))
+
+
 def test_finetune_merge_export_load_gives_same_logits(setup, finetuned, tmp_path):
     cfg, model, tokens, _, _, _, _ = setup
     _, new_state, _, _ = finetuned
@@ -326,3 +341,22 @@ def test_mxfp4_expert_kernels_differentiate_wrt_tokens():
         want = np.asarray(jax.jit(jax.grad(loss("xla", False)))(x))
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_router_statistics_do_not_depend_on_the_token_order():
+    """The train step merges micro-batches token-major for Quantile Balancing and the load metrics (so the merged
+    scores keep the batch sharding): the bias update and the loads are the same for any order of the tokens."""
+    from k3_jax.training import quantile_balancing as qb
+
+    rng = np.random.default_rng(0)
+    accum, n, e, k = 2, 64, 16, 4
+    scores = jnp.asarray(rng.standard_normal((accum, n, e)), jnp.float32)
+    bias = jnp.asarray(0.1 * rng.standard_normal(e), jnp.float32)
+    accum_major = scores.reshape(accum * n, e)
+    token_major = jnp.transpose(scores, (1, 0, 2)).reshape(accum * n, e)
+    assert not np.array_equal(np.asarray(accum_major), np.asarray(token_major))
+    np.testing.assert_array_equal(np.asarray(qb.expert_loads(token_major, bias, k)),
+                                  np.asarray(qb.expert_loads(accum_major, bias, k)))
+    for method in ("histogram", "exact"):
+        np.testing.assert_array_equal(np.asarray(qb.qb_bias_update(token_major, bias, k, method=method)),
+                                      np.asarray(qb.qb_bias_update(accum_major, bias, k, method=method)))

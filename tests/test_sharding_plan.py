@@ -79,3 +79,48 @@ def test_cli_prints_table(capsys):
     # tiny: 4 MLA layers x (32 + 16) latent values x 4096 tokens x 1 byte (FP8), replicated over tensor
     assert d["per_device_bytes"]["mla_latent_cache"] == 4 * 48 * 4096
     assert d["per_device_bytes"]["kda_state"] == 6 * 6 * 64 * 64 * 4 / 2  # 6 KDA layers, heads split in 2
+
+
+# LoRA steps compiled for TPU on the CPU host (benchmarks/finetune_aot.py; RESULTS.md "Memory plan" rows): config,
+# mesh, batch, seq_len, remat, layers of the depth cut, the compiler's temp bytes per chip (GB)
+COMPILED_LORA_CUTS = [
+    ("k3.json", "fsdp=4,expert=4,tensor=4", 16, 2048, "none", 4, 21.925),
+    ("k3.json", "fsdp=4,expert=4,tensor=4", 16, 2048, "none", 8, 34.227),
+    ("k3.json", "fsdp=4,expert=4,tensor=4", 16, 2048, "full", 2, 15.173),
+    ("k3.json", "fsdp=4,expert=4,tensor=4", 16, 2048, "full", 3, 15.185),
+    ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "none", 2, 0.480),
+    ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "none", 3, 0.754),
+    ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "full", 2, 0.428),
+    ("k3-small.json", "fsdp=2,expert=2,tensor=2", 8, 2048, "full", 3, 0.440),
+]
+
+
+@pytest.mark.parametrize("config, mesh, batch, seq_len, remat, layers, temp_gb", COMPILED_LORA_CUTS)
+def test_train_activations_agree_with_the_compiler(config, mesh, batch, seq_len, remat, layers, temp_gb):
+    """The plan's activations + gradient accumulator of a LoRA step (rank 64, frozen MXFP4 experts) are within 10%
+    of XLA:TPU's temp bytes for the same depth cut (what the compiler keeps: train_activation_terms)."""
+    import jax.numpy as jnp
+
+    from benchmarks.finetune_aot import TARGETS, depth_cut
+    from k3_jax.training import lora
+
+    path = ROOT / "configs" / config
+    cfg = load_config(path, expert_format="mxfp4", param_dtype="bfloat16", remat=remat, **depth_cut(str(path), layers))
+    boxed = abstract_params(cfg)
+    boxed = lora.with_adapters(boxed, lora.adapter_shapes(boxed, lora.LoraConfig(rank=64, targets=TARGETS),
+                                                          dtype=jnp.float32))
+    p = plan(cfg, "train", mesh, batch=batch, seq_len=seq_len, optimizer="adamw", boxed=boxed, lora=True)
+    est = (p.per_device["activations_est"] + p.per_device["gradients"]) / 1e9
+    assert est == pytest.approx(temp_gb, rel=0.10)
+
+
+def test_remat_full_keeps_one_bank_per_layer(k3):
+    cfg, boxed = k3
+    mesh = {"fsdp": 4, "expert": 4, "tensor": 4}
+    full = plan(cfg.replace(remat="full"), "train", mesh, optimizer="adamw", batch=64, seq_len=4096, accum=4,
+                boxed=boxed)
+    bank = full.whole["activation_bank_per_layer_per_device"]
+    assert bank == 9 * (64 * 4096 // 4 // 16) * 7168 * 2  # 9 source slots x 4096 tokens x D, bf16
+    assert full.whole["activation_saved_layers_per_device"] == 93 * bank
+    none = plan(cfg, "train", mesh, optimizer="adamw", batch=64, seq_len=4096, accum=4, boxed=boxed)
+    assert none.per_device["activations_est"] > 5 * full.per_device["activations_est"]

@@ -7,6 +7,11 @@ per-use cast's transpose would have widened to f32 (XLA emits weight-gradient GE
 way): gradients are unchanged, but each micro-batch no longer re-reads the f32 masters (4 B/param), re-saves the
 cast weights as backward residuals, and writes its weight gradients at 4 B/param before the f32 accumulation.
 
+Under QAT (``qat="mxfp4"``) the routed experts stay in their master dtype too: QAT quantises the master weights,
+as :func:`k3_jax.training.lora.export` packs them (a bf16 copy first would round twice: bf16, then MXFP4, which
+changes some elements and, where an amax rounds up to a power of two, a group's scale), and the MXFP4 values it
+produces are exact in bf16, so the expert GEMMs read the same bf16 operands.
+
 Left in f32 on purpose: the router (``gate/kernel``, fp32 HIGHEST scores), the short-conv taps, norms,
 AttnRes queries, ``A_log``/``dt_bias``, the embedding, ``kv_b_proj`` (sequence-parallel MLA uses it in fp32),
 and ``lm_head`` (its gradient sums over loss chunks, which must happen in f32).
@@ -36,11 +41,20 @@ def _path(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def compute_cast_mask(params: Any) -> Any:
-    """Pytree of bools like ``params``: True where the leaf is cast to the compute dtype once per step."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: bool(_PATTERN.search(_path(path))) and jnp.issubdtype(leaf.dtype, jnp.floating),
-        params)
+_EXPERTS = re.compile(r"block_sparse_moe/experts/w[123]$")
+
+
+def compute_cast_mask(params: Any, qat: str = "none") -> Any:
+    """Pytree of bools like ``params``: True where the leaf is cast to the compute dtype once per step (with
+    ``qat="mxfp4"`` never the routed experts, see the module docstring)."""
+
+    def cast(path: tuple, leaf: Any) -> bool:
+        name = _path(path)
+        if qat != "none" and _EXPERTS.search(name):
+            return False
+        return bool(_PATTERN.search(name)) and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def cast_for_compute(params: Any, mask: Any, dtype: jnp.dtype) -> Any:

@@ -124,6 +124,7 @@ class TrainConfig:
     eval_batches: int = 2
     log_every: int = 10
     save_every: int = 0  # 0: only at the end / on SIGTERM
+    save_final: bool = True  # False: no checkpoint at the end (runs kept only for their metrics); SIGTERM still saves
     keep: int = 3
     async_checkpoint: bool = True
     resume: bool = True  # False: a new run; refused if workdir holds checkpoints, unless start_over
@@ -164,9 +165,11 @@ class Trainer:
         self.rules_ctx = None
         abstract = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((1, tc.seq_len), jnp.int32))
         self._abstract_base = nn.unbox(abstract)["params"]  # what an init_from checkpoint must hold
+        self._abstract_base_boxed = abstract["params"]
+        self._adapters_boxed = None
         if self.lora is not None:
-            abstract = {**abstract, "params": lora.with_adapters(
-                abstract["params"], lora.adapter_shapes(abstract["params"], self.lora))}
+            self._adapters_boxed = lora.adapter_shapes(abstract["params"], self.lora)
+            abstract = {**abstract, "params": lora.with_adapters(abstract["params"], self._adapters_boxed)}
         self.abstract_params_boxed = abstract["params"]  # shapes + logical axis names (for sharding elsewhere)
         abstract_params = nn.unbox(abstract)["params"]
         self.trainable = None if self.lora is None else lora.trainable_mask(abstract_params)
@@ -188,6 +191,9 @@ class Trainer:
             from sharding.rules import param_shardings
 
             self._param_shardings = param_shardings(abstract["params"], self.mesh, tc.preset)
+            self._base_shardings = param_shardings(self._abstract_base_boxed, self.mesh, tc.preset)
+            self._adapter_shardings = (None if self._adapters_boxed is None else
+                                       param_shardings(self._adapters_boxed, self.mesh, tc.preset))
         self.flops = flops_per_token(cfg, tc.seq_len)
         self.optimizer_flops = (muon_flops_per_step(abstract_params, self.labels, self.optim_cfg.ns_steps)
                                 if tc.optimizer == "muon" and self.lora is None else 0.0)
@@ -236,7 +242,10 @@ class Trainer:
         init_rng, state_rng = jax.random.split(jax.random.key(self.tc.seed))
         init_params, init_opt = self._init_functions()
         with self._context():
-            params = init_params(init_rng, self._load_base())
+            if self.tc.init_from and self.mesh is not None:
+                params = self._sharded_init_from(init_rng)
+            else:
+                params = init_params(init_rng, self._load_base())
             opt_state = init_opt(params)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state,
                  "rng": jax.random.key_data(state_rng)}
@@ -281,6 +290,21 @@ class Trainer:
         train = train_step.lower(state, batch).compile()
         eval_step.lower(params, batch).compile()
         return {"train": train, "compile_s": time.time() - t0}
+
+    def _sharded_init_from(self, rng: jax.Array) -> dict:
+        """The ``init_from`` checkpoint read shard by shard straight onto the mesh (no host copy of the model,
+        :func:`k3_jax.training.init_from.load_sharded`), plus fresh adapters (the same values
+        :meth:`_init_functions`' ``init_params`` draws) laid out by the preset."""
+        from k3_jax.training.init_from import load_sharded  # noqa: PLC0415
+
+        base = load_sharded(self.tc.init_from, self._abstract_base, self._base_shardings,
+                            experts=self.cfg.expert_format)
+        if self.lora is None:
+            return base
+        shapes, lc = self._abstract_base, self.lora
+        adapters = jax.jit(lambda r: lora.init_adapters(shapes, lc, jax.random.fold_in(r, 1)),
+                           out_shardings=self._adapter_shardings)(rng)
+        return lora.with_adapters(base, adapters)
 
     def _load_base(self) -> dict | None:
         """The ``init_from`` checkpoint's params (experts as ``cfg.expert_format``), or None."""
@@ -430,7 +454,7 @@ class Trainer:
                     if preempted:
                         logger.log(step, {"event": "preempted", "signal": flag.signum}, kind="meta")
                         break
-            if last_saved != step and (step > start or ckpt.latest_step() is None):
+            if tc.save_final and last_saved != step and (step > start or ckpt.latest_step() is None):
                 ckpt.save(step, state, gather_data_state(it.get_state()), force=True)
                 last_saved = step
         finally:

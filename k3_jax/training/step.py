@@ -164,7 +164,7 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
         params = state["params"]
         micro = _split_micro(batch, step_cfg.accum)
         # gradients are taken w.r.t. these (bf16 copies of the GEMM-only weights, f32 elsewhere)
-        compute_params = (cast_for_compute(params, compute_cast_mask(params), compute_dtype) if cast_once
+        compute_params = (cast_for_compute(params, compute_cast_mask(params, cfg.qat), compute_dtype) if cast_once
                           else params)
 
         def body(carry, mb):
@@ -191,7 +191,10 @@ def make_train_step(model: Any, tx: optax.GradientTransformation, labels: Any, c
         max_mean, max_mean_nobias, dead, n_layers = [], [], jnp.zeros((), jnp.int32), 0
         dead_per, layer_ids = [], []  # per MoE layer, and each entry's model layer index
         for path, s in scores.items():  # s: [accum, R, N, E]
-            s = jnp.swapaxes(s, 0, 1).reshape(s.shape[1], -1, s.shape[-1])  # [R, accum*N, E]
+            # [R, N*accum, E], token-major: the batch-sharded N stays the major part of the merged dimension, so
+            # the merge keeps its sharding (accum-major would replicate every layer's scores on every device);
+            # loads and quantiles do not depend on the tokens' order
+            s = jnp.transpose(s, (1, 2, 0, 3)).reshape(s.shape[1], -1, s.shape[-1])
             bias = _get(params, _bias_path(path))  # [R, E], the bias that routed this step
             loads = jax.vmap(lambda sc, b: qb.expert_loads(sc, b, k))(s, bias).astype(jnp.float32)
             max_mean.append(jnp.max(loads, -1) / jnp.maximum(jnp.mean(loads, -1), 1e-9))
