@@ -89,7 +89,7 @@ def _decode(mod, **kw):
 def _mxfp4_gmm(mod):
     codes = jnp.zeros((2, 16, 16), jnp.uint8)
     scales = jnp.full((2, 16, 1), 127, jnp.uint8)
-    weights = [moe_tpu.mxfp4_kernel_layout(codes, scales)] if mod is moe_tpu else [(codes, scales)]
+    weights = [(codes, scales)]
 
     def fn(state):  # state [16, 32]
         return jnp.pad(mod.gmm_mxfp4(state, weights, jnp.array([8, 8], jnp.int32)), ((0, 0), (0, 16)))
@@ -138,4 +138,17 @@ def test_engine_gpu_kernels_interpret_equal_reference_greedy(monkeypatch):
     want = _greedy(cfg.replace(kda_implementation="xla", moe_implementation="xla"), params, prompts, 4)
     _interpret_kernels(monkeypatch, "gpu")
     got = _greedy(cfg.replace(platform="gpu"), params, prompts, 4)
+    assert got == want
+
+
+def test_engine_tpu_kernels_interpret_equal_reference_greedy(monkeypatch):
+    """The same with the TPU choices of "auto" and MXFP4 experts: the Mosaic TPU KDA kernels and the MXFP4
+    grouped matmul on the HF-layout experts (read in place in the segment's stacked weights at decode)."""
+    cfg = _small_cfg(expert_format="mxfp4")
+    params = jax.tree.map(lambda x: np.asarray(x, np.uint8 if x.dtype == jnp.uint8 else np.float32),
+                          random_params(cfg, seed=1, experts="mxfp4"))
+    prompts = [[5, 17, 200, 3], [9, 1000, 64, 12]]
+    want = _greedy(cfg.replace(kda_implementation="xla", moe_implementation="xla"), params, prompts, 4)
+    _interpret_kernels(monkeypatch, "tpu")
+    got = _greedy(cfg.replace(platform="tpu"), params, prompts, 4)
     assert got == want
