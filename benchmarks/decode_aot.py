@@ -41,11 +41,12 @@ HBM_GBPS = {"v5p": 2765.0, "v6e": 1640.0, "v5e": 819.0}
 
 
 def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int, hlo_out: str | None = None,
-                   top: int = 12) -> dict:
+                   top: int = 12, cache_layout: str = "default") -> dict:
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
+    from jax.experimental.layout import Format, Layout
     from jax.sharding import SingleDeviceSharding
 
     from benchmarks.decode import step_bytes
@@ -60,13 +61,21 @@ def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int, 
     params = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, max_len))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=dev)
+    cache_in, cache_out = abstract(cache), dev
+    if cache_layout == "row-major":  # the cache held in row-major layouts instead of XLA:TPU's defaults
+        formats = jax.tree.map(lambda x: Format(Layout(tuple(range(x.ndim))), dev), cache)
+        cache_in = jax.tree.map(lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f), cache, formats)
+        cache_out = formats
+    elif cache_layout != "default":
+        raise ValueError(f"decode_aot: cache_layout must be 'default' or 'row-major', got {cache_layout!r}")
 
     def decode(variables, cache, tokens):
         logits, cache = model.apply(variables, tokens[:, None], cache=cache)
         return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache
 
     t0 = time.perf_counter()
-    lowered = jax.jit(decode, donate_argnums=(1,)).lower(abstract(params), abstract(cache), tokens)
+    lowered = jax.jit(decode, donate_argnums=(1,), out_shardings=(dev, cache_out)).lower(
+        abstract(params), cache_in, tokens)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     cost = compiled.cost_analysis()
@@ -86,7 +95,7 @@ def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int, 
     outside = [r for r in rows if "kernel" not in r]
     return {
         "bench": "decode_aot", "target": target, "topology": TOPOLOGIES[target], "batch": batch,
-        "prompt_len": prompt_len, "max_len": max_len, "experts": cfg.expert_format,
+        "prompt_len": prompt_len, "max_len": max_len, "experts": cfg.expert_format, "cache_layout": cache_layout,
         "layers": [f"{m}+{f}" for m, f in cfg.layer_kinds()],
         "bytes_accessed": accessed, "flops": float(cost.get("flops", float("nan"))), "must_bytes": must,
         "accessed_over_must": round(accessed / must["total"], 3),
@@ -114,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen", type=int, default=1024, help="cache room beyond the prompt")
     ap.add_argument("--hlo-out", default=None, help="write each target's optimised HLO to PREFIX.<target>.hlo")
     ap.add_argument("--top", type=int, default=12, help="how many of the largest ops outside the kernels to list")
+    ap.add_argument("--cache-layout", default="default", choices=("default", "row-major"),
+                    help="the cache's layouts: XLA:TPU's defaults for its shapes (what a jitted cache init gets), "
+                         "or row-major (minor dim last) pinned on the cache input and output")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from benchmarks.decode import layer_config
@@ -126,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             hlo = f"{args.hlo_out}.{target}.hlo" if args.hlo_out else None
             rec = compile_decode(target, cfg, args.batch, args.prompt_len, args.prompt_len + args.gen, hlo,
-                                 args.top)
+                                 args.top, args.cache_layout)
         except Exception as e:  # noqa: BLE001 - report the target and go on with the next
             rec = {"bench": "decode_aot", "target": target, "error": f"{type(e).__name__}: {str(e)[:600]}"}
         print(json.dumps(rec), flush=True)

@@ -9,9 +9,9 @@ parts of their operands a fusion reads) with the bytes it moves between HBM and 
 
 * a buffer in a memory space other than HBM (``S(n)`` with ``n > 0`` in its layout: VMEM, SMEM, ...) counts 0;
 * a fusion reads each operand once, except an operand the fused computation only slices (``slice``,
-  ``dynamic-slice``, ``gather``): then the slices' bytes; a fusion (or ``dynamic-update-slice``) whose root
-  updates an operand in place (``dynamic-update-slice``) writes the update, not the whole buffer, and does not
-  read the buffer it updates;
+  ``dynamic-slice``, ``gather``, also through bitcasts and nested fusions): then the slices' bytes; a fusion
+  whose root updates an operand in place (``dynamic-update-slice``, ``scatter``; or such an op alone) writes the
+  update, not the whole buffer, and does not read the buffer it updates;
 * a Mosaic kernel (``tpu_custom_call``) counts the ``bytes_accessed`` of its ``cost_estimate`` when it has one,
   else its operands and results in full (flagged ``estimated: false``);
 * an async copy or slice (``copy-start``, ``slice-start``) reads its operand and writes its destination (the
@@ -46,6 +46,8 @@ FREE_OPS = {
     "copy-done", "slice-done", "add-dependency", "iota",
 }
 SLICING_OPS = {"slice", "dynamic-slice", "gather"}
+IN_PLACE_OPS = {"dynamic-update-slice": 1, "scatter": 2}
+"""Ops that update operand 0 in place, and which operand holds the update."""
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -150,35 +152,53 @@ def _run_computations(comps: dict[str, list[Instr]], entry: str) -> list[str]:
     return out
 
 
-def _fusion_bytes(ins: Instr, fused: list[Instr], types: dict[str, str]) -> int:
-    """Bytes a fusion moves: operands read (sliced operands by their slices), the result written (in place:
-    the update only)."""
-    params = {}
-    for f in fused:
-        if f.opcode == "parameter":
-            params[f.name] = int(re.search(r"parameter\((\d+)\)", f.text).group(1))
-    users: dict[str, list[Instr]] = {p: [] for p in params}
+def _params_and_users(fused: list[Instr]) -> tuple[dict[str, int], dict[str, list[Instr]]]:
+    """A fused computation's ``{parameter name: operand index}`` and ``{instruction name: its users}``."""
+    params = {f.name: int(re.search(r"parameter\((\d+)\)", f.text).group(1)) for f in fused if f.opcode == "parameter"}
+    users: dict[str, list[Instr]] = {f.name: [] for f in fused}
     for f in fused:
         for o in f.operands:
             if o in users:
                 users[o].append(f)
+    return params, users
+
+
+def _read_bytes(name: str, full: int, users: dict[str, list[Instr]], comps: dict[str, list[Instr]]) -> int:
+    """Bytes of value ``name`` (``full`` bytes) that its users inside a fused computation read: the slices when
+    every use slices it (through bitcasts and nested fusions), else all of it."""
+    total = 0
+    for u in users.get(name, []):
+        if u.opcode in SLICING_OPS and u.operands and u.operands[0] == name:
+            total += array_bytes(u.type_text)
+        elif u.opcode == "bitcast":
+            total += _read_bytes(u.name, full, users, comps)
+        elif u.opcode == "fusion":
+            called = re.search(r"calls=%?([\w.\-]+)", u.text)
+            nested = comps.get(called.group(1), []) if called else []
+            n_params, n_users = _params_and_users(nested)
+            inner = [p for p, i in n_params.items() if i < len(u.operands) and u.operands[i] == name]
+            total += sum(_read_bytes(p, full, n_users, comps) for p in inner) if inner else full
+        else:
+            return full
+    return min(full, total) if users.get(name) else full
+
+
+def _fusion_bytes(ins: Instr, fused: list[Instr], types: dict[str, str], comps: dict[str, list[Instr]]) -> int:
+    """Bytes a fusion moves: operands read (sliced operands by their slices), the result written (in place:
+    the update only)."""
+    params, users = _params_and_users(fused)
     root = next((f for f in fused if f.root), fused[-1] if fused else None)
     in_place = None
     written = array_bytes(ins.type_text)
-    if root is not None and root.opcode == "dynamic-update-slice" and root.operands[0] in params:
+    if root is not None and root.opcode in IN_PLACE_OPS and root.operands[0] in params:
         in_place = params[root.operands[0]]
-        upd = next((f for f in fused if f.name == root.operands[1]), None)
+        upd = next((f for f in fused if f.name == root.operands[IN_PLACE_OPS[root.opcode]]), None)
         written = array_bytes(upd.type_text) if upd is not None else written
     total = written
     for pname, idx in params.items():
         if idx >= len(ins.operands) or idx == in_place:
             continue
-        full = array_bytes(types.get(ins.operands[idx], ""))
-        us = users[pname]
-        if us and all(u.opcode in SLICING_OPS and u.operands and u.operands[0] == pname for u in us):
-            total += min(full, sum(array_bytes(u.type_text) for u in us))
-        else:
-            total += full
+        total += _read_bytes(pname, array_bytes(types.get(ins.operands[idx], "")), users, comps)
     return total
 
 
@@ -197,9 +217,9 @@ def op_bytes(text: str) -> list[dict]:
             row["op_name"] = m.group(1) if m else ""
             if ins.opcode == "fusion":
                 called = re.search(r"calls=%?([\w.\-]+)", ins.text)
-                nbytes = _fusion_bytes(ins, comps.get(called.group(1), []) if called else [], types)
-            elif ins.opcode == "dynamic-update-slice":
-                nbytes = 2 * array_bytes(types.get(ins.operands[1], ""))
+                nbytes = _fusion_bytes(ins, comps.get(called.group(1), []) if called else [], types, comps)
+            elif ins.opcode in IN_PLACE_OPS:
+                nbytes = 2 * array_bytes(types.get(ins.operands[IN_PLACE_OPS[ins.opcode]], ""))
             elif ins.opcode in ("dynamic-slice", "slice"):
                 nbytes = 2 * array_bytes(ins.type_text)
             elif ins.opcode.endswith("-start"):  # (destination, source, context): read the source, write the first
@@ -208,7 +228,7 @@ def op_bytes(text: str) -> list[dict]:
                     array_bytes(first.group(0)) if first else 0)
             elif ins.opcode == "custom-call" and "tpu_custom_call" in ins.text:
                 cost = _COST.search(ins.text)
-                row["kernel"] = re.sub(r"\.\d+$", "", ins.name)  # Pallas names the call after the kernel
+                row["kernel"] = ins.name.split(".")[0]  # Pallas names the call after the kernel
                 row["estimated"] = cost is not None
                 nbytes = int(float(cost.group(1))) if cost else (
                     array_bytes(ins.type_text) + sum(array_bytes(types.get(o, "")) for o in ins.operands))
