@@ -12,6 +12,13 @@ from ``compiled.cost_analysis()``, the memory analysis, ``must_bytes`` (``benchm
 the weights, states and latents the step must move), their ratio, and ``roofline_ms = must_bytes / HBM`` /
 ``xla_bytes_ms = bytes_accessed / HBM`` at the chip's datasheet HBM bandwidth (:data:`HBM_GBPS`).
 
+XLA counts a Mosaic kernel by the cost estimate the kernel hands it (none: 0 bytes). ``kernel_bytes`` lists those
+estimates per kernel (from the optimised HLO; the MoE kernels' is an upper bound: every expert of the layer read
+once, where ``must_bytes`` counts the expected distinct experts), ``outside_kernels_bytes = bytes_accessed -
+sum(kernel_bytes)`` is what XLA's own ops move, and ``top_ops`` the largest of those ops by
+``benchmarks/hlo_bytes.py``'s per-op model (``[bytes, opcode, source]``). ``--hlo-out PREFIX`` writes each target's
+optimised HLO to ``PREFIX.<target>.hlo`` (``python benchmarks/hlo_bytes.py FILE`` lists every op).
+
 XLA's cost analysis counts a ``while`` body once, not once per trip: use a config whose segments do not repeat
 (``--layers kda,mla``: one layer of each at the config's widths) for per-layer figures.
 """
@@ -33,14 +40,17 @@ HBM_GBPS = {"v5p": 2765.0, "v6e": 1640.0, "v5e": 819.0}
 """Datasheet HBM bandwidth per chip (GB/s): TPU v5p 2,765; Trillium (v6e) 1,640; v5e 819."""
 
 
-def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int) -> dict:
+def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int, hlo_out: str | None = None,
+                   top: int = 12, cache_layout: str = "default") -> dict:
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
+    from jax.experimental.layout import Format, Layout
     from jax.sharding import SingleDeviceSharding
 
     from benchmarks.decode import step_bytes
+    from benchmarks.hlo_bytes import op_bytes, source_of
     from k3_jax.cache import init_cache
     from k3_jax.model import K3ForCausalLM
 
@@ -51,24 +61,41 @@ def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int) 
     params = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, max_len))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=dev)
+    cache_in, cache_out = abstract(cache), dev
+    if cache_layout == "row-major":  # the cache held in row-major layouts instead of XLA:TPU's defaults
+        formats = jax.tree.map(lambda x: Format(Layout(tuple(range(x.ndim))), dev), cache)
+        cache_in = jax.tree.map(lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f), cache, formats)
+        cache_out = formats
+    elif cache_layout != "default":
+        raise ValueError(f"decode_aot: cache_layout must be 'default' or 'row-major', got {cache_layout!r}")
 
     def decode(variables, cache, tokens):
         logits, cache = model.apply(variables, tokens[:, None], cache=cache)
         return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache
 
     t0 = time.perf_counter()
-    lowered = jax.jit(decode, donate_argnums=(1,)).lower(abstract(params), abstract(cache), tokens)
+    lowered = jax.jit(decode, donate_argnums=(1,), out_shardings=(dev, cache_out)).lower(
+        abstract(params), cache_in, tokens)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     ma = compiled.memory_analysis()
+    text = compiled.as_text()
+    if hlo_out:
+        Path(hlo_out).write_text(text)
     must = step_bytes(cfg, params["params"], cache, batch, prompt_len)
     accessed = float(cost.get("bytes accessed", float("nan")))
     hbm = HBM_GBPS[target] * 1e9
+    rows = op_bytes(text)
+    kernels: dict[str, int] = {}
+    for r in rows:
+        if r.get("estimated"):
+            kernels[r["kernel"]] = kernels.get(r["kernel"], 0) + r["bytes"]
+    outside = [r for r in rows if "kernel" not in r]
     return {
         "bench": "decode_aot", "target": target, "topology": TOPOLOGIES[target], "batch": batch,
-        "prompt_len": prompt_len, "max_len": max_len, "experts": cfg.expert_format,
+        "prompt_len": prompt_len, "max_len": max_len, "experts": cfg.expert_format, "cache_layout": cache_layout,
         "layers": [f"{m}+{f}" for m, f in cfg.layer_kinds()],
         "bytes_accessed": accessed, "flops": float(cost.get("flops", float("nan"))), "must_bytes": must,
         "accessed_over_must": round(accessed / must["total"], 3),
@@ -76,7 +103,10 @@ def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int) 
         "hbm_gbps": HBM_GBPS[target], "argument_bytes": ma.argument_size_in_bytes,
         "temp_bytes": ma.temp_size_in_bytes, "output_bytes": ma.output_size_in_bytes,
         "alias_bytes": getattr(ma, "alias_size_in_bytes", None),
-        "mosaic_kernels": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+        "kernel_bytes": kernels, "outside_kernels_bytes": accessed - sum(kernels.values()),
+        "unestimated_kernels": sorted({r["kernel"] for r in rows if "kernel" in r and not r["estimated"]}),
+        "top_ops": [[r["bytes"], r["opcode"], source_of(r["op_name"])] for r in outside[:top]],
+        "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
         "compile_s": round(compile_s, 1),
     }
 
@@ -91,6 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=1024, help="cache room beyond the prompt")
+    ap.add_argument("--hlo-out", default=None, help="write each target's optimised HLO to PREFIX.<target>.hlo")
+    ap.add_argument("--top", type=int, default=12, help="how many of the largest ops outside the kernels to list")
+    ap.add_argument("--cache-layout", default="default", choices=("default", "row-major"),
+                    help="the cache's layouts: XLA:TPU's defaults for its shapes (what a jitted cache init gets), "
+                         "or row-major (minor dim last) pinned on the cache input and output")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from benchmarks.decode import layer_config
@@ -101,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = layer_config(cfg, args.layers.split(","), args.vocab)
     for target in args.targets.split(","):
         try:
-            rec = compile_decode(target, cfg, args.batch, args.prompt_len, args.prompt_len + args.gen)
+            hlo = f"{args.hlo_out}.{target}.hlo" if args.hlo_out else None
+            rec = compile_decode(target, cfg, args.batch, args.prompt_len, args.prompt_len + args.gen, hlo,
+                                 args.top, args.cache_layout)
         except Exception as e:  # noqa: BLE001 - report the target and go on with the next
             rec = {"bench": "decode_aot", "target": target, "error": f"{type(e).__name__}: {str(e)[:600]}"}
         print(json.dumps(rec), flush=True)

@@ -124,11 +124,12 @@ def test_explain_per_layer_kind_and_platform():
     assert {(c.platform, c.layer) for c in rows} == {
         (p, kind) for p in ("cpu", "gpu", "tpu")
         for kind in ("kda (train/prefill)", "kda (decode)", "mla (train/prefill)", "mla (cached prefill)",
-                     "moe (routed experts)")}
+                     "mla (decode)", "moe (routed experts)")}
     got = {(c.platform, c.layer): c.backend for c in rows}
     assert got[("gpu", "mla (train/prefill)")] == "cudnn" and got[("tpu", "mla (train/prefill)")] == "xla"
     assert got[("gpu", "mla (cached prefill)")] == "cudnn" and got[("cpu", "mla (cached prefill)")] == "xla"
     assert got[("gpu", "moe (routed experts)")] == "triton" and got[("cpu", "kda (decode)")] == "xla"
+    assert got[("tpu", "mla (decode)")] == "mosaic_tpu" and got[("gpu", "mla (decode)")] == "xla"
     fp32 = {c.layer: c for c in explain(cfg.replace(dtype="float32"), "gpu", compute_capability=9.0)}
     assert fp32["mla (train/prefill)"].backend == "xla"
     assert "bfloat16/float16" in dict(fp32["mla (train/prefill)"].passed_over)["cudnn"]

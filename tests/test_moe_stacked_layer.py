@@ -1,6 +1,6 @@
 """Expert kernels reading one layer of a stacked ``[L, E, ...]`` weight in place (``layer=``, the one-token decode
-path of a scanned layer segment): the same outputs as the kernel on that layer's slice (GPU Triton kernels in the
-interpreter on CPU), and which experts dicts the model hands over stacked."""
+path of a scanned layer segment): the same outputs as the kernel on that layer's slice (GPU Triton and Mosaic TPU
+kernels in their interpreters on CPU), and which experts dicts the model hands over stacked."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ from k3_jax.config import load_config
 from k3_jax.layers.moe import stacked_routed_experts
 from k3_jax.quant import pack_mxfp4
 from pallas_kernels import moe
-from pallas_kernels.moe import gpu
+from pallas_kernels.moe import gpu, tpu
 
 L, E, LAT, INTER, M = 3, 4, 64, 32, 24
 SIZES = jnp.array([5, 0, 12, 3], jnp.int32)  # an empty expert and trailing rows
@@ -32,12 +32,13 @@ def _stacks(key, mxfp4: bool) -> dict:
     return out
 
 
+@pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["f32", "mxfp4"])
-def test_stacked_expert_ffn_equals_the_layer_slice(mxfp4):
+def test_stacked_expert_ffn_equals_the_layer_slice(mxfp4, impl):
     x = jax.random.normal(jax.random.key(0), (M, LAT))
     w = _stacks(jax.random.key(1), mxfp4)
 
-    ffn = lambda w1, w3, w2, layer=None: moe.expert_ffn(x, SIZES, w1, w3, w2, implementation="triton",
+    ffn = lambda w1, w3, w2, layer=None: moe.expert_ffn(x, SIZES, w1, w3, w2, implementation=impl,
                                                         interpret=True, layer=layer)
 
     @jax.jit
@@ -58,6 +59,19 @@ def test_stacked_gmm_checks_the_stack_and_is_forward_only():
         gpu.gmm(x, w[0], gs, interpret=True, layer=jnp.int32(0))
     with pytest.raises(NotImplementedError, match="forward-only"):
         jax.grad(lambda a: gpu.gmm(a, w, gs, interpret=True, layer=jnp.int32(1)).sum())(x)
+
+
+def test_tpu_stacked_kernels_check_the_stack_and_are_forward_only():
+    x = jnp.ones((8, LAT))
+    w = _stacks(jax.random.key(3), False)["w1"]
+    q = _stacks(jax.random.key(3), True)["w1"]
+    gs = jnp.array([8, 0, 0, 0], jnp.int32)
+    with pytest.raises(ValueError, match=r"tpu.gmm: expert weight of shape \(4, 64, 32\) must have 4 dims"):
+        tpu.gmm(x, w[0], gs, interpret=True, layer=jnp.int32(0))
+    with pytest.raises(ValueError, match=r"tpu.gmm_mxfp4: expert weight of shape \(3, 4, 32, 32\) must have 3 dims"):
+        tpu.gmm_mxfp4(x, [(q["weight_packed"], q["weight_scale"])], gs, interpret=True)
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        jax.grad(lambda a: tpu.gmm(a, w, gs, interpret=True, layer=jnp.int32(1)).sum())(x)
 
 
 def test_which_experts_are_handed_over_stacked():

@@ -24,6 +24,7 @@ from k3_jax.config import load_config
 from k3_jax.convert.fixture import random_params
 from k3_jax.model import K3ForCausalLM
 from k3_jax.serving.engine import Engine
+from pallas_kernels import mla_decode
 from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda import tpu as kda_tpu
 from pallas_kernels.moe import gpu as moe_gpu
@@ -89,7 +90,7 @@ def _decode(mod, **kw):
 def _mxfp4_gmm(mod):
     codes = jnp.zeros((2, 16, 16), jnp.uint8)
     scales = jnp.full((2, 16, 1), 127, jnp.uint8)
-    weights = [moe_tpu.mxfp4_kernel_layout(codes, scales)] if mod is moe_tpu else [(codes, scales)]
+    weights = [(codes, scales)]
 
     def fn(state):  # state [16, 32]
         return jnp.pad(mod.gmm_mxfp4(state, weights, jnp.array([8, 8], jnp.int32)), ((0, 0), (0, 16)))
@@ -138,4 +139,20 @@ def test_engine_gpu_kernels_interpret_equal_reference_greedy(monkeypatch):
     want = _greedy(cfg.replace(kda_implementation="xla", moe_implementation="xla"), params, prompts, 4)
     _interpret_kernels(monkeypatch, "gpu")
     got = _greedy(cfg.replace(platform="gpu"), params, prompts, 4)
+    assert got == want
+
+
+def test_engine_tpu_kernels_interpret_equal_reference_greedy(monkeypatch):
+    """The same with the TPU choices of "auto" and MXFP4 experts: the Mosaic TPU KDA kernels, the MXFP4
+    grouped matmul on the HF-layout experts (read in place in the segment's stacked weights at decode) and the MLA
+    decode kernel over the stacked latent cache."""
+    cfg = _small_cfg(expert_format="mxfp4")
+    params = jax.tree.map(lambda x: np.asarray(x, np.uint8 if x.dtype == jnp.uint8 else np.float32),
+                          random_params(cfg, seed=1, experts="mxfp4"))
+    prompts = [[5, 17, 200, 3], [9, 1000, 64, 12]]
+    want = _greedy(cfg.replace(kda_implementation="xla", moe_implementation="xla"), params, prompts, 4)
+    _interpret_kernels(monkeypatch, "tpu")
+    fn = mla_decode.latent_attention_tpu
+    monkeypatch.setattr(mla_decode, "latent_attention_tpu", lambda *a, **k: fn(*a, **{**k, "interpret": True}))
+    got = _greedy(cfg.replace(platform="tpu"), params, prompts, 4)
     assert got == want

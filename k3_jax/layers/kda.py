@@ -111,8 +111,14 @@ def gated_output_norm(o: jax.Array, weight: jax.Array, gate: jax.Array, eps: flo
     """``rms_norm(f32(o)) · weight · sigmoid(f32(gate))`` per head, in ``dtype``: ``o, gate [B, T, H, D]``.
 
     Recomputed in the backward from ``o`` and ``gate``: its five f32 ``[B, T, H, D]`` intermediates are not kept.
+    The gate is multiplied in its flat ``[B, T, H·D]`` form (the projection's output as it comes): split into heads
+    there, XLA:TPU makes the gate projection a matmul batched over the heads and transposes its whole weight on
+    every call.
     """
-    return (rms_norm(o.astype(jnp.float32), weight, eps) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(dtype)
+    b, t, h, d = o.shape
+    normed = rms_norm(o.astype(jnp.float32), weight, eps).reshape(b, t, h * d)
+    y = normed * jax.nn.sigmoid(gate.reshape(b, t, h * d).astype(jnp.float32))
+    return y.astype(dtype).reshape(b, t, h, d)
 
 
 _X4 = ("batch", None, "kda_heads", None)  # q, k, v, g, o [B, T, H, D]; T whole (sequence parallel is separate)

@@ -19,6 +19,11 @@ the registry :data:`pallas_kernels.prefix_attention.PREFIX_ATTENTION` (``cfg.mla
 ``cudnn`` = the expanded form (the cached latent up-projected per key block, :func:`expand_latent`, then cuDNN
 flash attention against the prefix and causally within the chunk, merged by log-sum-exp), ``xla`` = the
 absorbed form above.
+
+The one-token decode step (the engine's in-place step on a segment's stacked cache) takes its scores, softmax and
+value product from the registry :data:`pallas_kernels.mla_decode.DECODE` (``cfg.mla_decode_attention_implementation``):
+``mosaic_tpu`` = flash decoding over the stacked latent cache read in place, up to each row's position; ``xla`` =
+the absorbed form above over the layer's whole cache.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from k3_jax.config import K3Config
 from k3_jax.layers.common import Linear, LinearKernel, RMSNorm, compute_dtype, einsum_f32, matmul_precision
 from k3_jax.layers.parallel import axis_size
 from k3_jax.parallel.sequence import mla_sequence_parallel
-from pallas_kernels import attention, prefix_attention
+from pallas_kernels import attention, mla_decode, prefix_attention
 from pallas_kernels.registry import platform_scope
 
 NEG_INF = -1e30
@@ -235,6 +240,17 @@ def _absorbed_cached_attention(q_nope: jax.Array, q_rot: jax.Array, store: jax.A
     return map_query_blocks(attend_cached, [q_nope, q_rot, pos_q], QUERY_BLOCK)
 
 
+def _kernel_decode_attention(q_nope: jax.Array, q_rot: jax.Array, stacked: jax.Array, kv_kernel: jax.Array,
+                             lengths: jax.Array, layer: jax.Array, scale: float) -> jax.Array:
+    """One-token decode (``q_nope [B, 1, H, Dn]``, ``q_rot [B, 1, H, Dr]``) in the absorbed form with the scores,
+    softmax and value product in :func:`pallas_kernels.mla_decode.latent_attention_tpu` over the stacked latent
+    cache ``[R, B, S, C+Dr]`` at repeat ``layer``; ``kv_kernel [C, H, Dn+Dv]``. Returns ``[B, 1, H, Dv]``."""
+    dt, dn = q_nope.dtype, q_nope.shape[-1]
+    q_lat = einsum_f32("bthd,chd->bthc", q_nope, kv_kernel[..., :dn].astype(dt)).astype(dt)
+    o_lat = mla_decode.latent_attention_tpu(q_lat[:, 0], q_rot[:, 0], stacked, lengths, scale, layer)
+    return einsum_f32("bthc,chd->bthd", o_lat[:, None], kv_kernel[..., dn:].astype(dt)).astype(dt)
+
+
 def expand_latent(block: jax.Array, kv_kernel: jax.Array, heads: int, nope_dim: int, dtype: jnp.dtype,
                   precision: jax.lax.Precision) -> tuple[jax.Array, jax.Array]:
     """Per-head K/V of cached positions: ``block [B, S, C+Dr]`` (latent ĉ then the shared key part),
@@ -327,17 +343,25 @@ class KimiMLAAttention(nn.Module):
                 raise ValueError("MLA with a cache needs `lengths` [B] (tokens already cached per row)")
             store = cache["latent"]
             new_entries = jnp.concatenate([latent, k_rot], axis=-1).astype(store.dtype)  # [B, T, C+Dr]
+            decode_kernel = False
             if cache_index is not None:  # one token into repeat cache_index of the stacked latents, in place
                 if t != 1:
                     raise ValueError(f"MLA: a stacked cache (cache_index) is the one-token decode step, got T={t}")
                 stacked = store.at[cache_index, jnp.arange(b), lengths].set(new_entries[:, 0], mode="clip")
                 new_cache = {"latent": stacked}
-                store = jax.lax.dynamic_index_in_dim(stacked, cache_index, 0, keepdims=False)
+                q_lat_shape = jax.ShapeDtypeStruct((b, h, c), dt)
+                decode_kernel = mla_decode.select(cfg.mla_decode_attention_implementation, q_lat_shape,
+                                                  q_rot[:, 0], stacked) == "mosaic_tpu"
+                store = stacked if decode_kernel else jax.lax.dynamic_index_in_dim(stacked, cache_index, 0,
+                                                                                     keepdims=False)
             else:
                 store = jax.vmap(lambda s, n, pos: jax.lax.dynamic_update_slice(s, n, (pos, 0)))(
                     store, new_entries, lengths)
                 new_cache = {"latent": store}
-            if (cache_index is None and t >= prefix_attention.MIN_QUERIES
+            if decode_kernel:  # the stacked cache read in place at cache_index, up to each row's position
+                o = _kernel_decode_attention(q_nope.astype(dt), q_rot.astype(dt), stacked,
+                                             kv_kernel.reshape(c, h, dn + dv), lengths, cache_index, scale)
+            elif (cache_index is None and t >= prefix_attention.MIN_QUERIES
                     and prefix_attention_backend(cfg, q.astype(dt), dv) == "cudnn"):
                 expand = functools.partial(expand_latent, kv_kernel=kv_kernel, heads=h, nope_dim=dn, dtype=dt,
                                            precision=matmul_precision(cfg))

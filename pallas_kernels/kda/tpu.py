@@ -21,7 +21,8 @@ fp32 accumulation for the ``A``/``U``/``W``/state products (as fla does), while 
 inverse and the state stay fp32.
 
 Decode step, grid ``(B, H / hb)``: one token per sequence; the state pool ``[P, H, K, V] f32`` is indexed
-by a scalar-prefetched slot per sequence and updated in place (``input_output_aliases``).
+by a scalar-prefetched slot per sequence and updated in place (``input_output_aliases``). Its cost estimate (what
+XLA's cost analysis counts for it) is the ``B`` states read and written plus the token's vectors.
 """
 
 from __future__ import annotations
@@ -219,6 +220,10 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, heads_p
         in_specs=[hspec(K), hspec(K), hspec(V), hspec(K), hspec(1), pool_spec],
         out_specs=[hspec(V), pool_spec],
     )
+    size = lambda a: a.size * a.dtype.itemsize
+    cost = pl.CostEstimate(  # the B sequences' states read and written (not the whole pool), the token's vectors
+        flops=6 * B * H * K * V, transcendentals=B * H * K,
+        bytes_accessed=2 * B * H * K * V * 4 + sum(size(a) for a in (q, k, v, g, beta, state_slots)) + size(v))
     o, pool = forward_only(pl.pallas_call(
         functools.partial(_decode_kernel, scale=float(scale)),
         grid_spec=grid_spec,
@@ -226,6 +231,7 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, heads_p
         input_output_aliases={6: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
+        cost_estimate=cost,
         name="kda_decode",
     ), state_slots.astype(jnp.int32), q, k, v, g, beta[..., None], state_pool.astype(jnp.float32),
         name="kda.tpu.decode_step")

@@ -26,9 +26,9 @@ kernels are forward only, and :func:`expert_ffn` over MXFP4 weights differentiat
 (frozen experts, e.g. LoRA) through the bf16 kernels on the decoded weights.
 
 Stacked weights (``layer=``, one-token decode): :func:`expert_ffn` and :func:`moe_dispatch_combine` also take the
-whole ``[L, E, ...]`` stack of a scanned layer segment plus the layer index. ``triton`` reads that layer in place
-(no per-layer weight copy; forward only) when the weights are MXFP4 or already in the activations' dtype; every
-other case takes the layer's slice
+whole ``[L, E, ...]`` stack of a scanned layer segment plus the layer index. ``triton`` and ``mosaic_tpu`` read
+that layer in place (no per-layer weight copy; forward only) when the weights are MXFP4 or already in the
+activations' dtype; every other case takes the layer's slice
 (:func:`reference.layer_of`, which XLA may copy) and runs as without ``layer``, so results are the same.
 """
 
@@ -164,12 +164,11 @@ def grouped_matmul(
 def _kernels(impl: str):
     """``(kernel module, MXFP4 weight dict -> that module's MXFP4 operand)`` for a kernel backend."""
     if impl == "mosaic_tpu":
-        from pallas_kernels.moe import tpu  # noqa: PLC0415
+        from pallas_kernels.moe import tpu as kern  # noqa: PLC0415
+    else:
+        from pallas_kernels.moe import gpu as kern  # noqa: PLC0415
 
-        return tpu, lambda w: tpu.mxfp4_kernel_layout(w["weight_packed"], w["weight_scale"])
-    from pallas_kernels.moe import gpu  # noqa: PLC0415
-
-    return gpu, lambda w: (w["weight_packed"], w["weight_scale"])
+    return kern, lambda w: (w["weight_packed"], w["weight_scale"])
 
 
 @functools.cache
@@ -258,13 +257,13 @@ def expert_ffn(
     """Routed experts on expert-sorted rows (same contract as :func:`reference.expert_ffn`).
 
     ``layer`` (i32 scalar): w1/w3/w2 are stacks ``[L, ...]`` of that contract's weights, and layer ``layer`` is
-    used (read in place by ``triton``; sliced for the other backends).
+    used (read in place by ``triton`` and ``mosaic_tpu``; sliced for the other backends).
     """
     impl = select(implementation, x_sorted, w1 if layer is None else _one_layer_shape(w1), interpret, platform)
     in_place = all(is_mxfp4(w) for w in (w1, w3, w2)) or all(
         not is_mxfp4(w) and w.dtype == x_sorted.dtype for w in (w1, w3, w2))  # no cast of the whole stack
-    if layer is not None and impl == "triton" and in_place:
-        return _triton_ffn_layer(x_sorted, group_sizes, w1, w3, w2, layer, beta1=beta1, beta2=beta2,
+    if layer is not None and impl in ("triton", "mosaic_tpu") and in_place:
+        return _kernel_ffn_layer(impl, x_sorted, group_sizes, w1, w3, w2, layer, beta1=beta1, beta2=beta2,
                                  mxfp8_activations=mxfp8_activations, interpret=interpret)
     if layer is not None:
         w1, w3, w2 = (ref.layer_of(w, layer) for w in (w1, w3, w2))
@@ -295,22 +294,25 @@ def expert_ffn(
     return out.astype(dt)
 
 
-def _triton_ffn_layer(x_sorted, group_sizes, w1, w3, w2, layer, *, beta1, beta2, mxfp8_activations, interpret):
-    """:func:`expert_ffn`'s ``triton`` path on stacked weights read in place at ``layer`` (forward only)."""
-    from pallas_kernels.moe import gpu  # noqa: PLC0415
-
+def _kernel_ffn_layer(impl, x_sorted, group_sizes, w1, w3, w2, layer, *, beta1, beta2, mxfp8_activations,
+                      interpret):
+    """:func:`expert_ffn`'s ``triton`` / ``mosaic_tpu`` path on stacked weights read in place at ``layer``
+    (forward only): the same kernels as on the layer's slice."""
+    kern, pair = _kernels(impl)
     dt = x_sorted.dtype
     a = fake_quant_mxfp8(x_sorted) if mxfp8_activations else x_sorted
     quant = lambda h: fake_quant_mxfp8(h) if mxfp8_activations else h
     if is_mxfp4(w1) and is_mxfp4(w3) and is_mxfp4(w2):
-        pair = lambda w: (w["weight_packed"], w["weight_scale"])
-        h = gpu.gmm_mxfp4(a, [pair(w1), pair(w3)], group_sizes, epilogue=ref.situ_epilogue(beta1, beta2, dt),
-                          out_dtype=dt, interpret=interpret, layer=layer)
-        out = gpu.gmm_mxfp4(quant(h), [pair(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret,
-                            layer=layer)
+        h = kern.gmm_mxfp4(a, [pair(w1), pair(w3)], group_sizes, epilogue=ref.situ_epilogue(beta1, beta2, dt),
+                           out_dtype=dt, interpret=interpret, layer=layer)
+        out = kern.gmm_mxfp4(quant(h), [pair(w2)], group_sizes, out_dtype=jnp.float32, interpret=interpret,
+                             layer=layer)
         return out.astype(dt)
-    mm = lambda lhs, w, **kw: gpu.gmm(lhs, w, group_sizes, interpret=interpret, layer=layer, **kw)
-    h = ref.situ_glu(mm(a, w1), mm(a, w3), beta1, beta2)
+    mm = lambda lhs, w, **kw: kern.gmm(lhs, w, group_sizes, interpret=interpret, layer=layer, **kw)
+    if impl == "mosaic_tpu":  # the fused w1/w3 + SiTU-GLU kernel, as tpu_glu_fn's forward on the slice
+        h = kern.gmm_glu(a, w1, w3, group_sizes, beta1=beta1, beta2=beta2, interpret=interpret, layer=layer)
+    else:
+        h = ref.situ_glu(mm(a, w1), mm(a, w3), beta1, beta2)
     return mm(quant(h), w2, preferred_element_type=jnp.float32).astype(dt)
 
 
