@@ -363,6 +363,36 @@ def param_shardings(params_boxed: Any, mesh: Mesh, preset: Rules | str) -> Any:
     return logical_to_sharding(specs, mesh, preset, shapes)
 
 
+def state_shardings(state: Any, params: Any, param_shardings_tree: Any, mesh: Mesh) -> Any:
+    """Shardings for an optimizer state (arrays or abstract shapes) laid out like the parameters it mirrors.
+
+    A state leaf whose key path ends with a parameter's key path and has that parameter's shape (Adam's ``mu`` /
+    ``nu``, Muon's momentum: ``...mu['model']['layer']['kernel']``) takes the parameter's sharding from
+    ``param_shardings_tree`` (a tree like ``params``); every other leaf (step counts, scalars, masked entries) is
+    replicated on ``mesh``. Without this a jitted ``tx.init`` places every moment replicated: its zeros carry no
+    data dependence on the sharded parameters for the compiler to follow."""
+    by_path: dict[tuple, tuple[tuple[int, ...], Any]] = {}
+    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat_shardings = jax.tree_util.tree_leaves(param_shardings_tree,
+                                               is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if len(flat_params) != len(flat_shardings):
+        raise ValueError(f"state_shardings: {len(flat_params)} parameters but {len(flat_shardings)} shardings")
+    for (path, p), sh in zip(flat_params, flat_shardings, strict=True):
+        by_path[tuple(path)] = (tuple(p.shape), sh)
+    longest = max((len(k) for k in by_path), default=0)
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def one(path: tuple, leaf: Any) -> Any:
+        shape = tuple(getattr(leaf, "shape", ()))
+        for n in range(min(longest, len(path)), 0, -1):
+            hit = by_path.get(tuple(path[-n:]))
+            if hit is not None and hit[0] == shape:
+                return hit[1]
+        return rep
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
 def shard_params(params_boxed: Any, mesh: Mesh, preset: Rules | str) -> Any:
     """Place boxed (``nn.LogicallyPartitioned``) params on ``mesh`` per ``preset``; returns plain arrays."""
     shardings = param_shardings(params_boxed, mesh, preset)

@@ -41,10 +41,26 @@ def _losses(mesh: str, tmp_path) -> list[float]:
         state, metrics = train_step(state, batch)
         losses.append(float(metrics["loss"]))
     print(f"mesh {mesh}: losses {losses}, {time.time() - t0:.1f} s")
-    if mesh != "none":  # the step kept the parameters on the mesh
+    if mesh != "none":  # the step kept the parameters on the mesh, and the moments in their parameters' layout
         w = state["params"]["model"]["segment_1"]["layer_0"]["block_sparse_moe"]["experts"]["w1"]
         assert len(w.sharding.device_set) == 8, w.sharding
+        _assert_moments_like_params(state)
     return losses
+
+
+def _assert_moments_like_params(state: dict) -> None:
+    """Every AdamW moment (``mu`` / ``nu``) has its parameter's sharding: the optimizer state is sharded as the
+    parameters are, not replicated (a jitted ``tx.init`` alone replicates it)."""
+    params = {jax.tree_util.keystr(p): x.sharding.spec for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
+    checked = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(state["opt_state"]):
+        key = jax.tree_util.keystr(path)
+        for moment in (".mu", ".nu"):
+            if moment in key:
+                want = params[key.split(moment, 1)[1]]
+                assert x.sharding.spec == want, f"{key}: {x.sharding.spec}, its parameter {want}"
+                checked += 1
+    assert checked > 0 and any(s != jax.sharding.PartitionSpec() for s in params.values())
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
     from k3_jax.training.loop import TrainConfig, Trainer, batch_sharding
     from k3_jax.training.step import make_train_step
     from sharding.mesh import make_mesh
-    from sharding.rules import activate, param_shardings
+    from sharding.rules import activate, param_shardings, state_shardings
 
     topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
     m = make_mesh(mesh, devices=topo.devices)
@@ -66,12 +66,14 @@ def compile_train_step(config: str, topology: str, mesh: str, batch_size: int, s
     def abstract(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), tree, shardings)
 
-    params = abstract(nn.unbox(boxed), param_shardings(boxed, m, preset))
+    shardings = param_shardings(boxed, m, preset)
+    params = abstract(nn.unbox(boxed), shardings)
     rep = NamedSharding(m, PartitionSpec())
     with activate(m, preset):
-        trained = params if tr.trainable is None else lora.split(params, tr.trainable)[0]
-        opt_shardings = jax.jit(tr.tx.init).lower(trained).compile().output_shardings
-        opt_state = abstract(jax.eval_shape(tr.tx.init, trained), opt_shardings)
+        trained, trained_shardings = ((params, shardings) if tr.trainable is None else
+                                      (lora.split(params, tr.trainable)[0], lora.split(shardings, tr.trainable)[0]))
+        opt_abstract = jax.eval_shape(tr.tx.init, trained)
+        opt_state = abstract(opt_abstract, state_shardings(opt_abstract, trained, trained_shardings, m))
         state = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), "params": params,
                  "opt_state": opt_state, "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)}
         batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=batch_sharding(m))

@@ -232,10 +232,26 @@ class Trainer:
                 return lora.with_adapters(base, lora.init_adapters(base, self.lora, jax.random.fold_in(r, 1)))
 
             def init_opt(params):
-                return tx.init(params if self.trainable is None else lora.split(params, self.trainable)[0])
+                return tx.init(self._trained(params))
 
-            self._init_fns = (jax.jit(init_params, out_shardings=self._param_shardings), jax.jit(init_opt))
+            opt_shardings = None
+            if self.mesh is not None:  # the moments take their parameters' layout (not the compiler's replicas)
+                from sharding.rules import state_shardings  # noqa: PLC0415
+
+                params = self._abstract_params()
+                opt_shardings = state_shardings(jax.eval_shape(init_opt, params), self._trained(params),
+                                                self._trained(self._param_shardings), self.mesh)
+            self._init_fns = (jax.jit(init_params, out_shardings=self._param_shardings),
+                              jax.jit(init_opt, out_shardings=opt_shardings))
         return self._init_fns
+
+    def _trained(self, tree: Any) -> Any:
+        """The part of a params-shaped ``tree`` the optimizer sees: all of it, or the LoRA adapters alone."""
+        return tree if self.trainable is None else lora.split(tree, self.trainable)[0]
+
+    def _abstract_params(self) -> Any:
+        """The model's params (with adapters) as ``jax.ShapeDtypeStruct`` s."""
+        return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nn.unbox(self.abstract_params_boxed))
 
     def init_state(self) -> dict:
         """Fresh train state, params placed per the sharding preset."""
