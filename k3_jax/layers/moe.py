@@ -229,13 +229,9 @@ class LatentMoE(nn.Module):
         else:
             (experts, adapters), layer = RoutedExperts(cfg, name="experts")(), None
         if strategy is not None:  # experts split over the `expert` mesh axis
-            if adapters is not None:
-                raise ValueError(f"{'/'.join(self.path)}/experts: LoRA adapters on MXFP4 routed experts are not "
-                                 f"supported with expert parallelism yet (strategy {strategy!r} on an `expert` "
-                                 "mesh axis > 1); run with moe_expert_parallel='none', or load the experts as bf16")
             u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=strategy,
                                         beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-                                        ffn=_expert_ffn_kernel(cfg))
+                                        ffn=_expert_ffn_kernel(cfg), adapters=adapters)
         else:  # kernels are single-device: each shard routes its own tokens through all experts
             def dispatch(z, expert_ids, weights, experts, adapters):
                 return moe_ops.moe_dispatch_combine(
@@ -277,12 +273,12 @@ def expert_parallel_strategy(cfg: K3Config) -> str | None:
 
 
 def _expert_ffn_kernel(cfg: K3Config):
-    """``ffn(x_sorted, group_sizes, w1, w3, w2)`` for expert parallelism: :func:`pallas_kernels.moe.ops.expert_ffn`
-    with ``cfg.moe_implementation`` on ``cfg.platform``."""
+    """``ffn(x_sorted, group_sizes, w1, w3, w2, adapters=None)`` for expert parallelism:
+    :func:`pallas_kernels.moe.ops.expert_ffn` with ``cfg.moe_implementation`` on ``cfg.platform``."""
 
-    def ffn(x, group_sizes, w1, w3, w2):
+    def ffn(x, group_sizes, w1, w3, w2, adapters=None):
         return moe_ops.expert_ffn(x, group_sizes, w1, w3, w2, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
                                   mxfp8_activations=cfg.qat == "mxfp4", implementation=cfg.moe_implementation,
-                                  platform=cfg.platform)
+                                  platform=cfg.platform, adapters=adapters)
 
     return ffn
