@@ -4,10 +4,13 @@ layout and the same adapters; adapters get that model's gradients, codes and sca
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from k3_jax.config import load_config
@@ -18,10 +21,10 @@ from k3_jax.model import K3ForCausalLM
 from k3_jax.quant.mxfp4 import pack_mxfp4
 from k3_jax.training import lora
 from k3_jax.training.optim import OptimConfig, build_optimizer
-from k3_jax.training.step import StepConfig, make_train_step
 from pallas_kernels.moe import ops
 from pallas_kernels.moe import reference as ref
 from sharding.rules import logical_to_pspec
+from tests.test_triton_lowering import verified_modules  # noqa: F401  (a fixture)
 
 RANK = 4
 
@@ -78,11 +81,21 @@ def setup():
     return cfg, mx_cfg, tokens, packed, decoded, adapters
 
 
+@functools.cache
+def _value_and_adapter_grads(cfg):
+    """Jitted ``(params, tokens) -> (sum(logits²), grads)``, grads only for the adapters (the LoRA step's
+    :func:`lora.value_and_grad_trainable`); one compile per config and tree."""
+
+    def f(params, tokens):
+        loss = lambda p, t: (jnp.sum(K3ForCausalLM(cfg).apply({"params": p}, t) ** 2), None)
+        (value, _), grads = lora.value_and_grad_trainable(loss, lora.trainable_mask(params))(params, tokens)
+        return value, grads
+
+    return jax.jit(f)
+
+
 def _logits_and_adapter_grads(cfg, params, tokens):
-    mask = lora.trainable_mask(params)
-    loss = lambda p, t: (jnp.sum(K3ForCausalLM(cfg).apply({"params": p}, t) ** 2), None)
-    (value, _), grads = jax.jit(lora.value_and_grad_trainable(loss, mask))(params, tokens)
-    return value, grads
+    return _value_and_adapter_grads(cfg)(params, tokens)
 
 
 def test_forward_and_adapter_gradients_equal_the_decoded_bf16_model(setup):
@@ -107,21 +120,23 @@ def test_forward_and_adapter_gradients_equal_the_decoded_bf16_model(setup):
     assert lora.merge(packed) == packed  # no adapters: the packed experts stay packed
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_kernel_path_equals_reference_on_cpu_interpret():
-    """The unfused Triton path (interpret mode on CPU): MXFP4 base products + per-expert low-rank terms (rank 4,
-    zero-padded to 16) give the reference's output and gradients for the tokens and every adapter leaf."""
+    """The unfused Triton path (interpret mode on CPU): MXFP4 base products + low-rank terms (per-expert A on w1,
+    shared A on w2, w3 without adapter; rank 4 zero-padded to 16) give the reference's output and gradients for
+    the tokens and every adapter leaf, MXFP8 expert inputs included."""
     e, m, lat, inter, r = 4, 24, 64, 32, 4
     ks = jax.random.split(jax.random.key(3), 8)
     mk = lambda key, n, k: dict(zip(("weight_packed", "weight_scale"),
                                     pack_mxfp4(0.1 * jax.random.normal(key, (e, n, k))), strict=True))
     w1, w3, w2 = mk(ks[1], inter, lat), mk(ks[2], inter, lat), mk(ks[3], lat, inter)
 
-    def adapter(key, din, dout):
+    def adapter(key, din, dout, per_expert):
         ka, kb = jax.random.split(key)
-        return (jax.random.normal(ka, (e, din, r)) / np.sqrt(din), 0.3 * jax.random.normal(kb, (e, r, dout)),
-                jnp.float32(2.0))
+        a = jax.random.normal(ka, ((e,) if per_expert else ()) + (din, r)) / np.sqrt(din)
+        return a, 0.3 * jax.random.normal(kb, (e, r, dout)), jnp.float32(2.0)
 
-    adapters = {"w1": adapter(ks[5], lat, inter), "w3": adapter(ks[6], lat, inter), "w2": adapter(ks[7], inter, lat)}
+    adapters = {"w1": adapter(ks[5], lat, inter, True), "w2": adapter(ks[7], inter, lat, False)}
     x, c = jax.random.normal(ks[0], (m, lat)), jax.random.normal(ks[4], (m, lat))
     gs = jnp.array([5, 0, 12, 7], jnp.int32)  # 24 rows: all routed
 
@@ -133,7 +148,8 @@ def test_kernel_path_equals_reference_on_cpu_interpret():
         got = jax.jit(jax.value_and_grad(loss("triton", True), argnums=(0, 1)))(x, adapters)
         want = jax.jit(jax.value_and_grad(loss("xla", False), argnums=(0, 1)))(x, adapters)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
-    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+    trained = lambda g: [g[0]] + [g[1][n][i] for n in ("w1", "w2") for i in (0, 1)]  # tokens, a, b
+    for g, w in zip(trained(got[1]), trained(want[1]), strict=True):
         assert float(jnp.max(jnp.abs(w))) > 0
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(w))))
     # the frozen MXFP4 weight: its codes and scales get float0 (no) cotangents
@@ -231,54 +247,113 @@ def test_expert_parallel_adapters_equal_reference():
 
 @pytest.fixture(scope="module")
 def finetuned(setup):
-    """Two LoRA train steps (AdamW on the adapters only) over the packed experts: (state before, after, mask)."""
+    """Two AdamW steps on fresh expert adapters over the packed experts, from the LoRA step's gradient function
+    (the one compiled above) and optimizer: (params before, after, mask, optimizer state before)."""
     _, mx_cfg, tokens, packed, _, adapters = setup
-    lc = lora.LoraConfig(rank=RANK, alpha=8.0, targets=("experts", "latent"))
-    full = lora.with_adapters(packed, lora.init_adapters(packed, lc, jax.random.key(5)))
-    mask = lora.trainable_mask(full)
-    trainable, _ = lora.split(full, mask)
-    labels = lora.labels(full, mask)
+    lc = lora.LoraConfig(rank=RANK, alpha=8.0, targets=("experts",))
+    params = lora.with_adapters(packed, lora.init_adapters(packed, lc, jax.random.key(5)))
+    mask = lora.trainable_mask(params)
+    labels = lora.labels(params, mask)
     tx = build_optimizer(OptimConfig(name="adamw", lr=1e-2, warmup_frac=0.0, total_steps=10), labels)
-    state = {"step": jnp.zeros((), jnp.int32), "params": full, "opt_state": tx.init(trainable),
-             "rng": jax.random.key_data(jax.random.key(0))}
-    step = jax.jit(make_train_step(K3ForCausalLM(mx_cfg), tx, labels, mx_cfg, StepConfig(qb=False,
-                                                                                         weight_clip=None), mask))
-    batch = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens)}
-    new_state, _ = step(jax.tree.map(jnp.copy, state), batch)  # lr is 0 at step 0 (warmup)
-    new_state, metrics = step(new_state, batch)
-    return state, new_state, mask, metrics
+    opt_state0 = tx.init(lora.split(params, mask)[0])
+
+    @jax.jit
+    def update(trainable, grads, opt_state):
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state
+
+    new, opt_state = params, opt_state0
+    for _ in range(2):  # lr is 0 at step 0 (warmup)
+        value, grads = _logits_and_adapter_grads(mx_cfg, new, tokens)
+        trainable, frozen = lora.split(new, mask)
+        trainable, opt_state = update(trainable, grads, opt_state)
+        new = lora.join(trainable, frozen)
+    assert np.isfinite(float(value))
+    return params, new, mask, opt_state0, grads
 
 
 def test_codes_and_scales_get_no_gradient_and_no_optimizer_state(finetuned):
-    state, new_state, mask, metrics = finetuned
-    assert np.isfinite(float(metrics["loss"]))
-    adapter_bytes = lora.tree_bytes(lora.split(state["params"], mask)[0])
-    opt_bytes = lora.tree_bytes(state["opt_state"])
+    params, new, mask, opt_state, grads = finetuned
+    adapter_bytes = lora.tree_bytes(lora.split(params, mask)[0])
+    assert lora.tree_bytes(grads) == adapter_bytes  # gradients for the adapters alone
+    opt_bytes = lora.tree_bytes(opt_state)
     assert 2 * adapter_bytes <= opt_bytes <= 2 * adapter_bytes + 64  # AdamW mu + nu per adapter leaf, counters
     exp_mask = _experts_of(mask)
     assert not any(jax.tree.leaves({k: v for k, v in exp_mask.items() if k in ("w1", "w3", "w2")}))
     assert all(exp_mask[f"{w}_lora_{n}"] for w in ("w1", "w3", "w2") for n in "ab")
-    for (p, old), new, m in zip(jax.tree_util.tree_flatten_with_path(state["params"])[0],
-                                jax.tree.leaves(new_state["params"]), jax.tree.leaves(mask), strict=True):
-        if m and "experts" in jax.tree_util.keystr(p) and "lora_b" in jax.tree_util.keystr(p):
-            assert not np.array_equal(old, new), jax.tree_util.keystr(p)  # the expert adapters train
+    for (p, old), upd, m in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(new),
+                                jax.tree.leaves(mask), strict=True):
+        if m and "lora_b" in jax.tree_util.keystr(p):
+            assert not np.array_equal(old, upd), jax.tree_util.keystr(p)  # the expert adapters train
         elif not m:
-            assert np.array_equal(old, new), jax.tree_util.keystr(p)  # codes, scales, lora_scale: bit-identical
+            assert np.array_equal(old, upd), jax.tree_util.keystr(p)  # codes, scales, lora_scale: bit-identical
 
 
-def test_finetune_merge_export_load_gives_same_logits(setup, finetuned, tmp_path):
-    cfg, mx_cfg, tokens, _, _, _ = setup
-    tuned = finetuned[1]["params"]
+def test_finetune_merge_export_load_round_trip(setup, finetuned, tmp_path):
+    """Export writes the merged model (packed experts decoded, ``W_deq + s·a b`` re-quantised) in the release
+    layout with its rounding error; loading it gives exactly those tensors and the release's config, so the loaded
+    model is the merged model re-quantised (the same params under the same config: the same logits)."""
+    _, mx_cfg, _, _, _, _ = setup
+    tuned = finetuned[1]
     report = lora.export(mx_cfg, tuned, tmp_path / "hf", experts="mxfp4")
     rnd = report["expert_rounding"]
     assert rnd["count"] > 0 and 0 < rnd["rel_rms"] < 0.3 and rnd["max_abs"] > 0
     cfg_l, loaded = load_checkpoint(report["path"], dtype="float32")
-    assert cfg_l.expert_format == "mxfp4"
-    run_cfg = mx_cfg.replace(qat="mxfp4")  # the release's boundary the export declares (MXFP8 expert inputs)
-    assert cfg_l.to_hf_dict() == run_cfg.to_hf_dict()
-    apply = jax.jit(K3ForCausalLM(run_cfg).apply)
-    y_loaded = apply({"params": jax.tree.map(jnp.asarray, loaded)}, tokens)
-    # reference: the merged model (experts dense, W_deq + s·a b) packed as the release stores it
-    want = jax.tree.map(lambda x, stored: jnp.asarray(x).astype(stored.dtype).astype(jnp.asarray(x).dtype),
-                        _map_experts(lora.merge(tuned), _pack), loaded)
-    np.testing.assert_array_equal(np.asarray(y_loaded), np.asarray(apply({"params": want}, tokens)))
+    assert cfg_l.to_hf_dict() == mx_cfg.replace(qat="mxfp4").to_hf_dict()  # packed experts, MXFP8 expert inputs
+    want = _map_experts(lora.merge(tuned), _pack)  # the merged model packed as the release stores it
+    assert jax.tree.structure(loaded) == jax.tree.structure(want)
+    for (path, got), w in zip(jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(want), strict=True):
+        w = np.asarray(w).astype(got.dtype).astype(np.asarray(w).dtype)  # as the stored dtype holds it
+        np.testing.assert_array_equal(np.asarray(got), w, err_msg=jax.tree_util.keystr(path))
+    exp_l, exp_t = _experts_of(loaded), _experts_of(tuned)
+    assert not np.array_equal(exp_l["w1"]["weight_packed"], exp_t["w1"]["weight_packed"])  # the adapters moved it
+
+
+def _lowering_problem(e: int = 4, m: int = 64, k: int = 256, n: int = 256, r: int = 4):
+    """Per-expert rank-``r`` adapters on packed ``w1, w3 [E, n, k]``, ``w2 [E, k, n]`` (HF layout), bf16 rows."""
+    rng = np.random.default_rng(0)
+    mx = lambda rows, cols: {"weight_packed": jnp.asarray(rng.integers(0, 256, (e, rows, cols // 2)), jnp.uint8),
+                             "weight_scale": jnp.asarray(rng.integers(120, 130, (e, rows, cols // 32)), jnp.uint8)}
+    ad = lambda din, dout: (jnp.ones((e, din, r)), jnp.ones((e, r, dout)), jnp.float32(1.0))
+    return (jnp.ones((m, k), jnp.bfloat16), jnp.array([30, 0, 20, 14], jnp.int32), (mx(n, k), mx(n, k), mx(k, n)),
+            {"w1": ad(k, n), "w3": ad(k, n), "w2": ad(n, k)})
+
+
+def _adapter_step(impl: str, platform: str, gs, weights):
+    """The gradients a LoRA step takes through the experts: tokens and adapters."""
+    loss = lambda x, ad: jnp.sum(ops.expert_ffn(x, gs, *weights, adapters=ad, implementation=impl,
+                                                platform=platform).astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1))
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_triton_adapter_path_lowers_for_hopper(verified_modules):  # noqa: F811  (the imported fixture)
+    """The Triton path with adapters (MXFP4 products, the rank-padded grouped matmuls and their kernel backward)
+    lowers on CPU to Triton modules that pass MLIR verification (see tests/test_triton_lowering.py)."""
+    x, gs, weights, adapters = _lowering_problem()
+    jax.jit(_adapter_step("triton", "gpu", gs, weights)).trace(x, adapters).lower(lowering_platforms=("cuda",))
+    assert {"moe_gmm_mxfp4_gpu", "moe_gmm_gpu", "moe_tgmm_gpu"} <= set(verified_modules)
+
+
+def test_mosaic_tpu_adapter_path_compiles_aot():
+    """The Mosaic TPU path with adapters (rank 4, not padded: blocks take the full rank) compiles for v5p on this
+    host (needs libtpu; K3-width shapes and ranks 4/16/64 were compiled the same way by hand)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install -e '.[aot]')")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    try:
+        dev = topologies.get_topology_desc("v5p:2x2x1", platform="tpu").devices[0]
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"libtpu cannot describe topology v5p:2x2x1: {type(exc).__name__}: {exc}")
+    x, gs, weights, adapters = _lowering_problem()
+    on_tpu = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                   sharding=SingleDeviceSharding(dev)), t)
+    step = lambda x, ad, gs, weights: _adapter_step("mosaic_tpu", "tpu", gs, weights)(x, ad)
+    compiled = jax.jit(step).lower(*on_tpu((x, adapters, gs, weights))).compile()
+    assert "tpu_custom_call" in compiled.as_text()
