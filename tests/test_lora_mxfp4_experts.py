@@ -337,7 +337,7 @@ def test_triton_adapter_path_lowers_for_hopper(verified_modules):  # noqa: F811 
 
 def test_mosaic_tpu_adapter_path_compiles_aot():
     """The Mosaic TPU path with adapters (rank 4, not padded: blocks take the full rank) compiles for v5p on this
-    host (needs libtpu; K3-width shapes and ranks 4/16/64 were compiled the same way by hand)."""
+    host (needs libtpu; K3-width shapes, ranks 4/16/64 on v5p and 16 on v6e, were compiled the same way by hand)."""
     import importlib.util
     import os
 
@@ -362,7 +362,7 @@ def test_mosaic_tpu_adapter_path_compiles_aot():
 def test_memory_plan_of_expert_adapters_agrees_with_the_compiler():
     """The plan's activations + gradient accumulator of a LoRA step with adapters on the packed experts (rank 64,
     all targets) are within 10% of XLA:TPU's temp bytes for the same K3 depth cut (2 layers, v5p-128 mesh
-    fsdp=4,expert=4,tensor=4, 16×2048 tokens, remat full: 16.602 GB; RESULTS.md), and count the unfused products."""
+    fsdp=4,expert=4,tensor=4, 16×2048 tokens, remat full: 16.734 GB; RESULTS.md), and count the unfused products."""
     from benchmarks.finetune_aot import depth_cut
     from sharding.memory import plan
     from sharding.plan import abstract_params
@@ -375,7 +375,7 @@ def test_memory_plan_of_expert_adapters_agrees_with_the_compiler():
     kw = {"batch": 16, "seq_len": 2048, "optimizer": "adamw", "lora": True}
     p = plan(cfg, "train", "fsdp=4,expert=4,tensor=4", boxed=with_experts, **kw)
     est = (p.per_device["activations_est"] + p.per_device["gradients"]) / 1e9
-    assert est == pytest.approx(16.602, rel=0.10)
+    assert est == pytest.approx(16.734, rel=0.10)
     lc_no = lora.LoraConfig(rank=64, targets=("attention", "shared_experts", "latent"))
     no_experts = plan(cfg, "train", "fsdp=4,expert=4,tensor=4", **kw,
                       boxed=lora.with_adapters(boxed, lora.adapter_shapes(boxed, lc_no, dtype=jnp.float32)))
