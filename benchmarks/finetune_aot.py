@@ -16,6 +16,9 @@ release config (its first L layers, real widths and expert count) and reports ea
 such, not compiled).
 
     python benchmarks/finetune_aot.py --topology v5p:4x4x4 --mesh fsdp=4,expert=4,tensor=4 --layers 4,8   # v5p-128
+
+``--targets`` picks the adapted weights (default attention, shared experts, latent projections; ``experts`` adds
+adapters on the packed routed experts, which then run unfused beside their MXFP4 products).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ def depth_cut(config: str, layers: int) -> dict:
             "first_k_dense_replace": min(cfg.first_k_dense_replace, layers)}
 
 
-def planned(config: str, overrides: dict, mesh: str, batch: int, seq_len: int, rank: int, accum: int = 1) -> dict:
+def planned(config: str, overrides: dict, mesh: str, batch: int, seq_len: int, rank: int, accum: int = 1,
+            targets: tuple[str, ...] = TARGETS) -> dict:
     """:func:`sharding.memory.plan`'s per-device bytes of the LoRA step (as ``python -m sharding.plan --lora``)."""
     import jax.numpy as jnp
 
@@ -59,7 +63,7 @@ def planned(config: str, overrides: dict, mesh: str, batch: int, seq_len: int, r
 
     cfg = load_config(config, **overrides)
     boxed = abstract_params(cfg)
-    boxed = lora.with_adapters(boxed, lora.adapter_shapes(boxed, lora.LoraConfig(rank=rank, targets=TARGETS),
+    boxed = lora.with_adapters(boxed, lora.adapter_shapes(boxed, lora.LoraConfig(rank=rank, targets=targets),
                                                           dtype=jnp.float32))
     res = plan(cfg, "train", mesh, batch=batch, seq_len=seq_len, optimizer="adamw", boxed=boxed, lora=True,
                accum=accum)
@@ -67,18 +71,18 @@ def planned(config: str, overrides: dict, mesh: str, batch: int, seq_len: int, r
 
 
 def one(config: str, layers: int | None, topology: str, mesh: str, batch: int, seq_len: int, rank: int,
-        moe: str = "auto", remat: str = "none", accum: int = 1) -> dict:
+        moe: str = "auto", remat: str = "none", accum: int = 1, targets: tuple[str, ...] = TARGETS) -> dict:
     from k3_jax.training.aot import compile_train_step
 
     over = {"expert_format": "mxfp4", "param_dtype": "bfloat16", "moe_implementation": moe, "remat": remat,
             "vision": None, **(depth_cut(config, layers) if layers else {})}  # the text model's step
     t0 = time.perf_counter()
-    est = planned(config, over, mesh, batch, seq_len, rank, accum)
+    est = planned(config, over, mesh, batch, seq_len, rank, accum, targets)
     plan_gb = {k: round(v / GB, 3) for k, v in est.items()}
     try:
         out = compile_train_step(config, topology, mesh, batch, seq_len, overrides=over, accum=accum,
                                  train_overrides={"optimizer": "adamw", "lora_rank": rank, "lora_alpha": float(rank),
-                                                  "lora_targets": TARGETS})
+                                                  "lora_targets": targets})
     except Exception as e:  # XLA:TPU refuses a program over HBM; its message states the bytes it needed
         m = HBM_OOM.search(str(e))
         if m is None:
@@ -107,15 +111,18 @@ def main() -> None:
     ap.add_argument("--layers", default=None, help="L1,L2: depth cuts to compile (default: the whole model)")
     ap.add_argument("--remat", default="none", choices=("none", "full", "dots"), help="the model's remat policy")
     ap.add_argument("--accum", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    ap.add_argument("--targets", default=",".join(TARGETS),
+                    help="LoRA targets (add `experts` for adapters on the packed routed experts)")
     args = ap.parse_args()
+    targets = tuple(t for t in args.targets.split(",") if t)
     from k3_jax.config import load_config
 
     total = load_config(args.config).num_hidden_layers
     cuts = [int(x) for x in args.layers.split(",")] if args.layers else [None]
     rows = [one(args.config, c, args.topology, args.mesh, args.batch_size, args.seq_len, args.rank, args.moe,
-                args.remat, args.accum) for c in cuts]
+                args.remat, args.accum, targets) for c in cuts]
     res = {"bench": "finetune_aot", "config": args.config, "topology": args.topology, "mesh": args.mesh,
-           "batch": args.batch_size, "seq_len": args.seq_len, "lora_rank": args.rank, "lora_targets": TARGETS,
+           "batch": args.batch_size, "seq_len": args.seq_len, "lora_rank": args.rank, "lora_targets": targets,
            "experts": "mxfp4 (frozen, packed)", "moe_implementation": args.moe, "remat": args.remat,
            "accum": args.accum, "cuts": rows}
     if len(cuts) == 2 and None not in cuts and all(r["fits"] for r in rows):
@@ -127,7 +134,7 @@ def main() -> None:
         res["scaled_from_cuts"] = scaled
         res["plan_full_gb"] = {k: round(v / GB, 3) for k, v in planned(
             args.config, {"expert_format": "mxfp4", "param_dtype": "bfloat16", "remat": args.remat}, args.mesh,
-            args.batch_size, args.seq_len, args.rank, args.accum).items()}
+            args.batch_size, args.seq_len, args.rank, args.accum, targets).items()}
     print(json.dumps(res), flush=True)
 
 

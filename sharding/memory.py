@@ -235,7 +235,8 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
         res.per_device["activations_est"] = bank + tokens_local * (4 * d + 3 * widest) * act_item
     else:
         tokens_local = train_tokens_per_device or max(batch * seq_len // accum // tok_div, 1)
-        terms = train_activation_terms(cfg, sizes, tokens_local, lora=lora)
+        terms = train_activation_terms(cfg, sizes, tokens_local, lora=lora,
+                                       expert_adapters=lora and _has_expert_adapters(boxed))
         res.per_device["activations_est"] = terms["total"]
         res.whole.update({f"activation_{k}_per_device": v for k, v in terms.items() if k != "total"})
         res.notes.append(f"activations: {tokens_local} tokens per device per micro-batch, remat={cfg.remat!r} "
@@ -247,8 +248,14 @@ def plan(cfg: K3Config, preset: str, mesh: str | dict[str, int], *, num_devices:
     return res
 
 
+def _has_expert_adapters(boxed: Any) -> bool:
+    """Whether ``boxed`` holds LoRA adapters of routed experts (``.../experts/w1_lora_a`` ...)."""
+    paths = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+    return any("'experts'" in (key := jax.tree_util.keystr(p)) and "_lora_a'" in key for p, _ in paths)
+
+
 def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *, lora: bool = False,
-                           loss_chunk: int = 1024) -> dict[str, float]:
+                           expert_adapters: bool = False, loss_chunk: int = 1024) -> dict[str, float]:
     """Per-device bytes of a train step's activations for ``tokens`` tokens per device (one micro-batch), by term.
 
     What the compiled step keeps (read off XLA:TPU buffer assignments of LoRA step cuts, see
@@ -267,6 +274,9 @@ def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *,
     (cotangents ~12 bytes per ``A·Lat`` element, and the local experts once more in bf16: decoded from MXFP4 for the
     tokens' gradient, or their weight gradients when they train); the loss phase holds a chunk's logits and their
     gradient (f32 ``[chunk, V/t]``). ``lora``: only adapters train (frozen bf16 experts get no weight gradient).
+    ``expert_adapters``: LoRA adapters on MXFP4 routed experts, whose w1/w3 products run unfused (the base products
+    and the low-rank terms, each f32 ``[A, I/t]``, before the rounding): 16 bytes per ``A·I/t`` element more in
+    the layer's backward (an upper bound: the four at once; checked against a compiled K3 cut, RESULTS.md).
     """
     a = np.dtype(jnp.dtype(cfg.dtype)).itemsize
     t = max(sizes.get("tensor", 1), 1)
@@ -290,7 +300,8 @@ def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *,
            "moe": rows * lat * (a + 4) + tokens * (2 * lat + 3 * shared_t) * a + tokens * cfg.num_experts * 4}
     # local experts in bf16 once more: decoded from MXFP4 for the tokens' gradient, or their weight gradients
     expert_bwd = 3 * (cfg.num_experts // n_e) * lat * inter_t * a if cfg.expert_format == "mxfp4" or not lora else 0
-    bwd = {"dense": 2 * ffn["dense"], "moe": rows * lat * 12 + 3 * rows * inter_t * a + expert_bwd}
+    unfused = 16 * rows * inter_t if expert_adapters and cfg.expert_format == "mxfp4" else 0
+    bwd = {"dense": 2 * ffn["dense"], "moe": rows * lat * 12 + 3 * rows * inter_t * a + expert_bwd + unfused}
     kinds = [(cfg.mixer_kind(i), cfg.ffn_kind(i)) for i in range(cfg.num_hidden_layers)]
     saved_none = [common + mixer[m] + ffn[f] for m, f in kinds]
     remat = cfg.remat == "full"

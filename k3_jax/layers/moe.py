@@ -137,37 +137,43 @@ class RoutedExperts(nn.Module):
     mxfp4: ``w{1,3}.weight_packed u8 [E, I, L/2]`` + ``weight_scale u8 [E, I, L/32]``; ``w2`` the same over
     ``[E, L, I/…]`` (HF [out, in] orientation, as stored in the release).
 
+    Returns ``(weights, adapters)``: ``weights`` the dict the MoE ops take, ``adapters`` the LoRA adapters the
+    expert FFN must add on the activations (``{"w1": (a, b, scale), ...}``, see
+    :data:`pallas_kernels.moe.reference.ExpertAdapters`) or None.
+
     bf16 weights with LoRA adapters ``{w}_lora_a/_lora_b/_lora_scale`` (see
-    :func:`k3_jax.layers.common.lora_adapter`) are returned as ``w + scale · a @ b`` per expert; with
-    ``cfg.qat == "mxfp4"`` the (adapted) bf16 weights are returned fake-quantised to MXFP4
-    (:func:`k3_jax.quant.mxfp4.fake_quant_mxfp4`, straight-through gradients). MXFP4 weights take no adapters.
+    :func:`k3_jax.layers.common.lora_adapter`) are returned merged, ``w + scale · a @ b`` per expert (adapters
+    None); with ``cfg.qat == "mxfp4"`` the (adapted) bf16 weights are returned fake-quantised to MXFP4
+    (:func:`k3_jax.quant.mxfp4.fake_quant_mxfp4`, straight-through gradients). MXFP4 weights stay packed and
+    frozen; their adapters are returned as they are, for the low-rank path beside the MXFP4 products
+    (:func:`pallas_kernels.moe.ops.expert_ffn`).
     """
 
     cfg: K3Config
 
     @nn.compact
-    def __call__(self) -> dict:
+    def __call__(self) -> tuple[dict, dict | None]:
         cfg = self.cfg
         e, lat, im = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
         shapes = {"w1": (lat, im), "w3": (lat, im), "w2": (im, lat)}
         names = {"w1": ("experts", "latent", "expert_mlp"), "w3": ("experts", "latent", "expert_mlp"),
                  "w2": ("experts", "expert_mlp", "latent")}
         out: dict = {}
+        adapters: dict = {}
         for w, (din, dout) in shapes.items():
+            adapter = lora_adapter(self, f"{w}_")
             if cfg.expert_format == "bf16":
                 weight = self.param(w, logical(nn.initializers.normal(0.02), names[w]), (e, din, dout),
                                     param_dtype(cfg))
-                adapter = lora_adapter(self, f"{w}_")
                 if adapter is not None:
                     weight = (weight.astype(jnp.float32) + lora_delta(*adapter)).astype(weight.dtype)
                 out[w] = fake_quant_mxfp4(weight, -2) if cfg.qat == "mxfp4" else weight
             else:
-                if self.has_variable("params", f"{w}_lora_a"):
-                    raise ValueError(f"{'/'.join(self.path)}/{w}: LoRA adapters on MXFP4 routed experts are not "
-                                     "supported; adapt the other projections or load the experts as bf16")
                 out[w] = PackedExpertWeight((e, dout, din), (names[w][0], names[w][2], names[w][1]),
                                             name=w)()
-        return out
+                if adapter is not None:
+                    adapters[w] = adapter
+        return out, (adapters or None)
 
 
 class PackedExpertWeight(nn.Module):
@@ -217,23 +223,25 @@ class LatentMoE(nn.Module):
         self.sow("intermediates", "expert_ids", expert_ids)
         z = Linear(cfg.routed_expert_hidden_size, ("embed", "latent"), cfg, name="routed_expert_down_proj")(flat)
         strategy = expert_parallel_strategy(cfg)
+        adapters = None
         if stacked_experts is not None and strategy is None:
             experts = stacked_experts
         else:
-            experts, layer = RoutedExperts(cfg, name="experts")(), None
+            (experts, adapters), layer = RoutedExperts(cfg, name="experts")(), None
         if strategy is not None:  # experts split over the `expert` mesh axis
             u = moe_dispatch_combine_ep(z, expert_ids, weights, experts, strategy=strategy,
                                         beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
-                                        ffn=_expert_ffn_kernel(cfg))
+                                        ffn=_expert_ffn_kernel(cfg), adapters=adapters)
         else:  # kernels are single-device: each shard routes its own tokens through all experts
-            def dispatch(z, expert_ids, weights, experts):
+            def dispatch(z, expert_ids, weights, experts, adapters):
                 return moe_ops.moe_dispatch_combine(
                     z, expert_ids, weights, experts, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
                     mxfp8_activations=cfg.qat == "mxfp4", implementation=cfg.moe_implementation,
-                    platform=cfg.platform, layer=layer)
+                    platform=cfg.platform, layer=layer, adapters=adapters)
 
             tok = ("batch", None)
-            u = per_shard(dispatch, (z, expert_ids, weights, experts), (tok, tok, tok, None), (tok,))
+            u = per_shard(dispatch, (z, expert_ids, weights, experts, adapters), (tok, tok, tok, None, None),
+                          (tok,))
         if cfg.latent_moe_use_norm:
             u = RMSNorm(cfg.rms_norm_eps, ("latent",), cfg.param_dtype, name="routed_expert_norm")(u)
         y = Linear(d, ("latent", "embed"), cfg, name="routed_expert_up_proj")(u)
@@ -265,12 +273,12 @@ def expert_parallel_strategy(cfg: K3Config) -> str | None:
 
 
 def _expert_ffn_kernel(cfg: K3Config):
-    """``ffn(x_sorted, group_sizes, w1, w3, w2)`` for expert parallelism: :func:`pallas_kernels.moe.ops.expert_ffn`
-    with ``cfg.moe_implementation`` on ``cfg.platform``."""
+    """``ffn(x_sorted, group_sizes, w1, w3, w2, adapters=None)`` for expert parallelism:
+    :func:`pallas_kernels.moe.ops.expert_ffn` with ``cfg.moe_implementation`` on ``cfg.platform``."""
 
-    def ffn(x, group_sizes, w1, w3, w2):
+    def ffn(x, group_sizes, w1, w3, w2, adapters=None):
         return moe_ops.expert_ffn(x, group_sizes, w1, w3, w2, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta,
                                   mxfp8_activations=cfg.qat == "mxfp4", implementation=cfg.moe_implementation,
-                                  platform=cfg.platform)
+                                  platform=cfg.platform, adapters=adapters)
 
     return ffn

@@ -19,6 +19,11 @@ outputs are summed with ``psum``). Two strategies compute exactly
 When tokens are replicated over ``expert`` (the ``serve`` preset), both strategies reduce to "compute my
 experts, ``psum``".
 
+LoRA adapters of frozen experts (``adapters=``, :data:`pallas_kernels.moe.reference.ExpertAdapters`) are split
+like their weight: ``b [E, r, out]`` and per-expert ``a [E, in, r]`` over ``expert``, the ``I`` side over
+``tensor`` (``b``'s out for w1/w3, ``a``'s in for w2; the w2 partial ``(h a) b`` sums with the base's ``psum``),
+a shared ``a`` and the scale replicated.
+
 The tokens' own sharding (``token_axes``: the mesh axes the token dimension is split over, default the
 ``data``/``fsdp``/``expert`` axes that divide ``T``) is independent groups; only ``expert`` communicates.
 """
@@ -76,12 +81,24 @@ def _local_sort(local_ids: jax.Array, valid: jax.Array, num_local: int) -> tuple
     return order, inverse, group_sizes
 
 
+def _adapter_specs(adapters: dict[str, Any], expert_axis: str | None, tensor_axis: str | None) -> dict[str, Any]:
+    """in_specs for LoRA adapters ``(a, b, scale)`` of the expert weights (see the module docstring)."""
+    specs: dict[str, Any] = {}
+    for name, (a, _, _) in adapters.items():
+        t_in, t_out = (tensor_axis, None) if name == "w2" else (None, tensor_axis)
+        a_spec = P(expert_axis, t_in, None) if a.ndim == 3 else P(t_in, None)
+        specs[name] = (a_spec, P(expert_axis, None, t_out), P())
+    return specs
+
+
 def _run_local_experts(x: jax.Array, local_ids: jax.Array, valid: jax.Array, experts: dict[str, Any],
                        ffn: FfnFn) -> jax.Array:
-    """Rows ``x [R, L]`` with local expert ids ``[R]`` → expert outputs ``[R, L]`` (0 for invalid rows)."""
+    """Rows ``x [R, L]`` with local expert ids ``[R]`` → expert outputs ``[R, L]`` (0 for invalid rows).
+    ``experts`` may hold the local LoRA adapters under ``"adapters"`` (passed to ``ffn`` as ``adapters=``)."""
     num_local = num_experts_of(experts)
     order, inverse, group_sizes = _local_sort(local_ids, valid, num_local)
-    out_sorted = ffn(jnp.take(x, order, axis=0), group_sizes, experts["w1"], experts["w3"], experts["w2"])
+    kw = {"adapters": experts["adapters"]} if experts.get("adapters") else {}
+    out_sorted = ffn(jnp.take(x, order, axis=0), group_sizes, experts["w1"], experts["w3"], experts["w2"], **kw)
     return jnp.take(out_sorted, inverse, axis=0)
 
 
@@ -215,6 +232,7 @@ def moe_dispatch_combine_ep(
     beta2: float = 25.0,
     mxfp8_activations: bool = False,
     ffn: FfnFn | None = None,
+    adapters: dict[str, Any] | None = None,
 ) -> jax.Array:
     """Expert-parallel ``moe_dispatch_combine``: same arguments and result (``[T, L]`` in ``z.dtype``).
 
@@ -228,7 +246,10 @@ def moe_dispatch_combine_ep(
       token_axes: mesh axes the token dimension is split over (default: :func:`token_axes_for`).
       ragged: ``"native"`` = ``jax.lax.ragged_all_to_all``, ``"emulate"`` = all_to_all of padded blocks,
         ``"auto"`` = native on GPU/TPU.
-      ffn: ``ffn(x_sorted, group_sizes, w1, w3, w2) -> [M, L]`` (default: the reference ``expert_ffn``).
+      ffn: ``ffn(x_sorted, group_sizes, w1, w3, w2) -> [M, L]`` (default: the reference ``expert_ffn``); with
+        ``adapters`` it is called with ``adapters=`` (the local experts' adapters) as well.
+      adapters: LoRA adapters of the expert weights (``{"w1": (a, b, scale), ...}``), split as the module
+        docstring says.
     """
     mesh = mesh_or_active(mesh, "expert parallel")
     sizes = axis_sizes(mesh)
@@ -252,11 +273,17 @@ def moe_dispatch_combine_ep(
             raise ValueError(f"expert parallelism: {z.shape[0]} tokens are not divisible by token axes {tok}")
     tokens_split = ex_axis is not None and ex_axis in tok
     if ffn is None:
-        def ffn(x, gs, w1, w3, w2):
-            return expert_ffn(x, gs, w1, w3, w2, beta1=beta1, beta2=beta2, mxfp8_activations=mxfp8_activations)
+        def ffn(x, gs, w1, w3, w2, adapters=None):
+            return expert_ffn(x, gs, w1, w3, w2, beta1=beta1, beta2=beta2, mxfp8_activations=mxfp8_activations,
+                              adapters=adapters)
 
     tok_spec = P(tok if tok else None)
-    in_specs = (tok_spec, tok_spec, tok_spec, _expert_specs(experts, ex_axis, t_axis))
+    experts = {k: experts[k] for k in ("w1", "w3", "w2")}
+    expert_specs = _expert_specs(experts, ex_axis, t_axis)
+    if adapters:
+        experts["adapters"] = dict(adapters)
+        expert_specs["adapters"] = _adapter_specs(adapters, ex_axis, t_axis)
+    in_specs = (tok_spec, tok_spec, tok_spec, expert_specs)
     if strategy == "allgather" or not tokens_split:
         body = lambda zz, ii, ww, ex: _allgather_body(zz, ii, ww, ex, expert_axis=ex_axis, tensor_axis=t_axis,
                                                      tokens_split=tokens_split, ffn=ffn)

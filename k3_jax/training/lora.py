@@ -7,17 +7,20 @@ Adapters are extra leaves of the params tree, beside the weight they adapt (the 
     .../block_sparse_moe/experts/{w1, w1_lora_a, w1_lora_b, w1_lora_scale, ...}          (routed experts)
 
 ``..`` are the weight's stacked axes (``layers`` of a scanned segment). Linear layers add the low-rank path on
-the activations (``x W + s·(x a) b``); MLA's ``kv_b_proj`` and the routed experts use ``W + s·a b``. Routed
-experts take a shared ``a [.., in, r]`` with per-expert ``b [.., E, r, out]`` (``experts="shared_a"``) or
-per-expert ``a [.., E, in, r]`` and ``b`` (``experts="per_expert"``). ``a`` is normal(1/sqrt(in)), ``b`` zeros
-(a fresh adapter changes nothing); ``s = alpha / rank``. Each adapter's axes carry the logical names of the
-weight's (``lora_rank`` for the rank, unsharded), so :func:`sharding.rules.param_shardings` lays adapters
-out by the same table as their base.
+the activations (``x W + s·(x a) b``); MLA's ``kv_b_proj`` and bf16-held routed experts use ``W + s·a b``;
+routed experts held in MXFP4 (``w1/{weight_packed, weight_scale}``, frozen and packed) take the low-rank path on
+the activations beside the MXFP4 products (:func:`pallas_kernels.moe.ops.expert_ffn`). Routed experts take a
+shared ``a [.., in, r]`` with per-expert ``b [.., E, r, out]`` (``experts="shared_a"``) or per-expert
+``a [.., E, in, r]`` and ``b`` (``experts="per_expert"``), in the ``[in, out]`` orientation of the bf16 layout
+whatever the base's format. ``a`` is normal(1/sqrt(in)), ``b`` zeros (a fresh adapter changes nothing);
+``s = alpha / rank``. Each adapter's axes carry the logical names of the weight's (``lora_rank`` for the rank,
+unsharded), so :func:`sharding.rules.param_shardings` lays adapters out by the same table as their base.
 
 Training (:func:`trainable_mask`, :func:`split`, :func:`join`): only ``lora_a``/``lora_b`` leaves are
 differentiated and given optimizer state; the base (MXFP4 experts stay packed u8) and ``lora_scale`` are
-frozen. :func:`merge` folds adapters into the base weights; :func:`export` writes the merged model in the
-release layout with routed experts re-quantised to MXFP4 and reports the rounding error.
+frozen. :func:`merge` folds adapters into the base weights (MXFP4 experts: decoded, then folded, held dense);
+:func:`export` writes the merged model in the release layout with routed experts re-quantised to MXFP4 and
+reports the rounding error.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.layers.common import LORA_LEAVES, lora_delta
+from pallas_kernels.moe.reference import dense_expert_weight
+from pallas_kernels.mxfp4 import is_mxfp4
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj", "q_a_proj",
                "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj",
@@ -121,8 +126,9 @@ def _shape_of(leaf: Any) -> tuple[int, ...]:
 
 def adapter_specs(params: Any, lc: LoraConfig) -> list[AdapterSpec]:
     """The adapters ``lc`` selects in ``params`` (boxed abstract params give logical names; plain arrays or
-    shapes give ``None`` names). Raises :class:`LoraError` when a target matches nothing, or selects routed
-    experts held in MXFP4 (packed experts stay frozen; load them as bf16 to adapt them)."""
+    shapes give ``None`` names). Routed experts held in MXFP4 (``{weight_packed u8 [.., E, out, in/2],
+    weight_scale}``) get the adapters of the same weight in the bf16 layout ``[.., E, in, out]``. Raises
+    :class:`LoraError` when a target matches nothing."""
     pat = lc.pattern()
     specs: list[AdapterSpec] = []
     matched: set[str] = set()
@@ -141,23 +147,25 @@ def adapter_specs(params: Any, lc: LoraConfig) -> list[AdapterSpec]:
                                      (*ln, n_in, "lora_rank"), (*ln, "lora_rank", n_out), lead, ln, din))
             matched.add(target)
             continue
-        exp_path = path[:-1] if path[-1] in ("weight_packed", "weight_scale") else path
+        if path[-1] == "weight_scale":
+            continue  # a packed expert weight is read at its weight_packed leaf
+        exp_path = path[:-1] if path[-1] == "weight_packed" else path
         if len(exp_path) >= 2 and exp_path[-2] == "experts" and exp_path[-1] in EXPERT_WEIGHTS:
             target = "/" + "/".join(exp_path)
             if not pat.search(target):
                 continue
-            if exp_path != path:
-                raise LoraError(f"LoRA target selects {target[1:]}, held in MXFP4 (packed experts are frozen "
-                                "as they are); drop 'experts' from the targets or load the experts as bf16")
             shape, names = _shape_of(leaf), _names_of(leaf, len(_shape_of(leaf)))
-            lead, (e, din, dout) = shape[:-3], shape[-3:]
-            ln, (n_e, n_in, n_out) = names[:-3], names[-3:]
+            lead, ln = shape[:-3], names[:-3]
+            if exp_path != path:  # MXFP4 [.., E, out, in/2]
+                (e, dout, din), (n_e, n_out, n_in) = (shape[-3], shape[-2], 2 * shape[-1]), names[-3:]
+            else:  # bf16 layout [.., E, in, out]
+                (e, din, dout), (n_e, n_in, n_out) = shape[-3:], names[-3:]
             if lc.experts == "shared_a":
                 a_shape, a_names = (*lead, din, lc.rank), (*ln, n_in, "lora_rank")
             else:
                 a_shape, a_names = (*lead, e, din, lc.rank), (*ln, n_e, n_in, "lora_rank")
-            specs.append(AdapterSpec(path[:-1], path[-1] + "_", a_shape, (*lead, e, lc.rank, dout), a_names,
-                                     (*ln, n_e, "lora_rank", n_out), lead, ln, din))
+            specs.append(AdapterSpec(exp_path[:-1], exp_path[-1] + "_", a_shape, (*lead, e, lc.rank, dout),
+                                     a_names, (*ln, n_e, "lora_rank", n_out), lead, ln, din))
             matched.add(target)
     pat_by_target = {t: re.compile(TARGET_ALIASES.get(t, t)) for t in lc.targets}
     for t, p in pat_by_target.items():
@@ -253,15 +261,41 @@ def tree_bytes(tree: Any) -> int:
 
 
 # ------------------------------------------------------------------------------------------ merge / export
-def merge(params: Any) -> dict:
+def merge(params: Any, *, dense_dtype: Any = jnp.float32) -> dict:
     """The base params with every adapter folded in (``W + s·a b`` in f32, cast to ``W``'s dtype) and the
-    adapter leaves removed. Raises :class:`LoraError` for an adapter whose weight is missing."""
+    adapter leaves removed. Raises :class:`LoraError` for an adapter whose weight is missing.
+
+    Routed experts held in MXFP4 with adapters are decoded and folded, ``W_deq + s·a b``, into dense
+    ``[.., E, in, out]`` arrays of ``dense_dtype`` (the bf16 layout). Then every other MXFP4 expert weight of the
+    tree is decoded too (exact), so the merged model holds all its experts dense and runs with
+    ``expert_format="bf16"``; a tree without adapters on packed experts keeps its packed weights as they are.
+    """
+    decode = dense_dtype if _has_packed_adapter(params) else None
+    return _merge(params, decode)
+
+
+def _has_packed_adapter(tree: Any) -> bool:
+    if not isinstance(tree, Mapping):
+        return False
+    for k, v in tree.items():
+        if (k == "lora_a" or k.endswith("_lora_a")) and is_mxfp4(tree.get(k[: -len("lora_a")][:-1])):
+            return True
+        if _has_packed_adapter(v):
+            return True
+    return False
+
+
+def _merge(params: Any, decode: Any) -> Any:
     if not isinstance(params, Mapping):
         return params
     out: dict = {}
     for k, v in params.items():
-        if not is_adapter_path([k]):
-            out[k] = merge(v)
+        if is_adapter_path([k]):
+            continue
+        if decode is not None and k in EXPERT_WEIGHTS and is_mxfp4(v):
+            out[k] = dense_expert_weight(v, jnp.float32).astype(decode)
+        else:
+            out[k] = _merge(v, decode)
     for k in params:
         if k in ("lora_a",) or k.endswith("_lora_a"):
             prefix = k[: -len("lora_a")]
@@ -303,7 +337,9 @@ def export(cfg: Any, params: Any, out_dir: str | os.PathLike[str], *, experts: s
     experts re-quantised to ``experts`` (``"mxfp4"``: per 32 along the input dim, E8M0 scales).
 
     Returns ``{"path": out_dir, "expert_rounding": expert_rounding_error(merged)}`` (zeros when ``experts`` is
-    ``"bf16"`` or the experts are already packed).
+    ``"bf16"`` or the experts are packed without adapters). Over MXFP4 experts with adapters, :func:`merge` holds
+    every expert dense (adapted ones ``W_deq + s·a b`` in f32) and all are re-quantised; a decoded expert without
+    adapter re-quantises to the same values, so its rounding error is 0 (it still counts in ``count``).
     """
     from k3_jax.convert.hf import save_checkpoint  # noqa: PLC0415
 

@@ -25,6 +25,14 @@ Gradients: every bf16/f32 path is differentiable w.r.t. tokens, routing weights 
 kernels are forward only, and :func:`expert_ffn` over MXFP4 weights differentiates w.r.t. the tokens alone
 (frozen experts, e.g. LoRA) through the bf16 kernels on the decoded weights.
 
+LoRA adapters on the routed experts (``adapters=``, :data:`reference.ExpertAdapters`): the low-rank terms run on
+the activations beside the base products (``x W_e + s·(x A)·B_e``), so the frozen weights stay as they are
+(MXFP4 packed). The fused w1/w3 + SiTU-GLU kernels cannot add a term before the activation, so a call with
+adapters takes the backend's unfused products: each base product on its own (MXFP4: ``gmm_mxfp4`` with one weight,
+f32 out, :func:`mxfp4_grouped_matmul`), the low-rank terms on the same backend's differentiable grouped matmul
+(rank zero-padded to :data:`RANK_MULTIPLE`), SiTU-GLU in XLA. Adapters get exact gradients (kernel backward of the
+low-rank grouped matmuls); tokens get theirs as without adapters.
+
 Stacked weights (``layer=``, one-token decode): :func:`expert_ffn` and :func:`moe_dispatch_combine` also take the
 whole ``[L, E, ...]`` stack of a scanned layer segment plus the layer index. ``triton`` and ``mosaic_tpu`` read
 that layer in place (no per-layer weight copy; forward only) when the weights are MXFP4 or already in the
@@ -201,6 +209,78 @@ def tpu_glu_fn(beta1: float, beta2: float, interpret: bool):
     return f
 
 
+RANK_MULTIPLE = {"triton": 16, "mosaic_gpu": 128}
+"""Backends whose grouped matmul needs the adapters' rank (a K or N of the low-rank products) zero-padded to a
+multiple of this: Triton's ``tl.dot`` takes no dimension under 16, the Mosaic GPU kernels multiples of 128. The
+padded rows/columns are zeros, so values and gradients are those of the unpadded adapter."""
+
+
+def _padded_adapter(adapter: ref.ExpertAdapter, multiple: int) -> ref.ExpertAdapter:
+    a, b, s = adapter
+    pad = (-b.shape[-2]) % multiple
+    if not pad:
+        return adapter
+    a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+    return a, jnp.pad(b, ((0, 0), (0, pad), (0, 0))), s
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def mxfp4_grouped_matmul(impl: str, interpret: bool, platform: str | None, x: jax.Array, group_sizes: jax.Array,
+                         w: dict[str, jax.Array]) -> jax.Array:
+    """``x [M, K] x W_e`` -> f32 ``[M, N]`` for an MXFP4 weight dict ``w`` (HF ``[E, N, K/2]`` codes) on ``impl``'s
+    forward-only MXFP4 kernel (``mosaic_tpu`` or ``triton``: decoded tile by tile, nothing dequantized in memory).
+
+    Differentiable w.r.t. ``x`` only: the backward is the transposed product on ``impl``'s bf16 grouped matmul over
+    ``W`` decoded to ``x.dtype`` (E2M1 x E8M0 values are exact in bf16, so it is the derivative of the function
+    the forward computed); that materialises the layer's ``[E, K, N]`` weight in ``x.dtype`` for the backward.
+    Codes, scales and group sizes get zero (float0) cotangents: they are frozen."""
+    kern, operand = _kernels(impl)
+    return kern.gmm_mxfp4(x, [operand(w)], group_sizes, out_dtype=jnp.float32, interpret=interpret)
+
+
+def _mxfp4_grouped_matmul_fwd(impl, interpret, platform, x, group_sizes, w):
+    return mxfp4_grouped_matmul(impl, interpret, platform, x, group_sizes, w), (x, group_sizes, w)
+
+
+def _mxfp4_grouped_matmul_bwd(impl, interpret, platform, res, g):
+    x, group_sizes, w = res
+    dense = ref.dense_expert_weight(w, x.dtype)
+    _, vjp = jax.vjp(lambda v: grouped_matmul(v, dense, group_sizes, preferred_element_type=jnp.float32,
+                                              implementation=impl, interpret=interpret, platform=platform), x)
+    zero = lambda t: jax.tree.map(lambda a: np.zeros(np.shape(a), jax.dtypes.float0), t)
+    return vjp(g)[0], zero(group_sizes), zero(w)
+
+
+mxfp4_grouped_matmul.defvjp(_mxfp4_grouped_matmul_fwd, _mxfp4_grouped_matmul_bwd)
+
+
+def _expert_ffn_unfused(impl: str, x_sorted: jax.Array, group_sizes: jax.Array, weights: dict[str, Any],
+                        adapters: ref.ExpertAdapters, *, beta1: float, beta2: float, mxfp8_activations: bool,
+                        interpret: bool, platform: str | None) -> jax.Array:
+    """:func:`expert_ffn` with LoRA adapters on a kernel backend ``impl``: every base product on its own (MXFP4
+    weights on :func:`mxfp4_grouped_matmul`, dense ones on ``impl``'s grouped matmul), plus the adapters' low-rank
+    terms (:func:`reference.lora_product`) in f32 before the rounding to ``x_sorted.dtype``; SiTU-GLU in XLA."""
+    dt = x_sorted.dtype
+    gmm = lambda lhs, rhs: grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
+                                          implementation=impl, interpret=interpret, platform=platform)
+    multiple = RANK_MULTIPLE.get(impl, 1)
+
+    def product(lhs: jax.Array, name: str) -> jax.Array:
+        w = weights[name]
+        out = (mxfp4_grouped_matmul(impl, bool(interpret), platform, lhs, group_sizes, w) if is_mxfp4(w)
+               else gmm(lhs, ref.dense_expert_weight(w, dt)))
+        if name in adapters:
+            out = out + ref.lora_product(lhs, _padded_adapter(adapters[name], multiple), gmm)
+        return out
+
+    a = fake_quant_mxfp8(x_sorted) if mxfp8_activations else x_sorted
+    gate, up = product(a, "w1"), product(a, "w3")
+    h = ref.situ_glu(gate.astype(dt), up.astype(dt), beta1, beta2)
+    if mxfp8_activations:
+        h = fake_quant_mxfp8(h)
+    return product(h, "w2").astype(dt)
+
+
 def _one_layer_shape(w: ref.ExpertWeight) -> Any:
     """Shapes (``jax.ShapeDtypeStruct``) of one layer of a stacked expert weight, for backend selection."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)
@@ -253,13 +333,26 @@ def expert_ffn(
     interpret: bool = False,
     platform: str | None = None,
     layer: jax.Array | None = None,
+    adapters: ref.ExpertAdapters | None = None,
 ) -> jax.Array:
     """Routed experts on expert-sorted rows (same contract as :func:`reference.expert_ffn`).
 
     ``layer`` (i32 scalar): w1/w3/w2 are stacks ``[L, ...]`` of that contract's weights, and layer ``layer`` is
     used (read in place by ``triton`` and ``mosaic_tpu``; sliced for the other backends).
+    ``adapters``: LoRA adapters of the expert weights (see the module docstring); not with ``layer``.
     """
     impl = select(implementation, x_sorted, w1 if layer is None else _one_layer_shape(w1), interpret, platform)
+    if adapters:
+        if layer is not None:
+            raise ValueError("expert_ffn: adapters= with layer= (stacked decode weights) is not supported; pass the "
+                             "layer's own weights and adapters")
+        ref.check_adapters(adapters, {"w1": w1, "w3": w3, "w2": w2})
+        if impl == "xla":
+            return ref.expert_ffn(x_sorted, group_sizes, w1, w3, w2, beta1=beta1, beta2=beta2,
+                                  mxfp8_activations=mxfp8_activations, platform=platform, adapters=adapters)
+        return _expert_ffn_unfused(impl, x_sorted, group_sizes, {"w1": w1, "w3": w3, "w2": w2}, adapters,
+                                   beta1=beta1, beta2=beta2, mxfp8_activations=mxfp8_activations,
+                                   interpret=interpret, platform=platform)
     in_place = all(is_mxfp4(w) for w in (w1, w3, w2)) or all(
         not is_mxfp4(w) and w.dtype == x_sorted.dtype for w in (w1, w3, w2))  # no cast of the whole stack
     if layer is not None and impl in ("triton", "mosaic_tpu") and in_place:
@@ -329,17 +422,19 @@ def moe_dispatch_combine(
     interpret: bool = False,
     platform: str | None = None,
     layer: jax.Array | None = None,
+    adapters: ref.ExpertAdapters | None = None,
 ) -> jax.Array:
     """Routed experts of Stable LatentMoE: ``u = cast(sum_k weights * f32(E_e(z)), z.dtype)`` -> ``[T, L]``.
 
     Same arguments as :func:`reference.moe_dispatch_combine`; ``implementation`` picks the expert FFN.
     ``layer`` (i32 scalar): ``experts`` holds stacks ``[L, ...]`` and that layer is used (see :func:`expert_ffn`).
+    ``adapters``: LoRA adapters of the expert weights (see :func:`expert_ffn`).
     """
 
     def ffn(x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return expert_ffn(x_sorted, group_sizes, experts["w1"], experts["w3"], experts["w2"], beta1=beta1,
                           beta2=beta2, mxfp8_activations=mxfp8_activations, implementation=implementation,
-                          interpret=interpret, platform=platform, layer=layer)
+                          interpret=interpret, platform=platform, layer=layer, adapters=adapters)
 
     w1 = experts["w1"] if layer is None else _one_layer_shape(experts["w1"])
     return ref.dispatch_combine(z, expert_ids, weights, ref.num_experts_of({"w1": w1}), ffn)

@@ -7,6 +7,8 @@ Conventions
   ``sum(group_sizes)`` produce zeros (``jax.lax.ragged_dot`` semantics).
 - Expert weights: bf16 layout ``w1, w3 [E, L, I]``, ``w2 [E, I, L]`` (Flax ``[in, out]`` per expert), or MXFP4
   dicts ``{"weight_packed": u8 [E, out, in/2], "weight_scale": u8 [E, out, in/32]}`` (HF ``[out, in]``).
+- LoRA adapters beside frozen expert weights (:data:`ExpertAdapter`, keyed ``"w1"``/``"w3"``/``"w2"``): the
+  low-rank path runs on the activations, ``x W_e + s·(x A)·B_e`` (shared A) or ``x W_e + s·(x A_e)·B_e``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from pallas_kernels.mxfp8 import fake_quant_mxfp8
 from pallas_kernels.registry import target_platform
 
 ExpertWeight = jax.Array | dict[str, jax.Array]
+ExpertAdapter = tuple[jax.Array, jax.Array, jax.Array]
+"""LoRA adapter of one expert weight ``[E, in, out]``: ``(a, b, scale)`` with ``a [in, r]`` (shared by all experts)
+or ``[E, in, r]`` (per expert), ``b [E, r, out]``, ``scale`` f32 ``[]``."""
+ExpertAdapters = dict[str, ExpertAdapter]
+"""Adapters by expert weight name (``"w1"``, ``"w3"``, ``"w2"``; any subset)."""
 
 
 def grouped_matmul(
@@ -147,6 +154,57 @@ def dense_expert_weight(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:
     return w.astype(dtype)
 
 
+def expert_dims(w: ExpertWeight) -> tuple[int, int, int]:
+    """``(E, in, out)`` of an expert weight (``[E, in, out]`` array or MXFP4 dict of HF ``[E, out, in/2]``)."""
+    if is_mxfp4(w):
+        e, n, kh = w["weight_packed"].shape[-3:]
+        return int(e), 2 * int(kh), int(n)
+    return tuple(int(d) for d in w.shape[-3:])  # type: ignore[return-value]
+
+
+def check_adapters(adapters: ExpertAdapters, weights: dict[str, ExpertWeight]) -> None:
+    """Raise ``ValueError`` naming the adapter leaf when ``adapters`` do not fit ``weights`` (``{"w1", "w3",
+    "w2"}``): unknown weight name, ``a`` neither ``[in, r]`` nor ``[E, in, r]``, ``b`` not ``[E, r, out]``, a
+    non-scalar ``scale``."""
+    for name, adapter in adapters.items():
+        if name not in weights:
+            raise ValueError(f"expert adapter {name!r}: no such expert weight (expected one of {sorted(weights)})")
+        if not isinstance(adapter, tuple | list) or len(adapter) != 3:
+            raise ValueError(f"expert adapter {name!r}: expected (a, b, scale), got {type(adapter).__name__}")
+        a, b, s = adapter
+        e, din, dout = expert_dims(weights[name])
+        r = b.shape[-2] if b.ndim == 3 else -1
+        if tuple(a.shape) not in ((din, r), (e, din, r)):
+            raise ValueError(f"expert adapter {name}_lora_a: expected [{din}, r] (shared) or [{e}, {din}, r] "
+                             f"(per expert) with the rank r={r} of {name}_lora_b, got {tuple(a.shape)}")
+        if tuple(b.shape) != (e, r, dout):
+            raise ValueError(f"expert adapter {name}_lora_b: expected [{e}, r, {dout}] for weight {name} "
+                             f"[E={e}, in={din}, out={dout}], got {tuple(b.shape)}")
+        if jnp.ndim(s) != 0:
+            raise ValueError(f"expert adapter {name}_lora_scale: expected a scalar, got shape {jnp.shape(s)}")
+
+
+GroupedMatmul = Callable[[jax.Array, jax.Array], jax.Array]
+"""``gmm(lhs [M, K], rhs [E, K, N]) -> f32 [M, N]`` over fixed group sizes (a backend's grouped matmul)."""
+
+
+def lora_product(x: jax.Array, adapter: ExpertAdapter, gmm: GroupedMatmul) -> jax.Array:
+    """The low-rank term ``scale · (x A) B_e`` of expert-sorted rows ``x [M, in]`` -> f32 ``[M, out]``.
+
+    ``x A``: one dense ``[M, in] x [in, r]`` matmul (shared A) or a grouped one (per-expert ``A_e``), accumulated
+    in f32 and rounded to ``x.dtype`` (as :class:`k3_jax.layers.common.Linear`'s adapter path); ``(x A) B_e``: the
+    grouped matmul ``gmm`` over rank ``r``. Rows past ``sum(group_sizes)`` give 0 (``gmm`` leaves them 0).
+    """
+    a, b, s = adapter
+    dt = x.dtype
+    if a.ndim == 2:
+        prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+        xa = jnp.matmul(x, a.astype(dt), precision=prec, preferred_element_type=jnp.float32).astype(dt)
+    else:
+        xa = gmm(x, a.astype(dt)).astype(dt)
+    return gmm(xa, b.astype(dt)) * jnp.asarray(s, jnp.float32)
+
+
 def expert_ffn(
     x_sorted: jax.Array,
     group_sizes: jax.Array,
@@ -158,6 +216,7 @@ def expert_ffn(
     beta2: float = 25.0,
     mxfp8_activations: bool = False,
     platform: str | None = None,
+    adapters: ExpertAdapters | None = None,
 ) -> jax.Array:
     """Routed experts ``E_e(x) = w2_e(SiTU-GLU(w1_e x, w3_e x))`` on expert-sorted rows.
 
@@ -166,23 +225,31 @@ def expert_ffn(
       group_sizes: ``[E] i32``.
       w1, w3: ``[E, L, I]`` or MXFP4 ``{"weight_packed": u8 [E, I, L/2], "weight_scale": u8 [E, I, L/32]}``.
       w2: ``[E, I, L]`` or MXFP4 ``{"weight_packed": u8 [E, L, I/2], "weight_scale": u8 [E, L, I/32]}``.
-      mxfp8_activations: fake-quantize the inputs of every expert matmul to MXFP8 (SGLang emulation).
+      mxfp8_activations: fake-quantize the inputs of every expert matmul to MXFP8 (SGLang emulation); the
+        adapters see the same (quantized) inputs as their weight.
       platform: the target platform of the grouped matmuls (see :func:`grouped_matmul`).
+      adapters: LoRA adapters of some of ``w1/w3/w2`` (:data:`ExpertAdapters`): each adapted product gets
+        :func:`lora_product` added to its f32 accumulator before the rounding, e.g.
+        ``gate = x W1_e + s·(x A1) B1_e``. MXFP4 weights are decoded whole here (this is the reference).
     Returns:
       ``[M, L]`` in ``x_sorted.dtype``; matmuls accumulate in f32, each product is rounded to the input dtype.
     """
     dt = x_sorted.dtype
+    adapters = adapters or {}
+    check_adapters(adapters, {"w1": w1, "w3": w3, "w2": w2})
+    gmm = lambda lhs, rhs: grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
+                                          platform=platform)
+
+    def product(lhs: jax.Array, name: str, w: ExpertWeight) -> jax.Array:
+        out = gmm(lhs, dense_expert_weight(w, dt))
+        return out + lora_product(lhs, adapters[name], gmm) if name in adapters else out
+
     a = fake_quant_mxfp8(x_sorted) if mxfp8_activations else x_sorted
-    gate = grouped_matmul(a, dense_expert_weight(w1, dt), group_sizes, preferred_element_type=jnp.float32,
-                          platform=platform)
-    up = grouped_matmul(a, dense_expert_weight(w3, dt), group_sizes, preferred_element_type=jnp.float32,
-                          platform=platform)
+    gate, up = product(a, "w1", w1), product(a, "w3", w3)
     h = situ_glu(gate.astype(dt), up.astype(dt), beta1, beta2)
     if mxfp8_activations:
         h = fake_quant_mxfp8(h)
-    out = grouped_matmul(h, dense_expert_weight(w2, dt), group_sizes, preferred_element_type=jnp.float32,
-                          platform=platform)
-    return out.astype(dt)
+    return product(h, "w2", w2).astype(dt)
 
 
 def layer_of(w: ExpertWeight, layer: jax.Array) -> ExpertWeight:
@@ -288,6 +355,7 @@ def moe_dispatch_combine(
     beta1: float = 4.0,
     beta2: float = 25.0,
     mxfp8_activations: bool = False,
+    adapters: ExpertAdapters | None = None,
 ) -> jax.Array:
     """Routed-expert part of Stable LatentMoE: ``u = bf16(sum_{e in I} p_e * f32(E_e(z)))``.
 
@@ -296,13 +364,14 @@ def moe_dispatch_combine(
       expert_ids: ``[T, k] i32`` selected experts.
       weights: ``[T, k] f32`` routing weights.
       experts: ``{"w1", "w3", "w2"}`` arrays or MXFP4 dicts (see :func:`expert_ffn`).
+      adapters: LoRA adapters of the expert weights (see :func:`expert_ffn`).
     Returns:
       ``[T, L]`` in ``z.dtype``.
     """
     def ffn(x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return expert_ffn(
             x_sorted, group_sizes, experts["w1"], experts["w3"], experts["w2"],
-            beta1=beta1, beta2=beta2, mxfp8_activations=mxfp8_activations,
+            beta1=beta1, beta2=beta2, mxfp8_activations=mxfp8_activations, adapters=adapters,
         )
 
     return dispatch_combine(z, expert_ids, weights, num_experts_of(experts), ffn)
