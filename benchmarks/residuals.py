@@ -41,7 +41,8 @@ def residuals(config: str, batch: int, seq_len: int, implementation: str, top: i
                      tensorboard=False, resume=False, mesh="none", optimizer="adamw")
     tr = Trainer(tc)
     params = nn.unbox(tr.abstract_params_boxed)
-    params = jax.eval_shape(lambda p: cast_for_compute(p, compute_cast_mask(p), jnp.dtype(tr.cfg.dtype)), params)
+    dtype = jnp.dtype(tr.cfg.dtype)
+    params = jax.eval_shape(lambda p: cast_for_compute(p, compute_cast_mask(p, tr.cfg.qat), dtype), params)
     rows = {k: jnp.ones((batch, seq_len + 1), jnp.int32) for k in ("tokens", "segment_ids")}
     loss_fn = make_loss_fn(tr.model, tr.step_cfg)
     from pallas_kernels.registry import platform_scope

@@ -359,3 +359,17 @@ def test_router_statistics_do_not_depend_on_the_token_order():
     for method in ("histogram", "exact"):
         np.testing.assert_array_equal(np.asarray(qb.qb_bias_update(token_major, bias, k, method=method)),
                                       np.asarray(qb.qb_bias_update(accum_major, bias, k, method=method)))
+
+
+def test_quantile_balancing_is_off_for_lora_unless_asked(tmp_path):
+    """The router's selection bias is part of the frozen base: a LoRA run leaves it alone (QB off) unless
+    ``qb=True`` is asked for; full training balances by default. The resolved value is what resumes compare."""
+    from k3_jax.training.loop import TrainConfig, Trainer
+
+    one_layer = {"num_hidden_layers": 1, "kda_layers": (), "mla_layers": (0,), "first_k_dense_replace": 0}
+    kw = dict(model_overrides=one_layer, seq_len=8, batch_size=1, optimizer="adamw", mesh="none",
+              tensorboard=False, workdir=str(tmp_path))
+    assert Trainer(TrainConfig(**kw, lora_rank=2, lora_targets=("attention",))).step_cfg.qb is False
+    assert Trainer(TrainConfig(**kw, lora_rank=2, lora_targets=("attention",), qb=True)).step_cfg.qb is True
+    full = Trainer(TrainConfig(**kw))
+    assert full.step_cfg.qb is True and full.tc.qb is True

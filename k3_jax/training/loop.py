@@ -117,7 +117,9 @@ class TrainConfig:
     muon_dtype: str = "auto"
     # step
     loss_chunk: int = 1024
-    qb: bool = True
+    # Quantile Balancing of the router bias: None = on for full training, off for LoRA (the bias is part of the
+    # frozen base); True/False force it
+    qb: bool | None = None
     qb_method: str = "histogram"
     # eval / logging / checkpoints
     eval_every: int = 25
@@ -147,6 +149,8 @@ class TrainConfig:
 
 class Trainer:
     def __init__(self, tc: TrainConfig):
+        if tc.qb is None:
+            tc = dataclasses.replace(tc, qb=not tc.lora_rank)
         self.tc = tc
         cfg = load_config(Path(tc.init_from) / "config.json" if tc.init_from else tc.config, **tc.model_overrides)
         self.lora = (lora.LoraConfig(rank=tc.lora_rank, alpha=tc.lora_alpha, targets=tuple(tc.lora_targets),
