@@ -581,17 +581,25 @@ def _from_dict(raw: Mapping[str, Any], source: str | None, overrides: Mapping[st
     return K3Config(**fields)
 
 
+def bundled_config_dirs() -> list[str]:
+    """Directories holding the project's ``configs/*.json`` (and ``configs/sharding/``): ``k3_jax/configs``, a
+    link to the repository's top-level ``configs/`` in a checkout, the copied files in an installed wheel
+    (package data). Only existing directories."""
+    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+    return [d] if os.path.isdir(d) else []
+
+
 def load_config(path: str | os.PathLike[str], **overrides: Any) -> K3Config:
     """Load ``configs/*.json`` or a checkpoint's published ``config.json`` (a directory is accepted too)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.exists(path) and not os.path.isabs(path):
-        # "configs/k3-tiny.json" or "k3-tiny" from any working directory: the repository's configs/
-        repo_configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-        for candidate in (os.path.join(repo_configs, os.path.basename(path)),
-                          os.path.join(repo_configs, f"{path}.json")):
-            if os.path.exists(candidate):
+        # "configs/k3-tiny.json" or "k3-tiny" from any working directory: the bundled configs
+        for d in bundled_config_dirs():
+            candidate = next((c for c in (os.path.join(d, os.path.basename(path)), os.path.join(d, f"{path}.json"))
+                              if os.path.exists(c)), None)
+            if candidate:
                 path = candidate
                 break
     try:
@@ -611,9 +619,7 @@ def config_path(name: str) -> str:
     """Path of a bundled config by short name (``"k3"``, ``"k3-tiny"``, ``"k3-small"``) or a file path."""
     if os.path.exists(name):
         return name
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-    candidates = [os.path.join(here, f"{name}.json"), os.path.join(os.path.dirname(__file__), "data",
-                                                                   "configs", f"{name}.json")]
+    candidates = [os.path.join(d, f"{name}.json") for d in bundled_config_dirs()]
     for c in candidates:
         if os.path.exists(c):
             return c

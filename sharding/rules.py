@@ -225,7 +225,9 @@ def load_preset_file(path: str | os.PathLike[str], overwrite: bool = True) -> st
 
 
 def _preset_dirs() -> list[Path]:
-    dirs = [Path(__file__).resolve().parents[1] / "configs" / "sharding"]
+    from k3_jax.config import bundled_config_dirs
+
+    dirs = [Path(d) / "sharding" for d in bundled_config_dirs()]
     if os.environ.get(PRESET_DIR_ENV):
         dirs.append(Path(os.environ[PRESET_DIR_ENV]))
     return dirs

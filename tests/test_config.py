@@ -165,3 +165,19 @@ def test_release_and_bundled_configs_load_without_warnings():
         for p in paths:
             cfg = load_config(p)
             config_from_dict(cfg.to_hf_dict())
+
+
+def test_bundled_configs_travel_with_the_package():
+    """``k3_jax/configs`` (what a wheel carries as package data) is the repository's ``configs/``: a config or
+    sharding preset named by short name resolves without the checkout's working directory."""
+    import pathlib
+    import tomllib
+
+    from k3_jax.config import bundled_config_dirs, config_path
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    (bundled,) = bundled_config_dirs()
+    assert pathlib.Path(bundled).samefile(root / "configs")
+    assert pathlib.Path(config_path("k3-tiny")).samefile(root / "configs" / "k3-tiny.json")
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["k3_jax"]
+    assert {"configs/*.json", "configs/sharding/*.json"} <= set(data)
