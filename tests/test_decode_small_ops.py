@@ -1,7 +1,7 @@
 """The decode step's small-op forms against their general forms (CPU, exact): the top-k of the log-probs in
-chunks vs ``lax.top_k``, the GPU expert kernels' tile table vs a row-by-row count; the GPU grouped matmul's
-decode tiles (interpreted on CPU, compiled on a GPU) and the one-row lm_head (GPU) against the reference
-products."""
+chunks vs ``lax.top_k``, the one-token short conv vs the T-token conv, the GPU expert kernels' tile table vs a
+row-by-row count; the GPU grouped matmul's decode tiles (interpreted on CPU, compiled on a GPU) and the one-row
+lm_head (GPU) against the reference products."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from k3_jax.layers.common import einsum_f32
+from k3_jax.layers.kda import causal_depthwise_conv
 from k3_jax.model import lm_head_logits
 from k3_jax.serving import sampling
 from k3_jax.serving.sampling import top_k_in_chunks
@@ -27,6 +28,22 @@ def test_top_k_in_chunks_equals_top_k(b, v, k):
     want, got = jax.lax.top_k(x, k), jax.jit(top_k_in_chunks, static_argnums=1)(x, k)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_token_conv_equals_the_sequence_conv(dtype):
+    rs = np.random.RandomState(0)
+    u = jnp.asarray(rs.standard_normal((3, 2, 64)), dtype)
+    tail = jnp.asarray(rs.standard_normal((3, 3, 64)), dtype)
+    kernel = jnp.asarray(rs.standard_normal((4, 64)), jnp.float32)
+    seg = jnp.asarray([[1, 1], [2, 2], [0, 0]], jnp.int32)
+    one = jax.jit(causal_depthwise_conv)
+    out1, tail1 = one(u[:, :1], kernel, tail, None)
+    out2, tail2 = jax.jit(causal_depthwise_conv)(u, kernel, tail, seg)  # the T-token path, first token
+    np.testing.assert_array_equal(np.asarray(out1[:, 0]), np.asarray(out2[:, 0]))
+    np.testing.assert_array_equal(np.asarray(tail1), np.asarray(jnp.concatenate([tail, u[:, :1]], 1)[:, 1:]))
+    out_seg, _ = one(u[:, :1], kernel, tail, seg[:, :1])  # one token is always in its tail's document
+    np.testing.assert_array_equal(np.asarray(out_seg), np.asarray(out1))
 
 
 @pytest.mark.parametrize("sizes, m, tm", [([0, 5, 0, 17, 1, 0], 32, 8), ([3, 0, 0], 4, 16), ([0, 0], 8, 4)])
