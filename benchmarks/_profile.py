@@ -66,3 +66,33 @@ def device_op_times(fn, *args, out_dir: str, iters: int = 3, top: int = 25) -> d
     if not traces:
         return {"error": f"no perfetto_trace.json.gz under {out_dir}"}
     return summarize_trace(traces[-1], top=top, divide_by=iters)
+
+
+def device_timeline(path: str, divide_by: int = 1, gap_us: float = 20.0) -> dict:
+    """The device's timeline in a ``perfetto_trace.json.gz``: from its first to its last event (``span``), the
+    union of its events (``busy``), the idle rest, the idle gaps over ``gap_us`` (count, time, the 8 longest with
+    the event that ends each) and the device-to-host copies (``MemcpyD2H``: a host wait), per ``divide_by``."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    pids, on_device = _device_pids(events)
+    evs = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in events
+                 if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e)
+    if not evs:
+        return {"device_events": on_device, "span_ms": 0.0}
+    busy, end, gaps = 0.0, evs[0][0], []
+    for ts, dur, name in evs:
+        if ts > end:
+            if ts - end > gap_us:
+                gaps.append((ts - end, name))
+        busy += max(0.0, ts + dur - max(ts, end))
+        end = max(end, ts + dur)
+    span = end - evs[0][0]
+    ms = lambda us: round(us / 1e3 / divide_by, 4)
+    return {
+        "device_events": on_device,
+        "span_ms": ms(span), "busy_ms": ms(busy), "idle_ms": ms(span - busy),
+        "gaps_over_threshold": round(len(gaps) / divide_by, 2), "gap_ms": ms(sum(g for g, _ in gaps)),
+        "longest_gaps_us": [[round(g, 1), n[:60]] for g, n in sorted(gaps, reverse=True)[:8]],
+        "d2h_copies": round(sum(1 for _, _, n in evs if "MemcpyD2H" in n) / divide_by, 2),
+    }

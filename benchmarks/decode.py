@@ -16,9 +16,13 @@ One JSON line per case (``batch:prompt_len``, expert format, steps per call):
   write bytes / best time); ``roofline_ms = bytes / copy_gbps`` and ``roofline_fraction = roofline_ms /
   ms_per_step``.
 * ``--profile-dir``: also the device-trace breakdown (``benchmarks._profile``) of ``--profile-calls`` calls of
-  the first case:
-  device busy time per step, host gap (wall − device), kernel launches and copies per step, the top ops, and
-  the time of the ops named like concatenations and sorts.
+  the first case of each batch size in ``--profile-batches`` (default: the first case), first expert format:
+  device busy time per step, host gap (wall − device), kernel launches and copies per step, the top ops, the
+  time of the ops named like concatenations and sorts, and the device timeline (``device_timeline``: span and
+  idle time per step, idle gaps over 20 µs, device-to-host copies).
+* ``tokens``: the greedy tokens ``[n, B]`` of the first (warm-up) call, also as ``tokens_sha1`` and
+  ``tokens_row0`` (row 0's ``n`` tokens): the same parameters, cache and inputs in two trees give the same tokens
+  when their decode steps compute the same numbers.
   (XLA runs op by op while a profile is active: command buffers are off in the profiled calls.)
 * ``--hlo-out FILE``: the first case's optimised HLO (``compiled.as_text()``) written to FILE.
 
@@ -68,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size (with --layers)")
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--profile-calls", type=int, default=2)
+    ap.add_argument("--profile-batches", default=None,
+                    help="comma list of batch sizes whose first case is profiled (default: the first case)")
     ap.add_argument("--hlo-out", default=None, help="write the first case's optimised HLO text here")
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before JAX starts")
     ap.add_argument("--label", default="", help="free text copied into every line (e.g. the tree measured)")
@@ -199,7 +205,7 @@ def profile_breakdown(fn, args_fn, calls: int, steps_per_call: int, out_dir: str
 
     import jax
 
-    from benchmarks._profile import summarize_trace
+    from benchmarks._profile import device_timeline, summarize_trace
 
     os.makedirs(out_dir, exist_ok=True)
     jax.profiler.start_trace(out_dir, create_perfetto_trace=True)
@@ -236,12 +242,13 @@ def profile_breakdown(fn, args_fn, calls: int, steps_per_call: int, out_dir: str
         "concatenates_per_step": sum(c for _, _, c in concat),
         "sort_ms_per_step": round(sum(ms for _, ms, _ in sorts), 4),
         "sorts_per_step": sum(c for _, _, c in sorts),
+        "timeline": device_timeline(traces[-1], divide_by=steps),
         "top": s["top"][:30],
     }
 
 
 def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Namespace, gbps: float,
-             first: bool) -> dict:
+             first: bool, profile: bool = False) -> dict:
     """One ``batch:prompt_len`` case at ``n`` steps per call: set up and time under the device lock, compile
     without it; returns its JSON record."""
     max_len = prompt_len + args.gen
@@ -260,7 +267,7 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
         return out
 
     with accelerator_lock():
-        return _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gbps, compile_s, first)
+        return _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gbps, compile_s, profile)
 
 
 def _prepare_case(cfg, params, batch: int, prompt_len: int, max_len: int, n: int):
@@ -291,12 +298,16 @@ def _prepare_case(cfg, params, batch: int, prompt_len: int, max_len: int, n: int
     return eng, {"cache": eng.cache}, (tokens, active, samp), nbytes
 
 
-def _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gbps, compile_s, first):
-    """Warm-up, timed calls and (first case) the profile of one compiled case; returns its JSON record."""
+def _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gbps, compile_s, profile):
+    """Warm-up, timed calls and (``profile``) the profile of one compiled case; returns its JSON record."""
+    import hashlib
+
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
-    jax.block_until_ready(call())
+    first_out = jax.block_until_ready(call())
+    toks = np.asarray(first_out.tokens, np.int32).reshape(n, batch)
     jax.block_until_ready(call())
     # lengths grow by n per call: keep every call at ~prompt_len by resetting them (a device scalar op)
     reset = jax.jit(lambda c: {**c, "lengths": jnp.full((batch,), prompt_len, jnp.int32)}, donate_argnums=(0,))
@@ -315,9 +326,11 @@ def _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gb
         "tokens_per_s": round(batch * 1000 / ms, 1), "bytes": nbytes, "copy_gbps": round(gbps, 1),
         "roofline_ms": round(roof_ms, 3), "roofline_fraction": round(roof_ms / ms, 3),
         "compile_s": round(compile_s, 1), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "tokens_sha1": hashlib.sha1(toks.tobytes()).hexdigest()[:16], "tokens_row0": toks[:, 0].tolist(),
+        "tokens": toks.tolist(),
         "device": str(jax.devices()[0].device_kind),
     }
-    if args.profile_dir and first:
+    if args.profile_dir and profile:
         state["cache"] = reset(state["cache"])
         where = os.path.join(args.profile_dir, f"b{batch}_p{prompt_len}_n{n}_{cfg.expert_format}")
         rec["profile"] = profile_breakdown(call, lambda: (), args.profile_calls, n, where)
@@ -347,10 +360,15 @@ def main(argv: list[str] | None = None) -> None:
         emit({"bench": "decode", "label": args.label, "event": "init", "experts": experts,
               "param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
               "init_s": round(time.perf_counter() - t0, 1)})
+        profiled: set[int] = set()
         for i, (batch, prompt_len, n) in enumerate(cases):
             try:
                 first = i == 0 and experts == expert_list[0]
-                emit(run_case(cfg, params, batch, prompt_len, n, args, gbps, first))
+                wanted = [int(b) for b in args.profile_batches.split(",")] if args.profile_batches else [cases[0][0]]
+                profile = experts == expert_list[0] and batch in wanted and batch not in profiled
+                if profile:
+                    profiled.add(batch)
+                emit(run_case(cfg, params, batch, prompt_len, n, args, gbps, first, profile))
             except Exception as e:  # noqa: BLE001 - report the case and go on with the next
                 emit({"bench": "decode", "label": args.label, "experts": experts, "batch": batch,
                       "prompt_len": prompt_len, "decode_block": n, "error": f"{type(e).__name__}: {str(e)[:400]}"})

@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
-# One device call for issue 23: the decode step of two trees side by side on one GPU, plus the release's layers.
+# One device call for issue 23: the decode step of two trees side by side on one GPU, then the release's layers.
 #
-#   OLD=/path/to/old/tree NEW=/path/to/new/tree OUT=/path/to/out TOTAL_S=170 bash benchmarks/decode_h200.sh
+#   OLD=/path/to/old/tree NEW=/path/to/new/tree OUT=/path/to/out TOTAL_S=100 bash benchmarks/decode_h200.sh
 #
 # Every process runs benchmarks/decode.py of its own tree under the GPU env of benchmarks/RESULTS.md; they compile
-# in parallel and time one at a time under K3_BENCH_LOCK. Cases: k3-slice batch 64 and 1 (prompt 128, 8 steps per
-# call), bf16 and MXFP4 experts, in both trees (the batch-64 bf16 case profiled in both); the release's KDA and MLA
-# layers (configs/k3.json, 896 MXFP4 experts top-16, vocabulary 1,024, prompt 1,024) at batch 64 and 1 in the new
-# tree (the KDA layer profiled; a third release-layer process does not fit in the GPU's memory beside these). The
-# new tree's router-selection and sampling tests run on the GPU in the same call, holding the lock. An old tree
-# whose decode.py holds the lock through its init compiles makes the others wait for them: give the call more time.
-# Outputs under $OUT: runs.jsonl (every JSON line), stderr.txt (each process's last lines), gpu_tests.txt,
-# new_b64_bf16.hlo.txt (the new tree's optimised batch-64 bf16 step), traces.tgz (the Perfetto traces); a summary
-# table is printed last.
+# in parallel and time one at a time under K3_BENCH_LOCK. First wave (k3-slice, 8 steps per call): bf16 experts at
+# batch 64, 1, 256 (prompt 128; the old tree's batch 256 twice, a determinism check) and batch 16 at prompt
+# 32,768, batch 64 and 1 profiled; MXFP4 experts at batch 64 and 1 (the new tree's batch 64 profiled); both trees;
+# the new tree's small-op and sampling tests on the GPU, holding the lock; whatever command $EXTRA holds (e.g.
+# `run name tree args...`, in the background beside them). Second wave (after the first, for the GPU's memory;
+# RELEASE_LAYERS=0 skips it): the release's KDA and MLA layers (configs/k3.json, 896 MXFP4 experts top-16,
+# vocabulary 1,024, prompt 1,024) at batch 64 and 1 in the new tree (the KDA layer profiled at both). Outputs under $OUT: runs.jsonl (every JSON line), stderr.txt (each
+# process's last lines), gpu_tests.txt, new_b64_bf16.hlo.txt (the new tree's optimised batch-64 bf16 step),
+# traces.tgz (the Perfetto traces); a summary table is printed last, with each case's greedy tokens (the first
+# call's [8, B]) compared across the runs of that case: positions that differ from the first run's.
 set -u
 : "${OLD:?} ${NEW:?} ${OUT:?}"
-T=${TOTAL_S:-170}
+T=${TOTAL_S:-100}
 export XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false" K3_COMPILATION_CACHE=off \
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 K3_BENCH_LOCK=/tmp/k3_bench.lock
 PROF=/tmp/k3_decode_prof
-mkdir -p "$PROF" /tmp/k3_decode_runs
 RUNS=/tmp/k3_decode_runs
+mkdir -p "$PROF" "$RUNS"
 
 run() {  # name tree args...: one decode.py process in the background
   local name=$1 dir=$2
@@ -29,41 +30,50 @@ run() {  # name tree args...: one decode.py process in the background
     >"$RUNS/$name.jsonl" 2>"$RUNS/$name.err") &
 }
 
-SLICE="--cases 64:128:8,1:128:8"
-REL="--config configs/k3.json --vocab 1024 --experts mxfp4"
-run new_bf16 "$NEW" $SLICE --experts bf16 --profile-dir "$PROF/new_bf16" --profile-calls 1 \
-  --hlo-out "$OUT/new_b64_bf16.hlo.txt"
-run old_bf16 "$OLD" $SLICE --experts bf16 --profile-dir "$PROF/old_bf16" --profile-calls 1
-run new_mxfp4 "$NEW" $SLICE --experts mxfp4
-run old_mxfp4 "$OLD" $SLICE --experts mxfp4
-run new_rel_kda "$NEW" $REL --layers kda --cases 64:1024:8,1:1024:8 --profile-dir "$PROF/new_rel_kda" \
-  --profile-calls 1
-run new_rel_mla "$NEW" $REL --layers mla --cases 64:1024:8,1:1024:8
-(cd "$NEW" && PYTHONPATH="$NEW" flock "$K3_BENCH_LOCK" timeout 90 python3 -m pytest -q -p no:cacheprovider \
-  tests/test_router_select.py tests/test_sampling.py >"$OUT/gpu_tests.txt" 2>&1) &
+PROFILE="--profile-batches 64,1 --profile-calls 1"
+run new_bf16 "$NEW" --cases 64:128:8,1:128:8,256:128:8,16:32768:8 --experts bf16 $PROFILE \
+  --profile-dir "$PROF/new_bf16" --hlo-out "$OUT/new_b64_bf16.hlo.txt"
+run old_bf16 "$OLD" --cases 64:128:8,1:128:8,256:128:8,256:128:8,16:32768:8 --experts bf16 $PROFILE \
+  --profile-dir "$PROF/old_bf16"
+run new_mxfp4 "$NEW" --cases 64:128:8,1:128:8 --experts mxfp4 --profile-batches 64 --profile-calls 1 \
+  --profile-dir "$PROF/new_mxfp4"
+run old_mxfp4 "$OLD" --cases 64:128:8,1:128:8 --experts mxfp4
+(cd "$NEW" && PYTHONPATH="$NEW" flock "$K3_BENCH_LOCK" timeout 60 python3 -m pytest -q -p no:cacheprovider \
+  tests/test_decode_small_ops.py tests/test_sampling.py >"$OUT/gpu_tests.txt" 2>&1) &
+if [ -n "${EXTRA:-}" ]; then eval "$EXTRA"; fi
 wait
 
+if [ "${RELEASE_LAYERS:-1}" = 1 ]; then
+  REL="--config configs/k3.json --vocab 1024 --experts mxfp4 --cases 64:1024:8,1:1024:8"
+  run new_rel_kda "$NEW" $REL --layers kda $PROFILE --profile-dir "$PROF/new_rel_kda"
+  run new_rel_mla "$NEW" $REL --layers mla
+  wait
+fi
+
 cat "$RUNS"/*.jsonl >"$OUT/runs.jsonl"
-for f in "$RUNS"/*.err; do echo "== $f"; tail -n 5 "$f"; done >"$OUT/stderr.txt"
-(cd "$PROF" && find . -name '*.json.gz' | tar czf "$OUT/traces.tgz" -T -)
-tail -n 3 "$OUT/gpu_tests.txt"
-python3 - "$OUT/runs.jsonl" <<'EOF'
+for f in "$RUNS"/*.err; do echo "== $f"; tail -n 4 "$f"; done >"$OUT/stderr.txt"
+(cd "$PROF" && find . -name 'perfetto_trace.json.gz' | tar czf "$OUT/traces.tgz" -T -)
+tail -n 2 "$OUT/gpu_tests.txt"
+python3 - "$OUT/runs.jsonl" <<'PY'
 import json, sys
-for line in open(sys.argv[1]):
-    if not line.startswith("{"):
-        continue
-    r = json.loads(line)
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+first = {}
+for r in rows:
     if "error" in r:
         print(r.get("label"), r.get("experts"), r.get("batch"), "ERROR", r["error"][:300])
     elif "ms_per_step" in r:
-        print(f'{r["label"]:12s} {r["experts"]:5s} b{r["batch"]:<3d} {r["ms_per_step"]:8.3f} ms '
+        key = (r["layers"], r["experts"], r["batch"], r["prompt_len"])
+        ref = first.setdefault(key, (r["label"], r["tokens"]))
+        diff = sum(a != b for x, y in zip(ref[1], r["tokens"]) for a, b in zip(x, y))
+        print(f'{r["label"]:11s} {r["experts"]:5s} b{r["batch"]:<3d} p{r["prompt_len"]:<5d} {r["ms_per_step"]:8.3f} ms '
               f'{r["tokens_per_s"]:9.1f} tok/s frac {r["roofline_fraction"]:.3f} GB {r["bytes"]["total"] / 1e9:.2f} '
-              f'copy {r["copy_gbps"]:.0f} compile {r["compile_s"]}s')
+              f'copy {r["copy_gbps"]:.0f} tokens {r["tokens_sha1"]}: {diff} differ from {ref[0]}')
         p = r.get("profile")
         if p and "top" in p:
-            print("   profile: device", p["device_busy_ms_per_step"], "ms, events", p["events_per_step"],
-                  "copies", p["copy_ms_per_step"], "concat", p.get("concatenate_ms_per_step"),
-                  "sort", p.get("sort_ms_per_step"))
-            for name, ms, count in p["top"][:12]:
-                print(f"     {ms:7.4f} {count:4d} {name[:90]}")
-EOF
+            t = p.get("timeline", {})
+            print("   profile: device", p["device_busy_ms_per_step"], "ms, events", p["events_per_step"], "span",
+                  t.get("span_ms"), "idle", t.get("idle_ms"), "d2h", t.get("d2h_copies"), "concat",
+                  p.get("concatenate_ms_per_step"), "sort", p.get("sort_ms_per_step"))
+            for name, ms, count in p["top"][:6]:
+                print(f"     {ms:7.4f} {count:4d} {name[:80]}")
+PY

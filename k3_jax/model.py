@@ -41,6 +41,7 @@ from k3_jax.layers.mla import KimiMLAAttention
 from k3_jax.layers.moe import LatentMoE, SituMLP, stacked_routed_experts
 from k3_jax.layers.parallel import axis_size, constrain
 from k3_jax.parallel.vocab import vocab_parallel_embed
+from pallas_kernels.registry import target_platform
 from sharding.local_kernels import active_mesh_size
 
 LayerKind = tuple[MixerKind, FfnKind]
@@ -304,6 +305,22 @@ def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
         )
 
 
+def lm_head_logits(hidden: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``einsum_f32("btd,dv->btv", hidden, kernel)``: ``hidden [B, T, D]``, ``kernel [D, V]`` -> ``[B, T, V]`` f32.
+
+    On GPU a product of one row (a one-token decode step at batch 1) with a low-precision weight is computed on
+    two rows (the row and a row of zeros) and the first kept, behind an optimisation barrier: XLA:GPU runs a
+    one-row bf16 × bf16 → f32 product as an f32 matrix-vector product over an f32 copy of the whole weight made on
+    every call (three times the weight's bytes moved), two rows as the cuBLAS GEMM of larger batches (the
+    weight read once).
+    """
+    b, t, _ = hidden.shape
+    if b * t == 1 and kernel.dtype != jnp.float32 and target_platform() == "gpu":
+        two = jnp.concatenate([hidden, jnp.zeros_like(hidden)], axis=0)
+        return jax.lax.optimization_barrier(einsum_f32("btd,dv->btv", two, kernel))[:1]
+    return einsum_f32("btd,dv->btv", hidden, kernel)
+
+
 class K3ForCausalLM(nn.Module):
     """The K3 text model.
 
@@ -342,7 +359,7 @@ class K3ForCausalLM(nn.Module):
             else:
                 kernel = LinearKernel(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, name="lm_head")()
             dt = compute_dtype(cfg)
-            out = einsum_f32("btd,dv->btv", hidden.astype(dt), kernel.astype(dt))
+            out = lm_head_logits(hidden.astype(dt), kernel.astype(dt))
         if cache is not None:
             return out, new_cache
         return out

@@ -62,6 +62,14 @@ def causal_depthwise_conv(
     w = kernel.shape[0]
     if conv_state is None:
         conv_state = jnp.zeros((b, w - 1, c), u.dtype)
+    if t == 1:  # decode step: the taps read the tail in place (the same f32 sums as below, no [B, W, C] concat)
+        taps = [conv_state[:, j : j + 1].astype(u.dtype) for j in range(w - 1)] + [u]
+        kernel32 = kernel.astype(jnp.float32)
+        out = jnp.zeros((b, 1, c), jnp.float32)
+        for j, tap in enumerate(taps):
+            out = out + tap.astype(jnp.float32) * kernel32[j]
+        new_state = jnp.concatenate(taps[1:], axis=1) if w > 1 else u[:, :0, :]
+        return out.astype(u.dtype), new_state
     full = jnp.concatenate([conv_state.astype(u.dtype), u], axis=1)  # [B, W-1+T, C]
     full32 = full.astype(jnp.float32)
     kernel32 = kernel.astype(jnp.float32)

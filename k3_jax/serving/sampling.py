@@ -171,6 +171,31 @@ def _filtered_sorted_logits(
     return jnp.where(keep_p, scaled, -jnp.inf), order
 
 
+TOP_K_CHUNK = 512
+"""Width of the chunks :func:`top_k_in_chunks` cuts a row into."""
+
+TOP_K_CHUNKED_MAX_ROWS = 256
+"""Most chunks (``B·V/TOP_K_CHUNK``) for which :func:`top_k_in_chunks` chunks at all: more rows of 512 make XLA:GPU's
+first pass slower than one ``top_k`` (measured on the H200, ``benchmarks/decode_small_ops.py``)."""
+
+
+def top_k_in_chunks(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` of ``x [B, V]``, for few rows in two passes: the top ``k`` of each
+    :data:`TOP_K_CHUNK`-wide chunk of a row, then the top ``k`` of those candidates. Same values and ids in the same
+    order (ties to the lower id: candidates keep their chunks' order and, within a chunk, ``top_k``'s). XLA:GPU
+    runs ``top_k`` one row per thread block: one decode row over a whole vocabulary occupies one multiprocessor,
+    its chunks many. One ``top_k`` where the row is narrower than 8 chunks or not a multiple of the chunk, ``k``
+    exceeds the chunk, or there would be more than :data:`TOP_K_CHUNKED_MAX_ROWS` chunks."""
+    b, v = x.shape
+    c = TOP_K_CHUNK
+    if v % c or v < 8 * c or k > c or b * (v // c) > TOP_K_CHUNKED_MAX_ROWS:
+        return jax.lax.top_k(x, k)
+    vals, ids = jax.lax.top_k(x.reshape(b * (v // c), c), k)  # one row per chunk: [B·V/c, k]
+    ids = ids.reshape(b, v // c, k) + (jnp.arange(v // c, dtype=ids.dtype) * c)[None, :, None]
+    top, pos = jax.lax.top_k(vals.reshape(b, -1), k)
+    return top, jnp.take_along_axis(ids.reshape(b, -1), pos, axis=-1)
+
+
 @partial(jax.jit, static_argnames=("num_top_logprobs", "sampling"))
 def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0,
            sampling: bool = True) -> SampleOutput:
@@ -198,7 +223,7 @@ def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int = 0,
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if num_top_logprobs > 0:
-        top_lp, top_ids = jax.lax.top_k(logp, num_top_logprobs)
+        top_lp, top_ids = top_k_in_chunks(logp, num_top_logprobs)
     else:
         top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)

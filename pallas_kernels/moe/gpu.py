@@ -43,7 +43,9 @@ def make_tile_table(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array,
     num = cum[-1]
     v = -(-m // tm) + e
     i = jnp.minimum(jnp.arange(v, dtype=jnp.int32), jnp.maximum(num - 1, 0))
-    gid = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+    # one fused compare-and-count, not searchsorted's default binary-search loop (an XLA while loop of tiny
+    # kernels that the host drives iteration by iteration: per layer and decode step)
+    gid = jnp.searchsorted(cum, i, side="right", method="compare_all").astype(jnp.int32)
     row0 = (starts[gid] + (i - (cum - ntiles)[gid]) * tm).astype(jnp.int32)
     return gid, row0, ends, num.reshape(1).astype(jnp.int32)
 
@@ -153,6 +155,10 @@ def _tgmm_call(lhs, dout, group_sizes, *, out_dtype, tiles, interpret):
 
 
 DEFAULT_TILES = (128, 64, 256, 8, 3)  # tm, tk, tn, num_warps, num_stages (benchmarks/moe.py sweeps others)
+DECODE_TILES = (16, 64, 64, 4, 3)
+""":func:`gmm`'s tiles for at most ``tm = 16`` rows (a decode step of a few tokens): no group can span two row
+tiles (each expert's weight is read once), and N cut into 64-wide tiles gives a few live experts enough
+programs to stream their weights over most of the GPU (256-wide: 12 programs per expert for N = 3,072)."""
 MXFP4_TILES = (16, 128, 64, 4, 4)  # tm, tkh (packed bytes of K per step), tn, num_warps, num_stages
 TGMM_TILES = (64, 128, 128, 8, 3)
 
@@ -213,11 +219,11 @@ def gmm(
     ``[0, L)``); that form is forward only (decode).
     """
     k, n = rhs.shape[-2], rhs.shape[-1]
-    tiles = _fit(tiles or DEFAULT_TILES, k, n)
+    m = lhs.shape[0]
+    tiles = _fit(tiles or (DECODE_TILES if m <= DECODE_TILES[0] else DEFAULT_TILES), k, n)
     if k % tiles[1] or n % tiles[2]:
         raise ValueError(f"gpu.gmm: K={k}, N={n} must be multiples of the tiles (tk={tiles[1]}, tn={tiles[2]})")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    m = lhs.shape[0]
     # The interpreter clamps out-of-range slices instead of masking them: give it tm spare rows.
     x = jnp.pad(lhs, ((0, tiles[0]), (0, 0))) if interpret else lhs
     if layer is not None:
