@@ -55,7 +55,13 @@ from k3_jax.layers.kda import record_position_states
 from k3_jax.model import FEATURES, K3ForCausalLM
 from k3_jax.serving import media as media_lib
 from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces, shard_variables
-from k3_jax.serving.sampling import SampleOutput, SamplingArrays, SamplingParams, _filtered_sorted_logits
+from k3_jax.serving.sampling import (
+    SampleOutput,
+    SamplingArrays,
+    SamplingParams,
+    _filtered_sorted_logits,
+    top_k_in_chunks,
+)
 
 __all__ = ["SpeculativeEngine", "speculative_accept", "speculative_rounds", "sampling_probs", "greedy_accept",
            "RoundOutput", "SpecStats"]
@@ -248,7 +254,8 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
     logp = jax.nn.log_softmax(logits_v.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, out_tokens[..., None], axis=-1)[..., 0]
     if num_top > 0:
-        top_lp, top_ids = jax.lax.top_k(logp, num_top)
+        top_lp, top_ids = (x.reshape(b, k + 1, num_top) for x in top_k_in_chunks(logp.reshape(b * (k + 1), -1),
+                                                                                  num_top))
     else:
         top_lp = jnp.zeros((b, k + 1, 0), jnp.float32)
         top_ids = jnp.zeros((b, k + 1, 0), jnp.int32)
