@@ -8,7 +8,8 @@
 Prompts are held-out documents of the bundled corpus (``--prompt-len`` tokens each), so a target trained on it
 is predictable. Cases are ``batch:k`` pairs (``--cases``, or every ``--batches`` x ``--ks``), measured in that
 order; per batch size the peer (``Engine``, no draft) and, for every case and draft, the ``SpeculativeEngine``
-generate ``--new-tokens`` tokens per row from the same prompts.
+generate ``--new-tokens`` tokens per row from the same prompts (a batch-1 engine serves ``--batch1-prompts`` of
+them one after another, so its figures rest on more than one document).
 
 Measured per case (one JSON line each, then a summary line):
   * ``decode_tokens_per_s``: tokens emitted by decode calls / wall time of those calls (the engine's
@@ -220,6 +221,8 @@ def main() -> None:
     p.add_argument("--block-batches", default="1", help="batch sizes also measured with --block per call")
     p.add_argument("--prompt-len", type=int, default=33, help="prompt tokens (chunk·n + 1: one draft-prefill shape)")
     p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--batch1-prompts", type=int, default=1,
+                   help="prompts a batch-1 case generates for, one after another through its one slot")
     p.add_argument("--repeats", type=int, default=2, help="timed greedy runs per case")
     p.add_argument("--sample-cases", default="", help="batch:k,... also measured at temperature 1")
     p.add_argument("--pipelined-calls", type=int, default=8)
@@ -299,7 +302,8 @@ def main() -> None:
     sample_batches = {b for b, _ in sample_cases}
     max_len = args.prompt_len + args.new_tokens + 1
     chunk = 1 << max(0, min(64, args.prompt_len).bit_length() - 1)
-    prompts = {b: corpus_prompts(b, args.prompt_len, cfg.vocab_size) for b in batches}
+    prompts = {b: corpus_prompts(b if b > 1 else max(1, args.batch1_prompts), args.prompt_len, cfg.vocab_size)
+               for b in batches}  # a batch-1 engine serves its prompts one after another
     # every engine of a batch size has the same target cache length (max_len + max k), so its prefill is one
     # program for all k (shared through --compile-cache)
     kmax = max(k for _, k in spec_cases)
@@ -316,13 +320,13 @@ def main() -> None:
         """Run every program a case's timed runs use once (one step/round per call, a block, sampling)."""
         b, k = case
         e.decode_block = 1
-        e.generate(prompts[b], max_new_tokens=warm_tokens, stop_token_ids=[])
+        e.generate(prompts[b][:b], max_new_tokens=warm_tokens, stop_token_ids=[])
         if b in block_batches:
             e.decode_block = args.block
-            e.generate(prompts[b], max_new_tokens=args.block + 2, stop_token_ids=[])
+            e.generate(prompts[b][:b], max_new_tokens=args.block + 2, stop_token_ids=[])
             e.decode_block = 1
         if case in sample_cases or (k == 0 and b in sample_batches):
-            e.generate(prompts[b], max_new_tokens=warm_tokens, temperature=1.0, stop_token_ids=[])
+            e.generate(prompts[b][:b], max_new_tokens=warm_tokens, temperature=1.0, stop_token_ids=[])
 
     def build(case):
         b, k = case
@@ -408,7 +412,7 @@ def main() -> None:
             warm_s, warm_compiles, c0 = time.perf_counter() - t, COMPILES[0] - c0, COMPILES[0]
             outs, runs, ms, st = timed(e, b, 1)
             unit = "step" if k == 0 else "round"
-            row = {"side": "peer" if k == 0 else "speculative", "batch": b, "k": k,
+            row = {"side": "peer" if k == 0 else "speculative", "batch": b, "k": k, "prompts": len(prompts[b]),
                    "decode_tokens_per_s": round(float(np.mean(runs)), 2), "runs": [round(r, 2) for r in runs],
                    f"{unit}_ms": round(ms, 3), "warm_s": round(warm_s, 2), "warm_compiles": warm_compiles}
             if b in block_batches:
@@ -444,7 +448,7 @@ def main() -> None:
                     if "sampled_decode_tokens_per_s" in peers[b]:
                         row["sampled_speedup_vs_step"] = round(sruns[0] / peers[b]["sampled_decode_tokens_per_s"], 3)
             row["timed_compiles"] = COMPILES[0] - c0  # compiles during the timed runs (0: clean timings)
-            row["pipelined_ms"] = round(pipelined_ms(e, prompts[b], args.new_tokens, args.pipelined_calls), 3)
+            row["pipelined_ms"] = round(pipelined_ms(e, prompts[b][:b], args.new_tokens, args.pipelined_calls), 3)
             if k == 0:
                 peer_margin = peer_margins(e, prompts[b], args.new_tokens)
             if k == 0:
@@ -482,7 +486,7 @@ def main() -> None:
         for (b, k), e in keep.items():
             if k:
                 e.draft_variables = {"params": next(iter(drafts.values()))[1]}
-            call, finish = device_loop(e, prompts[b], args.new_tokens)
+            call, finish = device_loop(e, prompts[b][:b], args.new_tokens)
             try:
                 prof = device_op_times(call, out_dir=f"{args.profile_dir}/b{b}k{k}", iters=4, top=15)
             except Exception as ex:  # noqa: BLE001 - the profile is optional
@@ -501,9 +505,10 @@ def main() -> None:
     invariance = []
     for i, b1 in enumerate(sorted(peers)):
         for b2 in sorted(peers)[i + 1:]:
-            a, c = peers[b1]["outs"], peers[b2]["outs"][:b1]
+            n = min(len(peers[b1]["outs"]), len(peers[b2]["outs"]))  # the prompts both served
+            a, c = peers[b1]["outs"][:n], peers[b2]["outs"][:n]
             invariance.append({"batches": [b1, b2], "rows_equal": sum(x == y for x, y in zip(a, c, strict=True)),
-                               "rows": b1, "common_prefix": [common_prefix(x, y) for x, y in zip(a, c, strict=True)]})
+                               "rows": n, "common_prefix": [common_prefix(x, y) for x, y in zip(a, c, strict=True)]})
     best1 = max((r for r in spec_rows if r["batch"] == 1), key=lambda r: r["speedup_vs_best"], default=None)
     emit({"summary": True, "device": str(jax.devices()[0].device_kind), "target": args.target or "random",
           "config": args.config or "micro", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

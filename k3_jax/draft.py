@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from k3_jax.config import K3Config
-from k3_jax.layers.common import Linear, RMSNorm, compute_dtype, einsum_f32
+from k3_jax.layers.common import Linear, RMSNorm, compute_dtype
 from k3_jax.layers.kda import KimiDeltaAttention
 from k3_jax.layers.mla import KimiMLAAttention
 from k3_jax.layers.moe import SituMLP
-from k3_jax.model import FEATURES, layer_plan
+from k3_jax.model import FEATURES, layer_plan, lm_head_logits
 
 MIXERS = ("mla", "kda")
 DRAFT_CONFIG_FILE = "draft_config.json"
@@ -151,7 +151,7 @@ class DraftModel(nn.Module):
             RMSNorm(eps, ("embed",), pd, name="post_attention_layernorm")(x))
         x = (x + m).astype(dt)
         out = RMSNorm(eps, ("embed",), pd, name="norm")(x)
-        logits = einsum_f32("btd,dv->btv", out.astype(dt), jax.lax.stop_gradient(lm_head).astype(dt))
+        logits = lm_head_logits(out.astype(dt), jax.lax.stop_gradient(lm_head).astype(dt))  # as the target's
         new_cache = None
         if cache is not None:
             new_cache = {"lengths": cache["lengths"] + tokens.shape[1], "layer": entry}

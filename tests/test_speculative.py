@@ -22,7 +22,7 @@ from k3_jax.serving.engine import Engine
 from k3_jax.serving.sampling import SamplingParams
 from k3_jax.serving.speculative import (
     SpeculativeEngine,
-    greedy_probs,
+    greedy_accept,
     load_draft,
     sampling_probs,
     speculative_accept,
@@ -260,11 +260,23 @@ def test_acceptance_rule_greedy():
     accepted, nxt = _accept_fn()(p, q, drafts, jnp.asarray([1, 2, 0], jnp.int32), keys)
     assert np.asarray(accepted).tolist() == [1, 1, 0]
     assert np.asarray(nxt).tolist() == [2, 2, 0]
-    # the all-greedy round's distributions (no sort) equal sampling_probs at temperature 0
-    logits = jnp.asarray(np.random.RandomState(2).randn(3, 2, 16), jnp.float32)
-    zeros = jnp.zeros((3,), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(greedy_probs(logits)),
-                                  np.asarray(sampling_probs(logits, zeros, jnp.zeros((3,), jnp.int32), zeros + 1)))
+    # the all-greedy round's rule (argmax comparisons, no distributions) equals the rule on the one-hot
+    # distributions sampling_probs gives at temperature 0, for drafts that often match
+    rs = np.random.RandomState(2)
+    b, k, v = 64, 4, 6
+    logits = jnp.asarray(rs.randn(b, k + 1, v), jnp.float32)
+    zeros = jnp.zeros((b,), jnp.float32)
+    p = sampling_probs(logits, zeros, jnp.zeros((b,), jnp.int32), zeros + 1)
+    target = np.asarray(jnp.argmax(logits, axis=-1))
+    drafts = np.where(rs.rand(b, k) < 0.7, target[:, :k], rs.randint(0, v, (b, k))).astype(np.int32)
+    q = jnp.asarray(np.eye(v, dtype=np.float32)[drafts])
+    num = jnp.asarray(rs.randint(0, k + 1, b), jnp.int32)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(b))
+    want = _accept_fn()(p, q, jnp.asarray(drafts), num, keys)
+    got = jax.jit(greedy_accept)(jnp.asarray(target, jnp.int32), jnp.asarray(drafts), num)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert len(set(np.asarray(got[0]).tolist())) == k + 1  # every acceptance count occurs
 
 
 # ------------------------------------------------------------------------------------------ training

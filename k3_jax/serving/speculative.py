@@ -16,7 +16,8 @@ One decode round (:func:`speculative_round`, one jitted call for all slots):
    residual ``max(p_i - q_i, 0)``; after ``n`` accepted drafts the row emits ``d_1 .. d_n`` and one more token
    (the correction, or a bonus draw from ``p_n`` when all ``k_b`` drafts were kept). ``p``/``q`` are the target's
    and the draft's *sampling* distributions (temperature, top-k, top-p applied), so each emitted token has
-   exactly the distribution plain sampling gives.
+   exactly the distribution plain sampling gives. A round whose rows are all greedy (static ``sampling=False``)
+   compares argmaxes (:func:`greedy_accept`) instead, with the same result.
 5. **Rollback.** The target cache keeps ``n + 1`` of the ``k + 1`` verified tokens per row: MLA latents by setting
    ``lengths`` (entries past it are masked and overwritten later), KDA by taking the state the verify pass
    recorded after token ``n`` and the conv tail at that position. Keeping the per-position states (not
@@ -54,9 +55,15 @@ from k3_jax.layers.kda import record_position_states
 from k3_jax.model import FEATURES, K3ForCausalLM
 from k3_jax.serving import media as media_lib
 from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces, shard_variables
-from k3_jax.serving.sampling import SampleOutput, SamplingArrays, SamplingParams, _filtered_sorted_logits
+from k3_jax.serving.sampling import (
+    SampleOutput,
+    SamplingArrays,
+    SamplingParams,
+    _filtered_sorted_logits,
+    top_k_in_chunks,
+)
 
-__all__ = ["SpeculativeEngine", "speculative_accept", "speculative_rounds", "sampling_probs", "greedy_probs",
+__all__ = ["SpeculativeEngine", "speculative_accept", "speculative_rounds", "sampling_probs", "greedy_accept",
            "RoundOutput", "SpecStats"]
 
 _TAG_DRAFT, _TAG_ACCEPT, _TAG_NEXT = 1, 2, 3
@@ -79,10 +86,17 @@ def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, 
     return jax.vmap(one, in_axes=1, out_axes=1)(logits)
 
 
-def greedy_probs(logits: jax.Array) -> jax.Array:
-    """One-hot argmax ``[B, T, V]`` f32 of ``logits [B, T, V]``: what :func:`sampling_probs` gives for rows with
-    ``temperature == 0``, without its sort over the vocabulary."""
-    return jax.nn.one_hot(jnp.argmax(logits.astype(jnp.float32), axis=-1), logits.shape[-1], dtype=jnp.float32)
+def greedy_accept(target_argmax: jax.Array, drafts: jax.Array, num_drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`speculative_accept` for rows that are all greedy, without distributions or random draws.
+
+    ``target_argmax [B, K+1]`` i32 (the target's argmax at each verified position), ``drafts [B, K]`` (each the
+    draft's argmax), ``num_drafts [B]`` in ``[0, K]``. Returns ``(accepted [B], next_token [B])``: drafts are
+    kept while they equal the target's argmax, then the target's argmax at the first position not kept, which is
+    what :func:`speculative_accept` gives for one-hot ``p`` and ``q``."""
+    k = drafts.shape[1]
+    ok = (drafts == target_argmax[:, :k]) & (jnp.arange(k)[None, :] < num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    return accepted, jnp.take_along_axis(target_argmax, accepted[:, None], axis=1)[:, 0].astype(jnp.int32)
 
 
 def _draw(keys: jax.Array, probs: jax.Array) -> jax.Array:
@@ -167,26 +181,25 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
     """One round for all rows (see the module docstring). Shapes: ``last_token [B]``, ``pend_feat [B, K+1, F]``,
     ``pend_tok [B, K+1]`` and ``pend_n [B]`` (pairs the draft has not consumed), ``active [B]`` bool,
     ``num_drafts [B]`` in ``[0, K]``. ``sampling`` (static): some row has ``temperature > 0``; ``False`` (every
-    row greedy) takes one-hot argmax distributions directly, skipping the top-k / top-p sorts over the
-    vocabulary (2k + 1 per round), with the same result. Returns ``(RoundOutput, cache, dcache, pend_feat,
-    pend_tok, pend_n)``."""
+    row greedy) drafts the draft's argmax and accepts with :func:`greedy_accept`: no distributions, sorts or
+    random draws over the vocabulary, the same tokens as the sampling path gives greedy rows. Returns
+    ``(RoundOutput, cache, dcache, pend_feat, pend_tok, pend_n)``."""
     cfg = target.cfg
     k = pend_tok.shape[1] - 1
     b = last_token.shape[0]
     rows = jnp.arange(b)
     emb, head = target_head(cfg, variables["params"])
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(samp.seed, samp.step)
+    keys = (jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(samp.seed, samp.step) if sampling
+            else None)
 
     def probs_of(logits: jax.Array) -> jax.Array:
-        if not sampling:
-            return greedy_probs(logits)
         return sampling_probs(logits, samp.temperature, samp.top_k, samp.top_p)
 
-    def q_of(logits: jax.Array) -> jax.Array:
-        return probs_of(logits)[:, 0]
-
-    def draw_draft(logits: jax.Array, i: int) -> tuple[jax.Array, jax.Array]:
-        q = q_of(logits)
+    def draw_draft(logits: jax.Array, i: int) -> tuple[jax.Array | None, jax.Array]:
+        """``(q [B, V] or None when greedy, token [B])`` from the draft's logits ``[B, 1, V]``."""
+        if not sampling:
+            return None, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        q = probs_of(logits)[:, 0]
         dk = jax.vmap(lambda kk: jax.random.fold_in(jax.random.fold_in(kk, _TAG_DRAFT), i))(keys)
         return q, _draw(dk, q)
 
@@ -217,17 +230,19 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
         qs.append(qi)
         ds.append(di)
     drafts = jnp.stack(ds, axis=1)  # [B, K]
-    q = jnp.stack(qs, axis=1)  # [B, K, V]
 
     # 3. verify all k + 1 positions at once
     tokens = jnp.concatenate([last_token[:, None], drafts], axis=1)
     with record_position_states():
         (logits_v, new_cache), collected = target.apply(variables, tokens, cache=cache, mutable=[FEATURES])
     feats = target_features(cfg, dcfg, collected).astype(pend_feat.dtype)
-    p = probs_of(logits_v)
 
     # 4. accept
-    n, nxt = speculative_accept(p, q, drafts, jnp.clip(num_drafts, 0, k), keys)
+    if sampling:
+        n, nxt = speculative_accept(probs_of(logits_v), jnp.stack(qs, axis=1), drafts, jnp.clip(num_drafts, 0, k),
+                                    keys)
+    else:
+        n, nxt = greedy_accept(jnp.argmax(logits_v, axis=-1).astype(jnp.int32), drafts, jnp.clip(num_drafts, 0, k))
     pos = jnp.arange(k + 1)[None, :]
     out_tokens = jnp.where(pos < n[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                            jnp.where(pos == n[:, None], nxt[:, None], 0)).astype(jnp.int32)
@@ -239,7 +254,8 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
     logp = jax.nn.log_softmax(logits_v.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, out_tokens[..., None], axis=-1)[..., 0]
     if num_top > 0:
-        top_lp, top_ids = jax.lax.top_k(logp, num_top)
+        top_lp, top_ids = (x.reshape(b, k + 1, num_top) for x in top_k_in_chunks(logp.reshape(b * (k + 1), -1),
+                                                                                  num_top))
     else:
         top_lp = jnp.zeros((b, k + 1, 0), jnp.float32)
         top_ids = jnp.zeros((b, k + 1, 0), jnp.int32)

@@ -364,8 +364,9 @@ def export_draft(directory: Path, dcfg: DraftConfig, params: Any) -> Path:
 def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> dict[str, Any]:
     """Train (or resume) the draft; returns ``{"losses": [per step of this call], "step", "draft_dir"}``.
     ``stop_at``: save and return after that step (as a preemption would), without exporting. With
-    ``dtc.max_seconds`` the run ends after the first step that finishes past that many seconds of this call
-    (compile included): checkpointed and exported as at the last step (the schedule still spans ``steps``)."""
+    ``dtc.max_seconds`` the run ends after the first step dispatched past that many seconds of this call
+    (compile included; the host reads the losses every 10 steps, so it runs at most 10 steps ahead of the
+    device): checkpointed and exported as at that step (the schedule still spans ``steps``)."""
     dtc = dtc.validate()
     mesh = make_mesh(dtc.mesh) if dtc.mesh else None
     if mesh is not None and dtc.wait_for:
@@ -397,14 +398,22 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     else:
         step_fn = _sharded_step(cfg, dcfg, _step_options(dtc), mesh, state)
     losses: list[float] = []
+    unread: list[jax.Array] = []  # losses still on the device: read at log lines, so steps queue up meanwhile
+
+    def read_losses() -> list[float]:
+        losses.extend(float(x) for x in unread)
+        unread.clear()
+        return losses
+
     t0 = time.perf_counter()
     for step in range(start + 1, dtc.steps + 1):
         batch = next(it)
         state, loss, per_step = step_fn(state, target_params, jnp.asarray(batch["tokens"]),
                                         jnp.asarray(batch["segment_ids"]))
-        losses.append(float(loss))
+        unread.append(loss)
         out_of_time = dtc.max_seconds > 0 and time.perf_counter() - t0 >= dtc.max_seconds
         if step == 1 or step % 10 == 0 or step == dtc.steps or out_of_time:
+            read_losses()
             say(f"draft step {step}/{dtc.steps} loss({dtc.loss}) {losses[-1]:.4f} per TTT step "
                 f"{np.round(np.asarray(per_step), 4).tolist()} ({time.perf_counter() - t0:.1f}s)")
         if out_of_time and step < dtc.steps:
@@ -418,11 +427,11 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
                 ckpt.wait()
         if step == stop_at:
             ckpt.close()
-            return {"losses": losses, "step": step, "draft_dir": None}
+            return {"losses": read_losses(), "step": step, "draft_dir": None}
     ckpt.close()
     draft_dir = export_draft(out / "draft", dcfg, state["params"])
     say(f"draft written to {draft_dir} (serve with: python serve.py ... --draft {draft_dir})")
-    return {"losses": losses, "step": int(state["step"]), "draft_dir": str(draft_dir)}
+    return {"losses": read_losses(), "step": int(state["step"]), "draft_dir": str(draft_dir)}
 
 
 def _parse(argv: list[str] | None) -> DraftTrainConfig:
