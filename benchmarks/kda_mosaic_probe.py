@@ -4,7 +4,7 @@ kernels' times alone. One JSON line per check / shape on stdout.
 
 ``python3 benchmarks/kda_mosaic_probe.py CHECK_SHAPES BENCH_SHAPES [TRITON_SHAPES]``: comma lists of ``BxTxH``;
 ``TRITON_SHAPES`` (default all): time the Triton kernels on the first N bench shapes only (their compiles are
-slow)."""
+slow); a fourth argument ``nofla`` leaves fla out."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.kda import make_inputs, time_jax, to_torch  # noqa: E402
 from pallas_kernels.kda import mosaic_gpu as mg  # noqa: E402
+from pallas_kernels.kda import mosaic_gpu_state  # noqa: E402
 from pallas_kernels.kda import reference as ref  # noqa: E402
-from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks  # noqa: E402
+from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks, intra_chunks_reference  # noqa: E402
 from pallas_kernels.kda.mosaic_gpu_state import state_pass  # noqa: E402
 
 SCALE = 128**-0.5
@@ -48,7 +49,34 @@ def check(B, T, H):
     return res
 
 
-def bench(B, T, H, triton: bool):
+def check_parts(B, T, H):
+    """Each kernel alone: the per-chunk kernel against its plain-JAX reference, the state pass on the reference's
+    intermediates against the fp32 reference of the whole forward (with and without the register split)."""
+    q, k, v, g, beta = make_inputs(B, T, H, 128, 128, seed=T + 1)
+    h0 = jax.random.normal(jax.random.PRNGKey(4), (B, H, 128, 128), jnp.float32) * 0.1
+    beta_t = jnp.swapaxes(beta.astype(jnp.float32), 1, 2)
+    got = jax.jit(lambda *a: intra_chunks(*a, scale=SCALE))(q, k, g, beta_t)
+    want = intra_chunks_reference(q, k, g, beta_t, scale=SCALE)
+    res = {"check_parts": f"{B}x{T}x{H}"}
+    for name, a, b in zip(("qg", "kd", "wn", "x", "aqk"), got[:5], want[:5], strict=True):
+        res[f"intra_{name}_rel"] = rel(a, b)
+    res["intra_decay_max_abs"] = float(jnp.max(jnp.abs(got[5] - want[5])))
+    f = lambda x: x.astype(jnp.float32)
+    ro, rh = ref.chunk_kda(f(q), f(k), f(v), g, f(beta), SCALE, h0, True)
+    h0_t = jnp.swapaxes(h0, -1, -2)
+    regs = dict(mosaic_gpu_state.REGISTERS)
+    for vs, label in ((1, "v_split1"), (2, "v_split2"), (1, "v_split1_no_setmaxnreg")):
+        if label.endswith("no_setmaxnreg"):
+            mosaic_gpu_state.REGISTERS.update(memory=168, state=168)
+        o, ht_t = jax.jit(lambda p, v, h, vs=vs: mosaic_gpu_state.state_pass(*p[:3], v, *p[3:], h, v_split=vs))(
+            want, v.astype(jnp.bfloat16), h0_t)
+        res[f"state_{label}_o_rel"] = rel(o, ro)
+        res[f"state_{label}_ht_rel"] = rel(jnp.swapaxes(ht_t, -1, -2), rh)
+    mosaic_gpu_state.REGISTERS.update(regs)
+    return res
+
+
+def bench(B, T, H, triton: bool, no_fla: bool = False):
     q, k, v, g, beta = make_inputs(B, T, H, 128, 128)
     res = {"shape": f"{B}x{T}x{H}", "v_split_auto": mg.default_v_split(B, H)}
     fns = {"mosaic_gpu": jax.jit(lambda *a: mg.chunk_kda_fwd(*a, SCALE))}
@@ -72,10 +100,13 @@ def bench(B, T, H, triton: bool):
     state = jax.jit(lambda p, v, h: state_pass(*p[:3], v, *p[3:], h, v_split=res["v_split_auto"]))
     res["intra_kernel_ms"] = time_jax(intra, qb, kb, g, beta_t, iters=20, repeats=5)
     res["state_kernel_ms"] = time_jax(state, parts, vb, h0_t, iters=20, repeats=5)
+    print(json.dumps(res), flush=True)
     names = list(fns)
     for name in names[1:]:
         res[f"mosaic_gpu_vs_{name}_o_rel"] = rel(outs["mosaic_gpu"][0], outs[name][0])
     try:
+        if no_fla:
+            raise RuntimeError("fla left out")
         import torch
         from fla.ops.kda import chunk_kda as fla_chunk_kda
         from triton.testing import do_bench
@@ -105,7 +136,10 @@ if __name__ == "__main__":
     print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                       "sms": getattr(jax.devices()[0], "core_count", None)}), flush=True)
     for s in filter(None, sys.argv[1].split(",")):
-        print(json.dumps(check(*(int(x) for x in s.split("x")))), flush=True)
+        shape = tuple(int(x) for x in s.split("x"))
+        print(json.dumps(check_parts(*shape)), flush=True)
+        print(json.dumps(check(*shape)), flush=True)
     n_triton = int(sys.argv[3]) if len(sys.argv) > 3 else 99
+    no_fla = len(sys.argv) > 4 and sys.argv[4] == "nofla"
     for i, s in enumerate(filter(None, sys.argv[2].split(","))):
-        print(json.dumps(bench(*(int(x) for x in s.split("x")), triton=i < n_triton)), flush=True)
+        print(json.dumps(bench(*(int(x) for x in s.split("x")), triton=i < n_triton, no_fla=no_fla)), flush=True)

@@ -237,3 +237,28 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None):
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )(q, k, g, beta_t)
+
+
+def intra_chunks_reference(q, k, g, beta_t, *, scale: float):
+    """Plain-JAX fp32 (``precision=HIGHEST``) reference of :func:`intra_chunks`: the same six outputs in the same
+    dtypes and layouts, exact (pairwise decay ``e^{G_i - G_j}`` per key, a direct triangular solve; memory
+    ``O(T C K)``: small shapes only)."""
+    B, Tp, H, K = q.shape
+    n = Tp // CHUNK
+    hp = jax.lax.Precision.HIGHEST
+    split = lambda x: jnp.moveaxis(x.astype(F32).reshape(B, n, CHUNK, H, -1), 3, 1)  # [B, H, n, C, D]
+    qc, kc, gc = split(q), split(k), jnp.cumsum(split(g), axis=3)
+    beta = beta_t.astype(F32).reshape(B, H, n, CHUNK)
+    g_last = gc[..., -1:, :]
+    causal = jnp.tril(jnp.ones((CHUNK, CHUNK), bool))
+    diff = jnp.where(causal[:, :, None], gc[..., :, None, :] - gc[..., None, :, :], -jnp.inf)  # [.., i, j, K]
+    pair = lambda a: jnp.einsum("...id,...jd,...ijd->...ij", a, kc, jnp.exp(diff), precision=hp)
+    akk = jnp.where(jnp.eye(CHUNK, dtype=bool), 0.0, pair(kc))
+    aqk = scale * pair(qc)
+    eye = jnp.eye(CHUNK, dtype=F32)
+    x = jax.scipy.linalg.solve_triangular(eye + beta[..., :, None] * akk, jnp.broadcast_to(eye, akk.shape),
+                                          lower=True) * beta[..., None, :]
+    wn = -jnp.einsum("...ij,...jd->...id", x, kc * jnp.exp(gc), precision=hp)
+    merge = lambda t: jnp.moveaxis(t, 1, 3).reshape(B, Tp, H, -1).astype(BF16)
+    return (merge(qc * jnp.exp(gc) * scale), merge(kc * jnp.exp(g_last - gc)), merge(wn), merge(x), merge(aqk),
+            jnp.exp(g_last[..., 0, :]))
