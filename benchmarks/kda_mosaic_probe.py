@@ -76,6 +76,24 @@ def check_parts(B, T, H):
     return res
 
 
+def check_intra(B, T, H, time_shape=None):
+    """The per-chunk kernel alone against its reference (two gate scales: the benchmark's and 100x milder, where
+    the chunk decay is not 0), and its time at ``time_shape``."""
+    q, k, v, g, beta = make_inputs(B, T, H, 128, 128, seed=T + 2)
+    beta_t = jnp.swapaxes(beta.astype(jnp.float32), 1, 2)
+    fn = jax.jit(lambda *a: intra_chunks(*a, scale=SCALE))
+    res = {"check_intra": f"{B}x{T}x{H}"}
+    for label, gs in (("", g), ("mild_", g * 0.01)):
+        got, want = fn(q, k, gs, beta_t), intra_chunks_reference(q, k, gs, beta_t, scale=SCALE)
+        for name, a, b in zip(("qg", "kd", "wn", "x", "aqk", "decay"), got, want, strict=True):
+            res[f"{label}{name}_rel"] = rel(a, b) if float(jnp.max(jnp.abs(b))) > 0 else float(jnp.max(jnp.abs(a)))
+    if time_shape is not None:
+        q, k, v, g, beta = make_inputs(*time_shape, 128, 128)
+        args = (q, k, g, jnp.swapaxes(beta.astype(jnp.float32), 1, 2))
+        res["intra_kernel_ms"] = time_jax(fn, *args, iters=20, repeats=5)
+    return res
+
+
 def bench(B, T, H, triton: bool, no_fla: bool = False):
     q, k, v, g, beta = make_inputs(B, T, H, 128, 128)
     res = {"shape": f"{B}x{T}x{H}", "v_split_auto": mg.default_v_split(B, H)}
@@ -135,6 +153,9 @@ def bench(B, T, H, triton: bool, no_fla: bool = False):
 if __name__ == "__main__":
     print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                       "sms": getattr(jax.devices()[0], "core_count", None)}), flush=True)
+    if sys.argv[1] == "intra":  # quick: the per-chunk kernel alone
+        print(json.dumps(check_intra(1, 128, 2, (1, 8192, 96))), flush=True)
+        sys.exit(0)
     for s in filter(None, sys.argv[1].split(",")):
         shape = tuple(int(x) for x in s.split("x"))
         print(json.dumps(check_parts(*shape)), flush=True)

@@ -28,91 +28,99 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, SUB, bcast_cols, bcast_rows, mma, tiled
+from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, SUB, mma, tiled
 
 NEUMANN_STEPS = 5
 """``(I + N)^-1 = (I - N)(I + N^2)...(I + N^32)`` for a strictly lower ``64 x 64`` N: five multiply steps."""
 HALF = HEAD_DIM // 2
+HALVES = (slice(0, HALF), slice(HALF, HEAD_DIM))
+TILES = CHUNK // SUB
 
 
 @dataclasses.dataclass(frozen=True)
 class _Smem:
-    """Shared memory of one CTA. Reuse, in order: ``w``: ``g_hi`` -> column operand of ``A`` -> ``e^G k`` -> ``-W``;
-    ``x``, ``aqk``: the two column halves of ``g_lo``, then ``x``: the Neumann powers -> ``X'``, ``aqk``: masked
-    ``A_qk``; ``g``: ``g`` -> ``G``; ``q``: ``q`` -> ``qg``; ``k``: ``k`` -> ``kd``."""
+    """Shared memory of one CTA. ``g`` (the loaded log-decay) aliases ``w`` and ``x``, which are first written
+    after ``g`` was split into ``ghi + glo``. ``w``: the column operand of ``A`` -> ``e^G k`` -> ``-W``; ``x``: the
+    Neumann powers -> ``diag(beta)`` -> ``X'``; ``q``: ``q`` -> ``qg``; ``k``: ``k`` -> ``kd``."""
 
     q: object  # [64, 128] bf16
     k: object  # [64, 128] bf16
-    w: object  # [64, 128] bf16
-    x: object  # [64, 64] bf16
+    ghi: object  # [64, 128] bf16
+    glo: object  # [64, 128] bf16: g - ghi
     aqk: object  # [64, 64] bf16
-    g: object  # [64, 128] f32
     beta: object  # [64] f32
     decay: object  # [128] f32
+    g: object  # [64, 128] f32 (aliased)
+    w: object  # [64, 128] bf16 (aliases g)
+    x: object  # [64, 64] bf16 (aliases g)
 
 
-def _cumulative_gate(s: _Smem, stage):
-    """``G = L (g_hi + g_lo)`` into ``s.g``; returns ``G`` ``[64, 128]`` f32 (WGMMA layout)."""
-    wg = plgpu.Layout.WGMMA
-    r64 = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
-    c64 = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
-    ones_lower = jnp.where(c64 <= r64, 1.0, 0.0).astype(BF16)
-    halves = (slice(0, HALF), slice(HALF, HEAD_DIM))
-    for i, lo_ref in enumerate((s.x, s.aqk)):
-        gi = plgpu.layout_cast(s.g[:, halves[i]], wg)
-        hi = gi.astype(BF16)
-        s.w[:, halves[i]] = hi
-        lo_ref[...] = (gi - hi.astype(F32)).astype(BF16)
-    plgpu.commit_smem()
+def _iota(dim: int):
+    return plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), dim, layout=plgpu.Layout.WGMMA)
 
-    def cumsum(acc):
-        for i, lo_ref in enumerate((s.x, s.aqk)):
-            mma(acc.at[:, halves[i]], ones_lower, s.w.at[:, halves[i]], stage)
-            mma(acc.at[:, halves[i]], ones_lower, lo_ref, stage)
+
+def _ones(cond):
+    return jnp.where(cond, 1.0, 0.0)
+
+
+def _selector(kind: str, b: int = 0):
+    """A ``[64, 64]`` bf16 matrix of 0 / +-1 whose product with ``g`` gives a difference of cumulative sums
+    (rows ``i``, summed tokens ``t``): ``"col"``: ``m_{tile(i)} - G_i`` (``m_a`` = ``G`` at the token before tile
+    ``a``); ``"row"``: ``G_i - m_b``; ``"cum"``: ``G_i``; ``"last"``: ``G_C - G_i``."""
+    r, t = _iota(0), _iota(1)
+    cum = _ones(t <= r)
+    sel = {"col": lambda: _ones(t < SUB * (r // SUB)) - cum, "row": lambda: cum - _ones(t < SUB * b),
+           "cum": lambda: cum, "last": lambda: 1.0 - cum}[kind]()
+    return sel.astype(BF16)
+
+
+def _prefix(s: _Smem, sel16, cols: slice, stage):
+    """``sel @ (ghi + glo)`` over the columns ``cols``: exact fp32 sums of ``g`` (``[64, width]``)."""
+    width = cols.stop - cols.start
+
+    def run(acc):
+        mma(acc, sel16, s.ghi.at[:, cols], stage)
+        mma(acc, sel16, s.glo.at[:, cols], stage)
         return acc[...]
 
-    gc = pl.run_scoped(cumsum, plgpu.ACC((CHUNK, HEAD_DIM), F32))
-    s.g[...] = gc
-    return gc
+    return pl.run_scoped(run, plgpu.ACC((CHUNK, width), F32))
 
 
-def _decayed_products(s: _Smem, gc, stage, scale: float):
-    """The causal 16-token tiles of ``A_kk`` and ``A_qk`` (``[64, 64]`` f32 each) and ``G_C`` (``[128]``)."""
+def _split_gate(s: _Smem):
+    """``g`` -> ``ghi + glo`` (bf16 each, ``g`` to ~2^-17 relative)."""
     wg = plgpu.Layout.WGMMA
-    tile = plgpu.broadcasted_iota(jnp.int32, (CHUNK, HEAD_DIM), 0, layout=wg) // SUB
-    g_rows = plgpu.broadcasted_iota(jnp.int32, (CHUNK, HEAD_DIM), 0, layout=wg)
-    row_of = lambda i: jnp.sum(jnp.where(g_rows == i, gc, 0.0), axis=0)  # G[i] as a [128] vector
-    m = [None] + [row_of(SUB * a - 1) for a in range(1, CHUNK // SUB)]
-    g_last = row_of(CHUNK - 1)
-    m_row = jnp.zeros((CHUNK, HEAD_DIM), F32)
-    for a in range(1, CHUNK // SUB):
-        m_row = jnp.where(tile == a, bcast_cols(m[a]), m_row)
-    kf = plgpu.layout_cast(s.k[...], wg).astype(F32)
-    qf = plgpu.layout_cast(s.q[...], wg).astype(F32)
-    s.w[...] = (kf * jnp.exp(m_row - gc)).astype(BF16)  # column operand of A
-    base = jnp.exp(gc - m_row)
-    k_rows = (kf * base).astype(BF16)
-    q_rows = (qf * (base * scale)).astype(BF16)
+    for cols in HALVES:
+        gi = plgpu.layout_cast(s.g[:, cols], wg)
+        hi = gi.astype(BF16)
+        s.ghi[:, cols] = hi
+        s.glo[:, cols] = (gi - hi.astype(F32)).astype(BF16)
     plgpu.commit_smem()
 
-    def tile_factor(b):
-        """Rows of tile ``a``: ``e^{m_a - m_b}`` for ``a > b``, 1 for ``a = b``, 0 above (masked anyway)."""
-        f = jnp.where(tile == b, 1.0, 0.0)
-        for a in range(b + 1, CHUNK // SUB):
-            ratio = jnp.exp(m[a]) if b == 0 else jnp.exp(m[a] - m[b])
-            f = jnp.where(tile == a, bcast_cols(ratio), f)
-        return f.astype(BF16)
 
-    def products(rows16):
-        def run(acc):
-            for b in range(CHUNK // SUB):
-                cols = s.w.at[SUB * b:SUB * (b + 1)].T
-                mma(acc.at[:, SUB * b:SUB * (b + 1)], rows16 * tile_factor(b), cols, stage)
-            return acc[...]
+def _load(ref, cols):
+    return plgpu.layout_cast(ref[:, cols], plgpu.Layout.WGMMA).astype(F32)
 
-        return pl.run_scoped(run, plgpu.ACC((CHUNK, CHUNK), F32))
 
-    return products(k_rows), products(q_rows), g_last
+def _decayed_products(s: _Smem, stage, scale: float):
+    """The 16-token tiles of ``A_kk`` and ``A_qk`` (``[64, 64]`` f32 each, entries above the diagonal tile
+    undefined): column tile ``b`` = ``(k e^{G - m_b}) (k e^{m_b - G})^T`` over the tile's columns."""
+    sel_col = _selector("col")
+    for cols in HALVES:
+        s.w[:, cols] = (_load(s.k, cols) * jnp.exp(_prefix(s, sel_col, cols, stage))).astype(BF16)
+    plgpu.commit_smem()
+
+    def run(acc_kk, acc_qk):
+        for b in range(TILES):
+            sel = _selector("row", b)
+            out = slice(SUB * b, SUB * (b + 1))
+            for cols in HALVES:
+                e = jnp.exp(jnp.minimum(_prefix(s, sel, cols, stage), 0.0))  # rows above tile b: masked later
+                col_op = s.w.at[out, cols].T
+                mma(acc_kk.at[:, out], (_load(s.k, cols) * e).astype(BF16), col_op, stage)
+                mma(acc_qk.at[:, out], (_load(s.q, cols) * (e * scale)).astype(BF16), col_op, stage)
+        return acc_kk[...], acc_qk[...]
+
+    return pl.run_scoped(run, plgpu.ACC((CHUNK, CHUNK), F32), plgpu.ACC((CHUNK, CHUNK), F32))
 
 
 def _neumann_step(x16, p16, p_ref, stage, *, last: bool):
@@ -129,10 +137,7 @@ def _neumann_step(x16, p16, p_ref, stage, *, last: bool):
 
 def _inverse(n, xs, stage):
     """``(I + n)^-1`` for strictly lower ``n`` ``[64, 64]`` f32 (``xs``: a ``[64, 64]`` bf16 scratch)."""
-    wg = plgpu.Layout.WGMMA
-    r64 = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
-    c64 = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
-    x = jnp.where(r64 == c64, 1.0, 0.0) - n
+    x = _ones(_iota(0) == _iota(1)) - n
     n16 = n.astype(BF16)
     xs[...] = n16
     plgpu.commit_smem()
@@ -153,38 +158,43 @@ def _inverse(n, xs, stage):
     return x
 
 
+def _product(a16, b_ref, stage, width: int):
+    def run(acc):
+        mma(acc, a16, b_ref, stage)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC((CHUNK, width), F32))
+
+
 def _chunk(s: _Smem, stage, scale: float):
     """One chunk, in place in ``s`` (module docstring; :class:`_Smem` for what each buffer ends as)."""
     wg = plgpu.Layout.WGMMA
-    r64 = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
-    c64 = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
-    gc = _cumulative_gate(s, stage)
-    akk, aqk, g_last = _decayed_products(s, gc, stage, scale)
-    s.decay[...] = jnp.exp(g_last)
+    r64, c64 = _iota(0), _iota(1)
+    _split_gate(s)
+    akk, aqk = _decayed_products(s, stage, scale)
     beta_row = plgpu.layout_cast(s.beta[...], wg.reduce(1))
-    n = jnp.where(r64 > c64, akk * bcast_rows(beta_row, CHUNK), 0.0)
+    n = jnp.where(r64 > c64, akk * lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0)
     s.aqk[...] = jnp.where(r64 >= c64, aqk, 0.0).astype(BF16)
 
-    gc = plgpu.layout_cast(s.g[...], wg)
-    e_g = jnp.exp(gc)
-    kf = plgpu.layout_cast(s.k[...], wg).astype(F32)
-    s.k[...] = (kf * jnp.exp(bcast_cols(g_last) - gc)).astype(BF16)
-    s.w[...] = (kf * e_g).astype(BF16)
-    qf = plgpu.layout_cast(s.q[...], wg).astype(F32)
-    s.q[...] = (qf * (e_g * scale)).astype(BF16)
+    g_full = _prefix(s, _selector("cum"), slice(0, HEAD_DIM), stage)
+    g_last = jnp.sum(jnp.where(plgpu.broadcasted_iota(jnp.int32, (CHUNK, HEAD_DIM), 0, layout=wg) == CHUNK - 1,
+                               g_full, 0.0), axis=0)
+    s.decay[...] = jnp.exp(g_last)
+    sel_cum, sel_last = _selector("cum"), _selector("last")
+    for cols in HALVES:
+        e_g = jnp.exp(_prefix(s, sel_cum, cols, stage))
+        kf = _load(s.k, cols)
+        s.w[:, cols] = (kf * e_g).astype(BF16)
+        s.k[:, cols] = (kf * jnp.exp(_prefix(s, sel_last, cols, stage))).astype(BF16)
+        s.q[:, cols] = (_load(s.q, cols) * (e_g * scale)).astype(BF16)
     plgpu.commit_smem()
 
-    x = _inverse(n, s.x, stage)
-    beta_col = plgpu.layout_cast(s.beta[...], wg.reduce(0))
-    x16 = (x * bcast_cols(beta_col)).astype(BF16)  # X' = X diag(beta)
-    s.x[...] = x16
-
-    def solve_w(acc):
-        mma(acc, x16, s.w, stage)
-        return acc[...]
-
-    wm = pl.run_scoped(solve_w, plgpu.ACC((CHUNK, HEAD_DIM), F32))
-    s.w[...] = (-wm).astype(BF16)
+    x16 = _inverse(n, s.x, stage).astype(BF16)
+    s.x[...] = jnp.where(r64 == c64, lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0).astype(BF16)
+    plgpu.commit_smem()
+    xb16 = _product(x16, s.x, stage, CHUNK).astype(BF16)  # X' = X diag(beta)
+    s.x[...] = xb16
+    s.w[...] = (-_product(xb16, s.w, stage, HEAD_DIM)).astype(BF16)
     plgpu.commit_smem()
 
 
@@ -194,24 +204,19 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None):
     ``plgpu.InterpretGPUParams``."""
     B, Tp, H, K = q.shape
     n_chunks = Tp // CHUNK
-    smem = _Smem(
-        q=plgpu.SMEM((CHUNK, K), BF16, transforms=tiled()),
-        k=plgpu.SMEM((CHUNK, K), BF16, transforms=tiled()),
-        w=plgpu.SMEM((CHUNK, K), BF16, transforms=tiled()),
-        x=plgpu.SMEM((CHUNK, CHUNK), BF16, transforms=tiled()),
-        aqk=plgpu.SMEM((CHUNK, CHUNK), BF16, transforms=tiled()),
-        g=plgpu.SMEM((CHUNK, K), F32, transforms=tiled(F32)),
-        beta=plgpu.SMEM((CHUNK,), F32),
-        decay=plgpu.SMEM((K,), F32),
+    buf = lambda d, dt=BF16: plgpu.SMEM((CHUNK, d), dt, transforms=tiled(dt))
+    smem = (
+        (buf(K), buf(K), buf(K), buf(K), buf(CHUNK), plgpu.SMEM((CHUNK,), F32), plgpu.SMEM((K,), F32)),
+        plgpu.RefUnion((buf(K, F32),), (buf(K), buf(CHUNK))),
     )
     stages = ()
     if interpret is not None:
-        stages = (plgpu.SMEM((CHUNK, CHUNK), BF16, transforms=tiled()),
-                  plgpu.SMEM((CHUNK, K), BF16, transforms=tiled()))
+        stages = (buf(CHUNK), buf(K))
 
     def kda_chunk_intra_mosaic_gpu(q_ref, k_ref, g_ref, beta_ref, qg_ref, kd_ref, wn_ref, x_ref, aqk_ref,
-                                   decay_ref, s_refs, loaded, stage_refs):
-        s = _Smem(*s_refs)
+                                   decay_ref, smem_refs, loaded, stage_refs):
+        fixed, ((g,), (w, x)) = smem_refs
+        s = _Smem(*fixed, g=g, w=w, x=x)
         c, h, b = lax.axis_index("c"), lax.axis_index("h"), lax.axis_index("b")
         rows = pl.ds(c * CHUNK, CHUNK)
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], s.q, loaded)
@@ -230,8 +235,7 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None):
     return plgpu.kernel(
         kda_chunk_intra_mosaic_gpu,
         out_type=(tok(K), tok(K), tok(K), tok(CHUNK), tok(CHUNK), jax.ShapeDtypeStruct((B, H, n_chunks, K), F32)),
-        scratch_types=(tuple(getattr(smem, f.name) for f in dataclasses.fields(smem)), plgpu.Barrier(num_arrivals=4),
-                       stages),
+        scratch_types=(smem, plgpu.Barrier(num_arrivals=4), stages),
         grid=(n_chunks, H, B),
         grid_names=("c", "h", "b"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
