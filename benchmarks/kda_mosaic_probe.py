@@ -87,6 +87,8 @@ def check_intra(B, T, H, time_shape=None):
         got, want = fn(q, k, gs, beta_t), intra_chunks_reference(q, k, gs, beta_t, scale=SCALE)
         for name, a, b in zip(("qg", "kd", "wn", "x", "aqk", "decay"), got, want, strict=True):
             res[f"{label}{name}_rel"] = rel(a, b) if float(jnp.max(jnp.abs(b))) > 0 else float(jnp.max(jnp.abs(a)))
+        res[f"{label}qg_rel_by_chunk"] = [rel(got[0][:, c * 64:(c + 1) * 64], want[0][:, c * 64:(c + 1) * 64])
+                                          for c in range(T // 64)]
     if time_shape is not None:
         q, k, v, g, beta = make_inputs(*time_shape, 128, 128)
         args = (q, k, g, jnp.swapaxes(beta.astype(jnp.float32), 1, 2))
