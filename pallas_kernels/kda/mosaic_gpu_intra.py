@@ -3,19 +3,20 @@ state, one CTA (one warpgroup) per ``(chunk, head, sequence)``, all chunks in pa
 
 Per chunk of 64 tokens (TMA loads of ``q, k, g, beta``; every product on wgmma, bf16 operands, fp32 accumulation):
 
-* ``G = L g``: the chunk-local cumulative log-decay as a product with the lower-triangular ones matrix; ``g`` is
-  split into two bf16 terms, ``g_hi + g_lo``, so ``G`` is exact to ~2^-17 relative.
+* Every decay exponent is a difference of chunk-local cumulative sums of ``g``, computed as one product ``S g``
+  with a ``[64, 64]`` selector ``S`` of 0 / +-1 (:func:`_selector`) on wgmma; ``g`` is split into two bf16 terms,
+  ``g_hi + g_lo``, so each sum is exact to ~2^-17 relative; no per-tile reference vectors are kept in registers.
 * The 16-token tiles of ``A_kk`` and ``A_qk`` with factored decay (the K3 gate bound ``g >= -5``): column tile
-  ``b`` takes the reference point ``m_b = G`` at the token before the tile, rows ``k_i e^{G_i - m_b}`` (exponent
-  ``<= 0``) meet columns ``k_j e^{m_b - G_j}`` (exponent ``<= 80``) in one ``[64, 128] x [128, 16]`` product each.
-  The row operand is ``k e^{G - M}`` (``M`` = the row's own tile reference) times ``e^{m_a - m_b} <= 1``.
+  ``b`` takes the reference point ``m_b = G`` at the token before the tile; rows ``k_i e^{min(G_i - m_b, 0)}``
+  (exact for the rows ``i >= 16 b`` that the causal mask keeps, where ``G_i <= m_b``) meet columns ``k_j e^{m_b - G_j}``
+  (exponent ``<= 80``) in ``[64, 64] x [64, 16]`` products over the two halves of K.
 * ``X = (I + diag(beta) A_kk)^-1`` by the Neumann product ``(I - N)(I + N^2)(I + N^4)...(I + N^32)`` (the running
-  product in fp32), then ``X' = X diag(beta)`` and ``-W = -X' (e^G k)``.
+  product in fp32), then ``X' = X diag(beta)`` (a product with the bf16 diagonal) and ``-W = -X' (e^G k)``.
 
 Outputs (bf16 unless said): ``qg = q e^G scale``, ``kd = e^{G_C - G} k``, ``wn = -W`` (each ``[B, Tp, H, 128]``),
 ``x = X'`` and ``aqk`` = the causal ``A_qk`` (each ``[B, Tp, H, 64]``: row ``t`` holds token ``t``'s row of its
-chunk), ``decay = e^{G_C}`` ``[B, H, Tp / 64, 128]`` fp32 (``G_C`` = the chunk's last ``G``). With ``U = X' v``,
-:mod:`.mosaic_gpu_state` runs ``V~ = U + W S``-style recurrences from these (``v`` itself is read there).
+chunk), ``decay = e^{G_C}`` ``[B, H, Tp / 64, 128]`` fp32 (``G_C`` = the chunk's last ``G``).
+:mod:`.mosaic_gpu_state` carries the state from these and ``v`` (``U = X' v`` is formed there).
 """
 
 from __future__ import annotations
