@@ -99,22 +99,21 @@ def _reference(q, k, v, g, beta, h0):
     return ref.chunk_kda(f(q), f(k), f(v), g, f(beta), None, h0, True)
 
 
-@pytest.mark.parametrize("v_split", [1, 2])
-def test_interpreter_forward_and_final_state_match_reference(v_split):
-    """Three chunks (T padded from 130 to 192) with an initial state, both kernels on the Mosaic GPU interpreter:
-    every slot, barrier phase and the padding path run; errors are at the bf16-operand level."""
+@pytest.mark.parametrize("via_ops", [True, False])
+def test_interpreter_forward_and_final_state_match_reference(via_ops):
+    """Three chunks (T padded from 130 to 192) with an initial state, both kernels on the Mosaic GPU interpreter,
+    through ``ops.chunk_kda`` (the default split for one head: two CTAs of one state warpgroup) and directly with
+    ``v_split=1`` (one CTA, two state warpgroups): every slot, barrier phase and the padding path run; errors are
+    at the bf16-operand level."""
     q, k, v, g, beta, h0 = _inputs(1, 130, 1)
-    o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, interpret=True, v_split=v_split)
+    if via_ops:
+        assert mosaic_gpu.default_v_split(1, 1, sms=mosaic_gpu.DEFAULT_SMS) == 2
+        o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                              implementation="mosaic_gpu", interpret=True, platform="cpu")
+    else:
+        o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, interpret=True, v_split=1)
     ro, rh = _reference(q, k, v, g, beta, h0)
     assert o.dtype == jnp.bfloat16 and o.shape == q.shape and ht.shape == h0.shape
-    assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
-
-
-def test_ops_dispatch_runs_the_interpreter():
-    q, k, v, g, beta, h0 = _inputs(1, 64, 1, seed=5)
-    o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, implementation="mosaic_gpu",
-                          interpret=True, platform="cpu")
-    ro, rh = _reference(q, k, v, g, beta, h0)
     assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
 
 
