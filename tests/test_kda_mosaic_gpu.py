@@ -1,6 +1,6 @@
-"""KDA chunked forward on Pallas Mosaic GPU: the per-platform selection (CPU), the kernel's numerics in the Mosaic
-GPU interpreter against the reference, its lowering for sm_90 from this CPU host, and forward + gradients on a
-GPU (``-m gpu``)."""
+"""KDA chunked forward on Pallas Mosaic GPU: the per-platform selection (CPU), the two kernels' numerics in the
+Mosaic GPU interpreter against the references, their lowering for sm_90 from this CPU host, and forward + gradients
+on a GPU (``-m gpu``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 
 from pallas_kernels.kda import mosaic_gpu, ops
 from pallas_kernels.kda import reference as ref
+from pallas_kernels.kda.mosaic_gpu_common import interpret_params
+from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks, intra_chunks_reference
 from pallas_kernels.registry import KernelUnavailable
 
 K3 = (1, 8192, 96, 128, 128)  # B, T, H, K, V
@@ -97,23 +99,48 @@ def _reference(q, k, v, g, beta, h0):
     return ref.chunk_kda(f(q), f(k), f(v), g, f(beta), None, h0, True)
 
 
-def test_interpreter_forward_and_final_state_match_reference():
-    """Three chunks (T padded from 130 to 192) with an initial state, through ``ops.chunk_kda`` on the Mosaic GPU
-    interpreter: every slot, barrier phase and the padding path run; errors are at the bf16-operand level."""
+@pytest.mark.parametrize("via_ops", [True, False])
+def test_interpreter_forward_and_final_state_match_reference(via_ops):
+    """Three chunks (T padded from 130 to 192) with an initial state, both kernels on the Mosaic GPU interpreter,
+    through ``ops.chunk_kda`` (the default split for one head: two CTAs of one state warpgroup) and directly with
+    ``v_split=1`` (one CTA, two state warpgroups): every slot, barrier phase and the padding path run; errors are
+    at the bf16-operand level."""
     q, k, v, g, beta, h0 = _inputs(1, 130, 1)
-    o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, implementation="mosaic_gpu",
-                          interpret=True, platform="cpu")
+    if via_ops:
+        assert mosaic_gpu.default_v_split(1, 1, sms=mosaic_gpu.DEFAULT_SMS) == 2
+        o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                              implementation="mosaic_gpu", interpret=True, platform="cpu")
+    else:
+        o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, interpret=True, v_split=1)
     ro, rh = _reference(q, k, v, g, beta, h0)
     assert o.dtype == jnp.bfloat16 and o.shape == q.shape and ht.shape == h0.shape
     assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
 
 
-def test_lowers_to_one_mosaic_gpu_kernel_with_wgmma_on_a_cpu_host():
+def test_interpreter_per_chunk_kernel_matches_its_reference():
+    """The per-chunk kernel's six outputs against the plain-JAX reference, with a mild gate (the chunk decay is
+    not 0) so that every output, ``decay`` included, is checked."""
+    q, k, _, g, beta, _ = _inputs(1, 128, 2, seed=3)
+    beta_t = jnp.swapaxes(beta, 1, 2)
+    g = g * 0.01
+    got = intra_chunks(q, k, g, beta_t, scale=128**-0.5, interpret=interpret_params(True))
+    want = intra_chunks_reference(q, k, g, beta_t, scale=128**-0.5)
+    for name, a, b in zip(("qg", "kd", "wn", "x", "aqk", "decay"), got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert _rel(a, b) < 1e-2, name
+
+
+@pytest.mark.parametrize("batch, heads, want", [(1, 96, 1), (1, 66, 2), (1, 32, 2), (8, 32, 1)])
+def test_default_v_split_keeps_the_state_pass_in_one_wave(batch, heads, want):
+    assert mosaic_gpu.default_v_split(batch, heads, sms=132) == want
+
+
+def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host():
     s = jax.ShapeDtypeStruct
     args = (*(s((2, 200, 3, 128), jnp.bfloat16),) * 3, s((2, 200, 3, 128), jnp.float32), s((2, 200, 3), jnp.float32))
-    text = jax.jit(lambda *a: mosaic_gpu.chunk_kda_fwd(*a, 128**-0.5)).trace(*args).lower(
+    text = jax.jit(lambda *a: mosaic_gpu.chunk_kda_fwd(*a, 128**-0.5, v_split=1)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1
+    assert text.count("custom_call @mosaic_gpu") == 2
     assert "wgmma.mma_async" in text
 
 
@@ -128,6 +155,19 @@ def test_forward_rejects_calls_outside_its_contract(kwargs, match):
         mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, segment_ids=seg)
 
 
+@pytest.mark.gpu
+def test_gpu_per_chunk_kernel_matches_its_reference():
+    if not _hopper():
+        pytest.skip("needs an sm_90+ GPU")
+    q, k, _, g, beta, _ = _inputs(2, 256, 3, seed=7)
+    beta_t = jnp.swapaxes(beta, 1, 2)
+    for gate in (g, g * 0.01):
+        got = intra_chunks(q, k, gate, beta_t, scale=128**-0.5)
+        want = intra_chunks_reference(q, k, gate, beta_t, scale=128**-0.5)
+        for name, a, b in zip(("qg", "kd", "wn", "x", "aqk"), got[:5], want[:5], strict=True):
+            assert _rel(a, b) < 1e-2, name
+
+
 def _hopper() -> bool:
     from pallas_kernels.attention import visible_gpu_compute_capability
 
@@ -136,12 +176,12 @@ def _hopper() -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, T, H", [(1, 256, 2), (2, 300, 3)])
-def test_gpu_forward_matches_reference(B, T, H):
+@pytest.mark.parametrize("B, T, H, v_split", [(1, 256, 2, 1), (1, 256, 2, 2), (2, 300, 3, 1)])
+def test_gpu_forward_matches_reference(B, T, H, v_split):
     if not _hopper():
         pytest.skip("needs an sm_90+ GPU")
     q, k, v, g, beta, h0 = _inputs(B, T, H, seed=T)
-    o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, implementation="mosaic_gpu")
+    o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, v_split=v_split)
     ro, rh = _reference(q, k, v, g, beta, h0)
     assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
 

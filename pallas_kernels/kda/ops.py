@@ -4,9 +4,9 @@ Two ops, each an ordered table (:class:`pallas_kernels.registry.Registry`; ``"au
 the call, an explicit name that cannot run raises with the reason):
 
 * :data:`CHUNK` (``chunk_kda``, training / prefill): ``mosaic_tpu`` (:mod:`.tpu`, :mod:`.tpu_bwd`), ``triton``
-  (:mod:`.gpu`, :mod:`.gpu_bwd`), ``mosaic_gpu`` (:mod:`.mosaic_gpu`: the fused sm_90 forward; its backward is
-  the Triton kernels' while JAX ships them, else the reference VJP), ``xla`` (:mod:`.reference`, the chunked
-  UT/WY form).
+  (:mod:`.gpu`, :mod:`.gpu_bwd`), ``mosaic_gpu`` (:mod:`.mosaic_gpu`: the sm_90 forward as a per-chunk kernel and
+  a state pass; its backward is the Triton kernels' while JAX ships them, else the reference VJP), ``xla``
+  (:mod:`.reference`, the chunked UT/WY form).
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``xla``.
 
 Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (:data:`TRITON_SHIPPED`), then
@@ -149,8 +149,9 @@ XLA = Backend("xla", "pure-JAX reference (any g <= 0, any dtype and head dims)",
 CHUNK = Registry("kda.chunk", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU chunk forward + backward kernels", _tpu_chunk),
     Backend("triton", "Pallas Triton chunk forward (5 kernels) + backward (9 kernels)", _triton_chunk),
-    Backend("mosaic_gpu", "Pallas Mosaic GPU fused chunk forward (sm_90 wgmma + TMA, warp-specialised); backward: "
-            "the Triton kernels while shipped, else the reference VJP", _mosaic_gpu_chunk),
+    Backend("mosaic_gpu", "Pallas Mosaic GPU chunk forward (sm_90 wgmma + TMA: a per-chunk kernel over all chunks, "
+            "then a warp-specialised state pass); backward: the Triton kernels while shipped, else the reference "
+            "VJP", _mosaic_gpu_chunk),
     XLA,
 ), ALIASES)
 DECODE = Registry("kda.decode", (

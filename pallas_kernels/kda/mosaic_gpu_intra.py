@@ -1,0 +1,269 @@
+"""KDA chunk forward, part 1 of 2 on Mosaic GPU (sm_90): everything of a chunk that does not depend on the carried
+state, one CTA (one warpgroup) per ``(chunk, head, sequence)``, all chunks in parallel.
+
+Per chunk of 64 tokens (TMA loads of ``q, k, g, beta``; every product on wgmma, bf16 operands, fp32 accumulation):
+
+* Every decay exponent is a difference of chunk-local cumulative sums of ``g``, computed as one product ``S g``
+  with a ``[64, 64]`` selector ``S`` of 0 / +-1 (:func:`_selector`) on wgmma; ``g`` is split into two bf16 terms,
+  ``g_hi + g_lo``, so each sum is exact to ~2^-17 relative; no per-tile reference vectors are kept in registers.
+* The 16-token tiles of ``A_kk`` and ``A_qk`` with factored decay (the K3 gate bound ``g >= -5``): column tile
+  ``b`` takes the reference point ``m_b = G`` at the token before the tile; rows ``k_i e^{min(G_i - m_b, 0)}``
+  (exact for the rows ``i >= 16 b`` that the causal mask keeps, where ``G_i <= m_b``) meet columns ``k_j e^{m_b - G_j}``
+  (exponent ``<= 80``) in ``[64, 64] x [64, 16]`` products over the two halves of K.
+* ``X = (I + diag(beta) A_kk)^-1`` by the Neumann product ``(I - N)(I + N^2)(I + N^4)...(I + N^32)`` (the running
+  product in fp32), then ``X' = X diag(beta)`` (a product with the bf16 diagonal) and ``-W = -X' (e^G k)``.
+
+Outputs (bf16 unless said): ``qg = q e^G scale``, ``kd = e^{G_C - G} k``, ``wn = -W`` (each ``[B, Tp, H, 128]``),
+``x = X'`` and ``aqk`` = the causal ``A_qk`` (each ``[B, Tp, H, 64]``: row ``t`` holds token ``t``'s row of its
+chunk), ``decay = e^{G_C}`` ``[B, H, Tp / 64, 128]`` fp32 (``G_C`` = the chunk's last ``G``).
+:mod:`.mosaic_gpu_state` carries the state from these and ``v`` (``U = X' v`` is formed there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, SUB, mma, tiled
+
+NEUMANN_STEPS = 5
+"""``(I + N)^-1 = (I - N)(I + N^2)...(I + N^32)`` for a strictly lower ``64 x 64`` N: five multiply steps."""
+HALF = HEAD_DIM // 2
+HALVES = (slice(0, HALF), slice(HALF, HEAD_DIM))
+TILES = CHUNK // SUB
+
+
+@dataclasses.dataclass(frozen=True)
+class _Smem:
+    """Shared memory of one CTA. ``g`` (the loaded log-decay) aliases ``w`` and ``x``, which are first written
+    after ``g`` was split into ``ghi + glo``. ``w``: the column operand of ``A`` -> ``e^G k`` -> ``-W``; ``x``: the
+    Neumann powers -> ``diag(beta)`` -> ``X'``; ``q``: ``q`` -> ``qg``; ``k``: ``k`` -> ``kd``."""
+
+    q: object  # [64, 128] bf16
+    k: object  # [64, 128] bf16
+    ghi: object  # [64, 128] bf16
+    glo: object  # [64, 128] bf16: g - ghi
+    aqk: object  # [64, 64] bf16
+    beta: object  # [64] f32
+    decay: object  # [128] f32
+    g: object  # [64, 128] f32 (aliased)
+    w: object  # [64, 128] bf16 (aliases g)
+    x: object  # [64, 64] bf16 (aliases g)
+
+
+def _iota(dim: int):
+    return plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), dim, layout=plgpu.Layout.WGMMA)
+
+
+def _ones(cond):
+    return jnp.where(cond, 1.0, 0.0)
+
+
+def _selector(kind: str, b: int = 0):
+    """A ``[64, 64]`` bf16 matrix of 0 / +-1 whose product with ``g`` gives a difference of cumulative sums
+    (rows ``i``, summed tokens ``t``): ``"col"``: ``m_{tile(i)} - G_i`` (``m_a`` = ``G`` at the token before tile
+    ``a``); ``"row"``: ``G_i - m_b``; ``"cum"``: ``G_i``; ``"last"``: ``G_C - G_i``."""
+    r, t = _iota(0), _iota(1)
+    cum = _ones(t <= r)
+    sel = {"col": lambda: _ones(t < SUB * (r // SUB)) - cum, "row": lambda: cum - _ones(t < SUB * b),
+           "cum": lambda: cum, "last": lambda: 1.0 - cum}[kind]()
+    return sel.astype(BF16)
+
+
+def _prefix(s: _Smem, sel16, cols: slice, stage):
+    """``sel @ (ghi + glo)`` over the columns ``cols``: exact fp32 sums of ``g`` (``[64, width]``)."""
+    width = cols.stop - cols.start
+
+    def run(acc):
+        mma(acc, sel16, s.ghi.at[:, cols], stage)
+        mma(acc, sel16, s.glo.at[:, cols], stage)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC((CHUNK, width), F32))
+
+
+def _split_gate(s: _Smem):
+    """``g`` -> ``ghi + glo`` (bf16 each, ``g`` to ~2^-17 relative)."""
+    wg = plgpu.Layout.WGMMA
+    for cols in HALVES:
+        gi = plgpu.layout_cast(s.g[:, cols], wg)
+        hi = gi.astype(BF16)
+        s.ghi[:, cols] = hi
+        s.glo[:, cols] = (gi - hi.astype(F32)).astype(BF16)
+    plgpu.commit_smem()
+
+
+def _load(ref, cols):
+    return plgpu.layout_cast(ref[:, cols], plgpu.Layout.WGMMA).astype(F32)
+
+
+def _decayed_products(s: _Smem, stage, scale: float):
+    """The 16-token tiles of ``A_kk`` and ``A_qk`` (``[64, 64]`` f32 each, entries above the diagonal tile
+    undefined): column tile ``b`` = ``(k e^{G - m_b}) (k e^{m_b - G})^T`` over the tile's columns."""
+    sel_col = _selector("col")
+    for cols in HALVES:
+        s.w[:, cols] = (_load(s.k, cols) * jnp.exp(_prefix(s, sel_col, cols, stage))).astype(BF16)
+    plgpu.commit_smem()
+
+    def run(acc_kk, acc_qk):
+        for b in range(TILES):
+            sel = _selector("row", b)
+            out = slice(SUB * b, SUB * (b + 1))
+            for cols in HALVES:
+                e = jnp.exp(jnp.minimum(_prefix(s, sel, cols, stage), 0.0))  # rows above tile b: masked later
+                col_op = s.w.at[out, cols].T
+                mma(acc_kk.at[:, out], (_load(s.k, cols) * e).astype(BF16), col_op, stage)
+                mma(acc_qk.at[:, out], (_load(s.q, cols) * (e * scale)).astype(BF16), col_op, stage)
+        return acc_kk[...], acc_qk[...]
+
+    return pl.run_scoped(run, plgpu.ACC((CHUNK, CHUNK), F32), plgpu.ACC((CHUNK, CHUNK), F32))
+
+
+def _neumann_step(x16, p16, p_ref, stage, *, last: bool):
+    """``(x P, P P)`` with ``P`` in ``p_ref`` (and as ``p16``); the last step skips the square."""
+
+    def run(acc_x, acc_p):
+        mma(acc_x, x16, p_ref, stage)
+        if not last:
+            mma(acc_p, p16, p_ref, stage)
+        return acc_x[...], acc_p[...]
+
+    return run
+
+
+def _inverse(n, xs, stage):
+    """``(I + n)^-1`` for strictly lower ``n`` ``[64, 64]`` f32 (``xs``: a ``[64, 64]`` bf16 scratch)."""
+    x = _ones(_iota(0) == _iota(1)) - n
+    n16 = n.astype(BF16)
+    xs[...] = n16
+    plgpu.commit_smem()
+
+    def square(acc):
+        mma(acc, n16, xs, stage)
+        return acc[...]
+
+    p = pl.run_scoped(square, plgpu.ACC((CHUNK, CHUNK), F32))
+    for step in range(NEUMANN_STEPS):
+        p16 = p.astype(BF16)
+        xs[...] = p16
+        plgpu.commit_smem()
+        dx, p = pl.run_scoped(
+            _neumann_step(x.astype(BF16), p16, xs, stage, last=step == NEUMANN_STEPS - 1),
+            plgpu.ACC((CHUNK, CHUNK), F32), plgpu.ACC((CHUNK, CHUNK), F32))
+        x = x + dx
+    return x
+
+
+def _product(a16, b_ref, stage, width: int):
+    def run(acc):
+        mma(acc, a16, b_ref, stage)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC((CHUNK, width), F32))
+
+
+def _chunk(s: _Smem, stage, scale: float):
+    """One chunk, in place in ``s`` (module docstring; :class:`_Smem` for what each buffer ends as)."""
+    wg = plgpu.Layout.WGMMA
+    r64, c64 = _iota(0), _iota(1)
+    _split_gate(s)
+    akk, aqk = _decayed_products(s, stage, scale)
+    beta_row = plgpu.layout_cast(s.beta[...], wg.reduce(1))
+    n = jnp.where(r64 > c64, akk * lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0)
+    s.aqk[...] = jnp.where(r64 >= c64, aqk, 0.0).astype(BF16)
+
+    g_full = _prefix(s, _selector("cum"), slice(0, HEAD_DIM), stage)
+    g_last = jnp.sum(jnp.where(plgpu.broadcasted_iota(jnp.int32, (CHUNK, HEAD_DIM), 0, layout=wg) == CHUNK - 1,
+                               g_full, 0.0), axis=0)
+    s.decay[...] = jnp.exp(g_last)
+    sel_cum, sel_last = _selector("cum"), _selector("last")
+    for cols in HALVES:
+        e_g = jnp.exp(_prefix(s, sel_cum, cols, stage))
+        kf = _load(s.k, cols)
+        s.w[:, cols] = (kf * e_g).astype(BF16)
+        s.k[:, cols] = (kf * jnp.exp(_prefix(s, sel_last, cols, stage))).astype(BF16)
+        s.q[:, cols] = (_load(s.q, cols) * (e_g * scale)).astype(BF16)
+    plgpu.commit_smem()
+
+    x16 = _inverse(n, s.x, stage).astype(BF16)
+    s.x[...] = jnp.where(r64 == c64, lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0).astype(BF16)
+    plgpu.commit_smem()
+    xb16 = _product(x16, s.x, stage, CHUNK).astype(BF16)  # X' = X diag(beta)
+    s.x[...] = xb16
+    s.w[...] = (-_product(xb16, s.w, stage, HEAD_DIM)).astype(BF16)
+    plgpu.commit_smem()
+
+
+def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None):
+    """Part 1 (module docstring). ``q, k [B, Tp, H, 128]`` bf16, ``g [B, Tp, H, 128]`` f32 (``Tp`` a multiple of
+    64), ``beta_t [B, H, Tp]`` f32. Returns ``(qg, kd, wn, x, aqk, decay)``. ``interpret``: None or a
+    ``plgpu.InterpretGPUParams``."""
+    B, Tp, H, K = q.shape
+    n_chunks = Tp // CHUNK
+    buf = lambda d, dt=BF16: plgpu.SMEM((CHUNK, d), dt, transforms=tiled(dt))
+    smem = (
+        (buf(K), buf(K), buf(K), buf(K), buf(CHUNK), plgpu.SMEM((CHUNK,), F32), plgpu.SMEM((K,), F32)),
+        plgpu.RefUnion((buf(K, F32),), (buf(K), buf(CHUNK))),
+    )
+    stages = ()
+    if interpret is not None:
+        stages = (buf(CHUNK), buf(K))
+
+    def kda_chunk_intra_mosaic_gpu(q_ref, k_ref, g_ref, beta_ref, qg_ref, kd_ref, wn_ref, x_ref, aqk_ref,
+                                   decay_ref, smem_refs, loaded, stage_refs):
+        fixed, ((g,), (w, x)) = smem_refs
+        s = _Smem(*fixed, g=g, w=w, x=x)
+        c, h, b = lax.axis_index("c"), lax.axis_index("h"), lax.axis_index("b")
+        rows = pl.ds(c * CHUNK, CHUNK)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], s.q, loaded)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], s.k, loaded)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, rows, h], s.g, loaded)
+        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], s.beta, loaded)
+        plgpu.barrier_wait(loaded)
+        stage = None if interpret is None else {CHUNK: stage_refs[0], HEAD_DIM: stage_refs[1]}
+        _chunk(s, stage, scale)
+        for src, dst in ((s.q, qg_ref), (s.k, kd_ref), (s.w, wn_ref), (s.x, x_ref), (s.aqk, aqk_ref)):
+            plgpu.copy_smem_to_gmem(src, dst.at[b, rows, h])
+        plgpu.copy_smem_to_gmem(s.decay, decay_ref.at[b, h, c])
+        plgpu.wait_smem_to_gmem(0)
+
+    tok = lambda d: jax.ShapeDtypeStruct((B, Tp, H, d), BF16)
+    return plgpu.kernel(
+        kda_chunk_intra_mosaic_gpu,
+        out_type=(tok(K), tok(K), tok(K), tok(CHUNK), tok(CHUNK), jax.ShapeDtypeStruct((B, H, n_chunks, K), F32)),
+        scratch_types=(smem, plgpu.Barrier(num_arrivals=4), stages),
+        grid=(n_chunks, H, B),
+        grid_names=("c", "h", "b"),
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )(q, k, g, beta_t)
+
+
+def intra_chunks_reference(q, k, g, beta_t, *, scale: float):
+    """Plain-JAX fp32 (``precision=HIGHEST``) reference of :func:`intra_chunks`: the same six outputs in the same
+    dtypes and layouts, exact (pairwise decay ``e^{G_i - G_j}`` per key, a direct triangular solve; memory
+    ``O(T C K)``: small shapes only)."""
+    B, Tp, H, K = q.shape
+    n = Tp // CHUNK
+    hp = jax.lax.Precision.HIGHEST
+    split = lambda x: jnp.moveaxis(x.astype(F32).reshape(B, n, CHUNK, H, -1), 3, 1)  # [B, H, n, C, D]
+    qc, kc, gc = split(q), split(k), jnp.cumsum(split(g), axis=3)
+    beta = beta_t.astype(F32).reshape(B, H, n, CHUNK)
+    g_last = gc[..., -1:, :]
+    causal = jnp.tril(jnp.ones((CHUNK, CHUNK), bool))
+    diff = jnp.where(causal[:, :, None], gc[..., :, None, :] - gc[..., None, :, :], -jnp.inf)  # [.., i, j, K]
+    pair = lambda a: jnp.einsum("...id,...jd,...ijd->...ij", a, kc, jnp.exp(diff), precision=hp)
+    akk = jnp.where(jnp.eye(CHUNK, dtype=bool), 0.0, pair(kc))
+    aqk = scale * pair(qc)
+    eye = jnp.eye(CHUNK, dtype=F32)
+    x = jax.scipy.linalg.solve_triangular(eye + beta[..., :, None] * akk, jnp.broadcast_to(eye, akk.shape),
+                                          lower=True) * beta[..., None, :]
+    wn = -jnp.einsum("...ij,...jd->...id", x, kc * jnp.exp(gc), precision=hp)
+    merge = lambda t: jnp.moveaxis(t, 1, 3).reshape(B, Tp, H, -1).astype(BF16)
+    return (merge(qc * jnp.exp(gc) * scale), merge(kc * jnp.exp(g_last - gc)), merge(wn), merge(x), merge(aqk),
+            jnp.exp(g_last[..., 0, :]))
