@@ -10,9 +10,10 @@ the call, an explicit name that cannot run raises with the reason):
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``xla``.
 
 Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (:data:`TRITON_SHIPPED`), then
-``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`), then ``xla``. ``triton`` is ahead because the
-Mosaic GPU forward loses to it on the H200 (benchmarks/RESULTS.md); ``mosaic_gpu`` is what ``"auto"`` picks on
-Hopper once the Triton backend is gone, and can be chosen by name today. There is no Mosaic GPU decode kernel.
+``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`), then ``xla``. ``triton`` stays ahead until the
+Mosaic GPU forward beats it in a same-run comparison on the H200 (benchmarks/RESULTS.md); ``mosaic_gpu`` is
+what ``"auto"`` picks on Hopper once the Triton backend is gone, and can be chosen by name today.
+There is no Mosaic GPU decode kernel.
 
 What a backend checks (``supports``): the target platform (``platform=`` or
 :func:`pallas_kernels.registry.target_platform`: the mesh's devices, else the default device; ``interpret=True``
