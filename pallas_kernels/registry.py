@@ -12,7 +12,8 @@ description of the call (target platform, dtype, head dims, gate bound, ...). Se
 
 Backend names say what runs: ``xla`` (the plain-JAX reference, compiled by XLA), ``mosaic_tpu`` (Pallas on
 Mosaic TPU), ``triton`` (Pallas on Triton, GPU), ``mosaic_gpu`` (Pallas on Mosaic GPU, sm_90: the MoE grouped
-matmul), ``cudnn`` (cuDNN fused attention).
+matmul, the KDA chunk forward), ``cudnn`` (cuDNN fused attention). The Triton backends exist only while this JAX
+ships the (deprecated) Pallas Triton backend: :data:`TRITON_SHIPPED`, :func:`triton_missing_reason`.
 
 The target platform (``"cpu" | "gpu" | "tpu"``) is where the program will run, never the host that traces it:
 :func:`target_platform`.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import importlib.util
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -30,6 +32,14 @@ from typing import Any
 import jax
 
 logger = logging.getLogger("pallas_kernels")
+
+TRITON_SHIPPED = importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+"""Whether this JAX still ships the (deprecated) Pallas Triton backend."""
+
+
+def triton_missing_reason() -> str | None:
+    """None while :data:`TRITON_SHIPPED`, else the reason every ``triton`` backend gives."""
+    return None if TRITON_SHIPPED else "this JAX no longer ships the Pallas Triton backend"
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 KERNEL_PLATFORMS = ("gpu", "tpu")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import registry
 from pallas_kernels.kda import mosaic_gpu, ops
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.mosaic_gpu_common import interpret_params
@@ -29,7 +30,7 @@ def _call(platform="gpu", cc=9.0, dtype="bfloat16", shape=K3, chunk=64, gate_bou
     (_call(platform="cpu", cc=None), "xla"),
 ])
 def test_auto_order_with_triton_shipped(monkeypatch, call, want):
-    monkeypatch.setattr(ops, "TRITON_SHIPPED", True)
+    monkeypatch.setattr(registry, "TRITON_SHIPPED", True)
     assert ops.CHUNK.select("auto", call, record=False).backend == want
 
 
@@ -48,7 +49,7 @@ def test_auto_order_with_triton_shipped(monkeypatch, call, want):
 def test_auto_order_once_jax_drops_triton(monkeypatch, call, want, why):
     """Without the Pallas Triton backend: mosaic_gpu on sm_90+ for what it takes, else the XLA reference, each
     passed-over backend with its reason."""
-    monkeypatch.setattr(ops, "TRITON_SHIPPED", False)
+    monkeypatch.setattr(registry, "TRITON_SHIPPED", False)
     sel = ops.CHUNK.select("auto", call, record=False)
     assert sel.backend == want
     passed = dict(sel.passed_over)
@@ -69,9 +70,9 @@ def test_explicit_mosaic_gpu_runs_where_it_fits_and_raises_with_the_reason_elsew
 
 
 def test_backward_choice(monkeypatch):
-    monkeypatch.setattr(ops, "TRITON_SHIPPED", True)
+    monkeypatch.setattr(registry, "TRITON_SHIPPED", True)
     assert ops._backward_for("mosaic_gpu", "auto") == "kernel"
-    monkeypatch.setattr(ops, "TRITON_SHIPPED", False)
+    monkeypatch.setattr(registry, "TRITON_SHIPPED", False)
     assert ops._backward_for("mosaic_gpu", "auto") == "xla"
     with pytest.raises(ValueError, match="no longer ships"):
         ops._backward_for("mosaic_gpu", "kernel")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import registry
 from pallas_kernels.moe import mosaic_gpu, ops
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.registry import KernelUnavailable
@@ -42,7 +43,7 @@ def test_auto_order_with_triton_shipped(call, want):
 def test_auto_order_once_jax_drops_triton(monkeypatch, call, want, why):
     """Without the Pallas Triton backend: mosaic_gpu on sm_90+ for what it takes, else the XLA reference, each
     passed-over backend with its reason."""
-    monkeypatch.setattr(ops, "TRITON_SHIPPED", False)
+    monkeypatch.setattr(registry, "TRITON_SHIPPED", False)
     sel = ops.EXPERT_FFN.select("auto", call, record=False)
     assert sel.backend == want
     passed = dict(sel.passed_over)

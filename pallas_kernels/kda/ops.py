@@ -9,7 +9,7 @@ the call, an explicit name that cannot run raises with the reason):
   (:mod:`.reference`, the chunked UT/WY form).
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``xla``.
 
-Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (:data:`TRITON_SHIPPED`), then
+Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (``registry.TRITON_SHIPPED``), then
 ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`), then ``xla``. ``triton`` stays ahead until the
 Mosaic GPU forward beats it in a same-run comparison on the H200 (benchmarks/RESULTS.md); ``mosaic_gpu`` is
 what ``"auto"`` picks on Hopper once the Triton backend is gone, and can be chosen by name today.
@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import registry
 from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.kda import launch
 from pallas_kernels.kda import reference as ref
@@ -48,8 +48,6 @@ KERNEL_GATE_BOUND = -5.0
 BACKWARDS = ("auto", "kernel", "xla")
 ALIASES = {"reference": "xla"}
 """Old name of the reference still accepted (``sharding.plan``, benchmark scripts)."""
-TRITON_SHIPPED = importlib.util.find_spec("jax.experimental.pallas.triton") is not None
-"""Whether this JAX still ships the (deprecated) Pallas Triton backend."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +100,7 @@ def _tpu_chunk(call: KdaCall) -> str | None:
 
 
 def _triton_shipped() -> str | None:
-    return None if TRITON_SHIPPED else "this JAX no longer ships the Pallas Triton backend"
+    return registry.triton_missing_reason()
 
 
 def _triton_chunk(call: KdaCall) -> str | None:
@@ -251,8 +249,8 @@ def _backward_for(impl: str, backward: str) -> str:
     if impl != "mosaic_gpu":
         return "kernel" if backward == "auto" else backward
     if backward == "auto":
-        return "kernel" if TRITON_SHIPPED else "xla"
-    if backward == "kernel" and not TRITON_SHIPPED:
+        return "kernel" if registry.TRITON_SHIPPED else "xla"
+    if backward == "kernel" and not registry.TRITON_SHIPPED:
         raise ValueError("chunk_kda: backward='kernel' on mosaic_gpu needs the Triton backward kernels, which this "
                          "JAX no longer ships; use backward='auto' or 'xla'")
     return backward

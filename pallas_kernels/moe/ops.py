@@ -13,7 +13,7 @@ that cannot run raises with the reason):
   (wgmma + TMA), bf16 with K, N multiples of 128; w1 and w3 as two grouped matmuls, SiTU-GLU in XLA; not MXFP4;
 * ``xla`` (:mod:`.reference`): ``jax.lax.ragged_dot`` (a tiled einsum form on CPU), any dtype.
 
-Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (:data:`TRITON_SHIPPED`), then
+Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (``registry.TRITON_SHIPPED``), then
 ``mosaic_gpu`` on sm_90+ (:attr:`MoeCall.compute_capability`, the visible GPU's), then ``xla``. ``triton`` is
 ahead because the Mosaic GPU grouped matmul loses to it on Hopper (benchmarks/RESULTS.md); ``mosaic_gpu`` is
 what ``"auto"`` picks on Hopper once the Triton backend is gone, and can be chosen by name today.
@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import registry
 from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.mxfp4 import is_mxfp4
@@ -104,14 +104,8 @@ def _mosaic_gpu_reason(call: MoeCall) -> str | None:
     return mosaic_gpu.arch_reason(call.compute_capability) or mosaic_gpu.shape_reason(call.dtype, k, n)
 
 
-TRITON_SHIPPED = importlib.util.find_spec("jax.experimental.pallas.triton") is not None
-"""Whether this JAX still ships the (deprecated) Pallas Triton backend."""
-
-
 def _triton_reason(call: MoeCall) -> str | None:
-    if not TRITON_SHIPPED:
-        return "this JAX no longer ships the Pallas Triton backend"
-    return _kernel_reason("gpu")(call)
+    return registry.triton_missing_reason() or _kernel_reason("gpu")(call)
 
 
 EXPERT_FFN = Registry("moe.expert_ffn", (
