@@ -19,12 +19,12 @@ One decode round (:func:`speculative_round`, one jitted call for all slots):
    exactly the distribution plain sampling gives. A round whose rows are all greedy (static ``sampling=False``)
    compares argmaxes (:func:`greedy_accept`) instead, with the same result.
 5. **Rollback.** The target cache keeps ``n + 1`` of the ``k + 1`` verified tokens per row: MLA latents by setting
-   ``lengths`` (entries past it are masked and overwritten later), KDA by taking the state the verify pass
-   recorded after token ``n`` and the conv tail at that position. Keeping the per-position states (not
-   restoring the pre-verify state and recomputing the accepted prefix) costs ``k + 1`` KDA states per row of
-   device memory during the verify call but no second target forward, and rows with different acceptance
-   need no per-row-length recompute; the verify pass runs the recurrent form token by token, exactly the
-   arithmetic of plain decode steps.
+   ``lengths`` (entries past it, in the row or in its pages, are masked and overwritten later), KDA by taking
+   the state the verify pass recorded after token ``n`` and the conv tail at that position. Keeping the
+   per-position states (not restoring the pre-verify state and recomputing the accepted prefix) costs ``k + 1``
+   KDA states per row of device memory during the verify call but no second target forward, and rows with
+   different acceptance need no per-row-length recompute; the verify pass runs the recurrent form token by token,
+   exactly the arithmetic of plain decode steps.
 
 Per-request draft length: ``k_b <= k`` per row (drafts past ``k_b`` are ignored); rows accept independently.
 
