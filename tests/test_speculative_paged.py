@@ -1,9 +1,10 @@
 """Speculative decoding on the paged latent cache, with the prefix cache (micro fp32 model of test_speculative):
 greedy output equals the plain paged engine's (several k, batch 3 with per-row draft lengths, prompts of 1 to 18
 tokens through a pool too small for all of them, so requests wait for pages and reuse freed ones; one- and
-three-round calls), every page returns to the pool, a prefix-cache hit (at a prefill endpoint and at an endpoint
-a speculative round reached) gives the tokens of the cold run, and sampled output equals the contiguous
-speculative engine's for the same seeds."""
+three-round calls), the draft's cache of a request prefilled while others decode is the one it gets alone, every
+page returns to the pool, a prefix-cache hit (at a prefill endpoint and at an endpoint a speculative round
+reached) gives the tokens of the cold run, and sampled output equals the contiguous speculative engine's for the
+same seeds."""
 
 import functools
 
@@ -33,10 +34,16 @@ def _plain_paged():
 
 
 def _spec(**kw):
+    """A paged speculative engine (k = 3) of the micro model over ``_setup``'s target and an MLA draft."""
     cfg, params, _ = _setup()
     dcfg, dparams = _draft("mla", 1)
     return SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=3, max_batch=3, max_len=MAX_LEN,
                              paged=True, page_size=PAGE, prefill_chunk=4, prefill_mode="unit", **kw)
+
+
+@functools.cache
+def _paged_spec():
+    return _spec(num_pages=PAGES)
 
 
 def _pool_back(engine, held: int = 0) -> None:
@@ -48,20 +55,44 @@ def _pool_back(engine, held: int = 0) -> None:
     assert (alloc.refs[alloc.free_pages] == 0).all()
 
 
+def _draft_rows_at_first_token(engine, prompts, draft_tokens) -> dict[int, tuple[int, np.ndarray]]:
+    """Run greedy requests together; per request, its draft cache row (length, latent rows) after the engine step
+    that produced its first token (its prefill's last piece and its first round)."""
+    ids = [engine.add_request(p, _greedy(), draft_tokens=d) for p, d in zip(prompts, draft_tokens, strict=True)]
+    rows = {}
+    while engine.has_work:
+        for ev in engine.step():
+            if ev.index == 0:
+                slot = engine._by_id[ev.request_id].slot
+                n = int(engine.dcache["lengths"][slot])
+                rows[ids.index(ev.request_id)] = (n, np.asarray(engine.dcache["layer"]["latent"][slot, :n]))
+    return rows
+
+
 def test_paged_greedy_identical_and_pages_return():
     prompts = _prompts()
     want = _run(_plain_paged(), prompts, [_greedy()] * 4)
-    spec = _spec(num_pages=PAGES)
+    spec = _paged_spec()
     got = _run(spec, prompts, [_greedy()] * 4, draft_tokens=[3, 1, 2, 3])
     assert got == want
     assert spec.stats["waits_for_pages"] > 0  # the fourth request waited for a finished one's pages
     hist = spec.spec.accepted_hist
     assert any(0 < n < 3 for n in hist) and 0 in hist, hist  # rows accepted different numbers of drafts
     _pool_back(spec)
+    # the draft's cache of a request prefilled piece by piece while other rows ran rounds is the one it gets alone
+    # (the outputs cannot tell: verification is lossless)
+    together = _draft_rows_at_first_token(spec, prompts, [3, 1, 2, 3])
+    for i, (p, d) in enumerate(zip(prompts, [3, 1, 2, 3], strict=True)):
+        (alone,) = _draft_rows_at_first_token(spec, [p], [d]).values()
+        assert together[i][0] == alone[0] == len(p)  # n - 1 prompt pairs + the first round's pending pair
+        np.testing.assert_allclose(together[i][1], alone[1], rtol=1e-5, atol=1e-6)
     spec.decode_block = 3  # rounds in blocks: the page table is an argument of the scanned rounds
-    steps = spec.stats["decode_steps"]
-    assert _run(spec, prompts, [_greedy()] * 4, draft_tokens=[2, 3, 1, 2]) == want
-    assert spec.stats["decode_steps"] - steps > 3
+    try:
+        steps = spec.stats["decode_steps"]
+        assert _run(spec, prompts, [_greedy()] * 4, draft_tokens=[2, 3, 1, 2]) == want
+        assert spec.stats["decode_steps"] - steps > 3
+    finally:
+        spec.decode_block = 1
     _pool_back(spec)
 
 
@@ -72,9 +103,9 @@ def test_sampling_equals_contiguous_speculative_engine():
     dcfg, dparams = _draft("mla", 1)
     contiguous = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=3, max_batch=3, max_len=MAX_LEN,
                                    prefill_chunk=4, prefill_mode="unit")
-    prompts = _prompts()[:3]
+    prompts = [[3], [5, 4], [6, 3, 7]]  # prefill pieces of one token: few compiles
     sampled = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, top_p=0.9, seed=s) for s in (1, 2, 3)]
-    spec = _spec()
+    spec = _paged_spec()
     want = _run(contiguous, prompts, sampled)
     assert _run(spec, prompts, sampled) == want
     assert len({tuple(o) for o in want}) == 3
