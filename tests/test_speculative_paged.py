@@ -144,6 +144,11 @@ def test_prefix_hit_with_speculation_equals_cold():
     want, _ = _alone(spec, turn2, n=6, cold=True)
     got, cached = _alone(spec, turn2, n=6)
     assert cached == decoded[-1] and got == want == _run(plain, [turn2], [_greedy(6)])[0]
+    # two requests at once on the pages of one entry (12 tokens: 3 full pages mapped read-only by both)
+    both = [p[:12] + [3, 4], p[:12] + [6]]
+    hits, cached_before = spec.prefix.stats["hits"], spec.prefix.stats["cached_tokens"]
+    assert _run(spec, both, [_greedy(8)] * 2, draft_tokens=[3, 2]) == _run(plain, both, [_greedy(8)] * 2)
+    assert spec.prefix.stats["hits"] == hits + 2 and spec.prefix.stats["cached_tokens"] == cached_before + 24
     assert spec.spec.accepted > 0
     _pool_back(spec, held=spec.prefix.num_pages)
     spec.prefix.clear()

@@ -465,10 +465,14 @@ class SpeculativeEngine(Engine):
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: Sequence[int], params: SamplingParams, media: Any = None) -> None:
-        super().validate(prompt, params, media)
         if len(prompt) >= self.request_max_len:
             raise RequestError(f"prompt has {len(prompt)} tokens; this engine's max_len is {self.request_max_len} "
                                f"(prompt + at least one generated token)")
+        if isinstance(params, SamplingParams) and isinstance(params.max_tokens, int) and params.max_tokens > 0:
+            # pages are checked for what the request can use (the engine's max_len holds k more positions)
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens,
+                                                                self.request_max_len - len(prompt)))
+        super().validate(prompt, params, media)
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
                     media: Any = None, draft_tokens: int | None = None) -> str:
