@@ -36,6 +36,7 @@ first built and compiled (``--compile-threads`` at a time) on random weights of 
 swapped in, each engine runs short warm generates (they recompile only if the trained trees differ from the
 init: ``warm_compiles`` shows it) and the timed runs follow, with no compile running beside them.
 ``--deadline-s``: cases that would start after this many seconds are skipped (reported as skipped).
+``--page-size N``: every engine (peer and speculative) runs on the paged latent cache with pages of ``N`` tokens.
 ``--profile``: at the end, the device-op breakdown (``benchmarks/_profile.py``) of the batch-1 peer step and of
 the batch-1 round of the first case's ``k`` (``--profile-dir`` keeps the traces).
 """
@@ -142,7 +143,8 @@ def device_loop(engine, prompts, new_tokens: int):
         state, last = box
         if spec:
             out, cache, dcache, pend = engine._round(engine.variables, engine.draft_variables, state[0], state[1],
-                                                     last, state[2], active, drafts, samp, engine.max_logprobs, False)
+                                                     last, state[2], active, drafts, samp, engine.max_logprobs, False,
+                                                     engine._table)
             box[:] = [(cache, dcache, pend), last_of(out.tokens, out.emitted)]
         else:
             out, cache = engine._decode(engine.variables, state, last, active, samp, engine.max_logprobs,
@@ -227,6 +229,9 @@ def main() -> None:
     p.add_argument("--sample-cases", default="", help="batch:k,... also measured at temperature 1")
     p.add_argument("--pipelined-calls", type=int, default=8)
     p.add_argument("--dtype", default="")
+    p.add_argument("--page-size", type=int, default=0,
+                   help="run the peer and the speculative engines on the paged latent cache with pages of this many "
+                        "tokens (0: the contiguous cache)")
     p.add_argument("--wait-s", type=float, default=0.0, help="compile on random weights, wait for the trained ones")
     p.add_argument("--deadline-s", type=float, default=0.0, help="skip cases that would start after this (0: none)")
     p.add_argument("--compile-threads", type=int, default=1)
@@ -331,11 +336,12 @@ def main() -> None:
     def build(case):
         b, k = case
         dc0, dp0 = next(iter(drafts.values()))
+        paged = dict(paged=True, page_size=args.page_size) if args.page_size else {}
         if k == 0:
-            e = Engine(cfg, params, max_batch=b, max_len=max_len + kmax, prefill_chunk=chunk)
+            e = Engine(cfg, params, max_batch=b, max_len=max_len + kmax, prefill_chunk=chunk, **paged)
         else:
             e = SpeculativeEngine(cfg, params, dp0, dc0, num_draft_tokens=k, max_batch=b,
-                                  max_len=max_len + kmax - k, prefill_chunk=chunk)
+                                  max_len=max_len + kmax - k, prefill_chunk=chunk, **paged)
         t = time.perf_counter()
         warm(e, case)
         engines[case] = e
@@ -413,6 +419,7 @@ def main() -> None:
             outs, runs, ms, st = timed(e, b, 1)
             unit = "step" if k == 0 else "round"
             row = {"side": "peer" if k == 0 else "speculative", "batch": b, "k": k, "prompts": len(prompts[b]),
+                   "page_size": args.page_size,
                    "decode_tokens_per_s": round(float(np.mean(runs)), 2), "runs": [round(r, 2) for r in runs],
                    f"{unit}_ms": round(ms, 3), "warm_s": round(warm_s, 2), "warm_compiles": warm_compiles}
             if b in block_batches:

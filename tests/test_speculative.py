@@ -175,11 +175,8 @@ def test_kda_draft_greedy_identical():
     assert spec.spec.accepted > 0
 
 
-def test_engine_rejects_paged_and_bad_draft_tokens(spec_mla):
+def test_engine_rejects_bad_draft_tokens(spec_mla):
     cfg, params, _ = _setup()
-    dcfg, dparams = _draft("mla", 1)
-    with pytest.raises(ValueError, match="paged=False"):
-        SpeculativeEngine(cfg, params, dparams, dcfg, paged=True)
     with pytest.raises(ValueError, match="draft_tokens"):
         spec_mla.add_request([3, 4], _greedy(), draft_tokens=4)
     with pytest.raises(ValueError, match="feature_layers"):

@@ -6,6 +6,7 @@
     python serve.py --config configs/k3-tiny.json --prompt "def f("     # RANDOM weights (demo only)
     python serve.py --checkpoint DIR --chat --prompt "What is this?" --image cat.png   # a vision model
     python serve.py --checkpoint DIR --draft DRAFT_DIR --prompt "Hi"    # speculative decoding with a draft
+    python serve.py --checkpoint DIR --draft DRAFT_DIR --prefix-cache --prefix-kda-gb 8 --prefix-mla-gb 16 --port 8000
     python serve.py --checkpoint DIR --mesh tensor=8 --prompt "Hi"     # the model split over 8 local devices
 
 ``--checkpoint`` accepts an HF checkpoint directory (``config.json`` + safetensors index, loaded with
@@ -193,22 +194,19 @@ def main(argv: list[str] | None = None) -> int:
                                    page_size=args.page_size or 6144, block_size=args.prefix_block,
                                    stride=args.prefix_stride)
     engine_kwargs = dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                         tokenizer=tok, eos_ids=eos, mesh=mesh, sharding_preset=args.sharding_preset)
+                         tokenizer=tok, eos_ids=eos, mesh=mesh, sharding_preset=args.sharding_preset,
+                         decode_block=args.decode_block, paged=prefix is not None, page_size=args.page_size,
+                         prefix_cache=prefix)
     if args.draft:
-        if prefix is not None:
-            raise SystemExit("--draft and --prefix-cache cannot be combined yet (the speculative engine has no "
-                             "paged cache)")
         from k3_jax.serving.speculative import SpeculativeEngine, load_draft
 
         try:
             dcfg, dparams = load_draft(args.draft, cfg)
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"--draft {args.draft}: {e}") from None
-        engine = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=args.draft_tokens,
-                                   decode_block=args.decode_block, **engine_kwargs)
+        engine = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=args.draft_tokens, **engine_kwargs)
     else:
-        engine = Engine(cfg, params, decode_block=args.decode_block, paged=prefix is not None,
-                        page_size=args.page_size, prefix_cache=prefix, **engine_kwargs)
+        engine = Engine(cfg, params, **engine_kwargs)
 
     if args.port is not None:
         import uvicorn

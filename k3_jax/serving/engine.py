@@ -343,31 +343,17 @@ class Engine:
     def _build_fns(self) -> None:
         model, axes = self.model, self._axes
 
-        # axis -1 marks a leaf shared by all slots (the page pool): a "row" of it is the whole leaf
         def take_row(cache, slot):
-            return jax.tree.map(
-                lambda x, ax: x if ax < 0 else jax.lax.dynamic_slice_in_dim(x, slot, 1, ax), cache, axes
-            )
+            return take_cache_row(cache, slot, axes)
 
         def put_row(cache, row, slot):
-            return jax.tree.map(
-                lambda x, r, ax: (
-                    r.astype(x.dtype) if ax < 0 else jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
-                ),
-                cache,
-                row,
-                axes,
-            )
+            return put_cache_row(cache, row, slot, axes)
 
-        paged, cdt = self.paged, self.compute_dtype
+        cdt = self.compute_dtype
 
         def run(variables, cache, tokens, table, valid, hook=None):
             """model.apply on a (possibly paged) cache; ``valid [B]``: rows whose new tokens are kept."""
-            if not paged:
-                return model.apply(variables, tokens, cache=cache, embeds_hook=hook)
-            start = cache["lengths"]
-            logits, new = model.apply(variables, tokens, cache=_gather_view(cache, table, cdt), embeds_hook=hook)
-            return logits, _absorb(cache, new, table, start, tokens.shape[1], valid)
+            return apply_on_cache(model, variables, tokens, cache, table, cdt, valid, embeds_hook=hook)
 
         def reset(cache, slot):
             row = jax.tree.map(lambda x, ax: x if ax < 0 else jnp.zeros_like(x), take_row(cache, slot), axes)
@@ -909,6 +895,38 @@ class Engine:
         ):
             outs[int(ev.request_id.split("-")[1])].append(ev.token)
         return outs
+
+
+def take_cache_row(cache: Any, slot: jax.Array, axes: Any) -> Any:
+    """Row ``slot`` (batch 1) of every cache leaf along its batch axis in ``axes``; a leaf whose axis is -1 (shared
+    by all slots: the page pool) is returned whole."""
+    return jax.tree.map(lambda x, ax: x if ax < 0 else jax.lax.dynamic_slice_in_dim(x, slot, 1, ax), cache, axes)
+
+
+def put_cache_row(cache: Any, row: Any, slot: jax.Array, axes: Any) -> Any:
+    """``cache`` with row ``slot`` replaced by ``row`` (a :func:`take_cache_row` tree); shared leaves (axis -1)
+    are replaced whole."""
+    return jax.tree.map(
+        lambda x, r, ax: r.astype(x.dtype) if ax < 0 else jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype),
+                                                                                               slot, ax),
+        cache, row, axes)
+
+
+def apply_on_cache(model: nn.Module, variables: Any, tokens: jax.Array, cache: dict, table: jax.Array | None,
+                   dtype: Any, valid: jax.Array, mutable: Any = False, **kwargs: Any) -> Any:
+    """``model.apply(variables, tokens [B, T], cache=...)`` on a contiguous (``table`` None) or paged cache.
+
+    Paged: the model runs on the contiguous view gathered through ``table [B, max_pages]`` (``dtype``), and the
+    ``T`` tokens it appends at each row's ``lengths`` are written back into that row's pages (rows with
+    ``valid [B]`` False write to the null page; positions past the row's mapped pages land on the null page too).
+    Returns what ``model.apply`` returns (``((logits, cache), collections)`` with ``mutable``), with the paged
+    cache in place of the view."""
+    if table is None:
+        return model.apply(variables, tokens, cache=cache, mutable=mutable, **kwargs)
+    out = model.apply(variables, tokens, cache=_gather_view(cache, table, dtype), mutable=mutable, **kwargs)
+    (logits, new), rest = (out, None) if mutable is False else out
+    new = _absorb(cache, new, table, cache["lengths"], tokens.shape[1], valid)
+    return (logits, new) if mutable is False else ((logits, new), rest)
 
 
 def _gather_view(cache: dict, table: jax.Array, dtype: Any) -> dict:

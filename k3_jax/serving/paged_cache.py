@@ -233,11 +233,12 @@ def write_latent(
       latent: ``[P, S, D]`` pool of one layer; latent_scale: ``[P, S] f32``.
       page_table: ``[B, max_pages] i32`` rows of the slots being written.
       positions: ``[B, T] i32`` absolute token positions; values: ``[B, T, D]``; valid: ``[B, T] bool``
-        (invalid tokens go to the null page 0).
+        (invalid tokens, and tokens at positions past the table's ``max_pages · S``, go to the null page 0).
     Returns: updated ``(latent, latent_scale)``.
     """
     page_size = latent.shape[1]
     max_pages = page_table.shape[1]
+    valid = valid & (positions >= 0) & (positions < max_pages * page_size)
     logical = jnp.clip(positions // page_size, 0, max_pages - 1)
     page = jnp.take_along_axis(page_table, logical, axis=1)
     page = jnp.where(valid, page, 0)

@@ -19,12 +19,12 @@ One decode round (:func:`speculative_round`, one jitted call for all slots):
    exactly the distribution plain sampling gives. A round whose rows are all greedy (static ``sampling=False``)
    compares argmaxes (:func:`greedy_accept`) instead, with the same result.
 5. **Rollback.** The target cache keeps ``n + 1`` of the ``k + 1`` verified tokens per row: MLA latents by setting
-   ``lengths`` (entries past it are masked and overwritten later), KDA by taking the state the verify pass
-   recorded after token ``n`` and the conv tail at that position. Keeping the per-position states (not
-   restoring the pre-verify state and recomputing the accepted prefix) costs ``k + 1`` KDA states per row of
-   device memory during the verify call but no second target forward, and rows with different acceptance
-   need no per-row-length recompute; the verify pass runs the recurrent form token by token, exactly the
-   arithmetic of plain decode steps.
+   ``lengths`` (entries past it, in the row or in its pages, are masked and overwritten later), KDA by taking
+   the state the verify pass recorded after token ``n`` and the conv tail at that position. Keeping the
+   per-position states (not restoring the pre-verify state and recomputing the accepted prefix) costs ``k + 1``
+   KDA states per row of device memory during the verify call but no second target forward, and rows with
+   different acceptance need no per-row-length recompute; the verify pass runs the recurrent form token by token,
+   exactly the arithmetic of plain decode steps.
 
 Per-request draft length: ``k_b <= k`` per row (drafts past ``k_b`` are ignored); rows accept independently.
 
@@ -54,7 +54,15 @@ from k3_jax.draft import DraftConfig, DraftModel, init_draft_cache, target_featu
 from k3_jax.layers.kda import record_position_states
 from k3_jax.model import FEATURES, K3ForCausalLM
 from k3_jax.serving import media as media_lib
-from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces, shard_variables
+from k3_jax.serving.engine import (
+    Engine,
+    RequestError,
+    _prefill_pieces,
+    apply_on_cache,
+    put_cache_row,
+    shard_variables,
+    take_cache_row,
+)
 from k3_jax.serving.sampling import (
     SampleOutput,
     SamplingArrays,
@@ -177,12 +185,17 @@ def _rollback_target(new: dict, keep: jax.Array, lengths: jax.Array) -> dict:
 def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfig, variables: dict,
                       draft_variables: dict, cache: dict, dcache: dict, last_token: jax.Array,
                       pend_feat: jax.Array, pend_tok: jax.Array, pend_n: jax.Array, active: jax.Array,
-                      num_drafts: jax.Array, samp: SamplingArrays, num_top: int, sampling: bool = True):
+                      num_drafts: jax.Array, samp: SamplingArrays, num_top: int, sampling: bool = True,
+                      table: jax.Array | None = None, view_dtype: Any = None):
     """One round for all rows (see the module docstring). Shapes: ``last_token [B]``, ``pend_feat [B, K+1, F]``,
     ``pend_tok [B, K+1]`` and ``pend_n [B]`` (pairs the draft has not consumed), ``active [B]`` bool,
     ``num_drafts [B]`` in ``[0, K]``. ``sampling`` (static): some row has ``temperature > 0``; ``False`` (every
     row greedy) drafts the draft's argmax and accepts with :func:`greedy_accept`: no distributions, sorts or
-    random draws over the vocabulary, the same tokens as the sampling path gives greedy rows. Returns
+    random draws over the vocabulary, the same tokens as the sampling path gives greedy rows. ``table
+    [B, max_pages]``: the target's cache is paged (:func:`k3_jax.serving.engine.apply_on_cache`, the view in
+    ``view_dtype``): the verify pass writes its ``K + 1`` latent rows per active row into the row's pages at
+    ``lengths .. lengths + K`` (positions past the row's mapped pages go to the null page; inactive rows write
+    nothing), and the rollback only sets ``lengths``. Inactive rows keep their draft cache length. Returns
     ``(RoundOutput, cache, dcache, pend_feat, pend_tok, pend_n)``."""
     cfg = target.cfg
     k = pend_tok.shape[1] - 1
@@ -215,7 +228,9 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
     else:
         logits_c, hid_c, dc_new = draft.apply(draft_variables, pend_feat, pend_tok, emb, head, cache=dcache)
         layer = dc_new["layer"]
-    committed = {"lengths": jnp.where(active, dcache["lengths"] + pend_n, 0), "layer": layer}
+    # inactive rows (idle, or a prefilling request whose draft cache is being filled) keep their length: what the
+    # catch-up wrote for them lies past it
+    committed = {"lengths": jnp.where(active, dcache["lengths"] + pend_n, dcache["lengths"]), "layer": layer}
     logits_1 = logits_c[rows, last][:, None]
     hidden = hid_c[rows, last][:, None]
     q1, d1 = draw_draft(logits_1, 0)
@@ -234,7 +249,8 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
     # 3. verify all k + 1 positions at once
     tokens = jnp.concatenate([last_token[:, None], drafts], axis=1)
     with record_position_states():
-        (logits_v, new_cache), collected = target.apply(variables, tokens, cache=cache, mutable=[FEATURES])
+        (logits_v, new_cache), collected = apply_on_cache(target, variables, tokens, cache, table, view_dtype, active,
+                                                          mutable=[FEATURES])
     feats = target_features(cfg, dcfg, collected).astype(pend_feat.dtype)
 
     # 4. accept
@@ -266,13 +282,15 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
 def speculative_rounds(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfig, variables: dict,
                        draft_variables: dict, cache: dict, dcache: dict, last_token: jax.Array,
                        pend: tuple[jax.Array, jax.Array, jax.Array], active: jax.Array, draft_len: jax.Array,
-                       left: jax.Array, samp: SamplingArrays, num_top: int, sampling: bool, n: int):
+                       left: jax.Array, samp: SamplingArrays, num_top: int, sampling: bool, n: int,
+                       table: jax.Array | None = None, view_dtype: Any = None):
     """``n`` rounds of :func:`speculative_round` in one ``lax.scan``, each fed the previous one's state: the last
     emitted token of a row, its sampling step (``samp.step`` + tokens emitted so far) and its tokens left.
 
     ``draft_len [B]``: drafts per round of each row (``k_b``); ``left [B]``: tokens each row may still emit. A round
     drafts ``min(k_b, left - 1)`` per row and runs a row only while ``left > 0`` (as :class:`SpeculativeEngine`
-    does for single rounds), so the outputs equal ``n`` single rounds'. Returns ``(RoundOutput with a leading
+    does for single rounds), so the outputs equal ``n`` single rounds'. ``table`` / ``view_dtype``: a paged target
+    cache (:func:`speculative_round`). Returns ``(RoundOutput with a leading
     [n] axis (``emitted`` 0 for a row in a round it did not run), cache, dcache, pend)``."""
     rows = jnp.arange(last_token.shape[0])
 
@@ -282,7 +300,7 @@ def speculative_rounds(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConf
         num_drafts = jnp.minimum(draft_len, jnp.maximum(left - 1, 0))
         out, cache, dcache, pf, pt, pn = speculative_round(
             target, draft, dcfg, variables, draft_variables, cache, dcache, last, *pend, run, num_drafts,
-            samp._replace(step=step), num_top, sampling)
+            samp._replace(step=step), num_top, sampling, table, view_dtype)
         emitted = jnp.where(run, out.emitted, 0)
         last = jnp.where(run, out.tokens[rows, jnp.maximum(out.emitted - 1, 0)], last)
         return (cache, dcache, (pf, pt, pn), last, step + emitted, left - emitted), out._replace(emitted=emitted)
@@ -332,20 +350,33 @@ class SpeculativeEngine(Engine):
     Args (beyond the engine's): ``draft_params`` (the draft's params or variables), ``draft_config``
     (:class:`~k3_jax.draft.DraftConfig`), ``num_draft_tokens`` (``k``, the most drafts per round).
     ``max_len`` is the per-request limit as for the engine; the cache holds ``k`` more positions, the room a
-    verify pass needs at the end of a request. The contiguous cache only (``paged=False``). ``decode_block``:
-    rounds per device call (:func:`speculative_rounds`; tokens stream in bursts; a block runs when no waiting
-    request could take a free slot and no request is prefilling, else one round). With the engine's ``mesh``,
-    the draft's parameters are placed by their logical names and its cache and pending pairs like the target's
-    cache. :meth:`add_request` takes ``draft_tokens`` (``0 .. k``) per request. :attr:`spec` holds the round
-    counters (:class:`SpecStats`).
+    verify pass needs at the end of a request. ``decode_block``: rounds per device call (:func:`speculative_rounds`;
+    tokens stream in bursts; a block runs when no waiting request could take a free slot and no request is
+    prefilling, else one round). With the engine's ``mesh``, the draft's parameters are placed by their logical
+    names and its cache and pending pairs like the target's cache. :meth:`add_request` takes ``draft_tokens``
+    (``0 .. k``) per request. :attr:`spec` holds the round counters (:class:`SpecStats`).
+
+    Paged cache (``paged=True``): a request reserves the pages a plain request does (prompt + ``max_tokens``); a
+    verify pass writes ``k + 1`` latent rows at ``lengths .. lengths + k`` of its row, and only positions below
+    the new length count. Committed tokens always lie inside the reservation (a round keeps at most ``left``
+    tokens, the last one not yet in the cache), so no page is taken or returned per round: positions past the
+    reservation go to the null page, rejected positions inside it are masked by length and overwritten by the
+    next round, and the pages return to the pool when the request finishes.
+
+    Prefix cache (``prefix_cache``): entries are only ever stored at a cache length the target has committed (a
+    prefill piece ending on a snapshot endpoint, or a round whose kept tokens end on one): a round's drafts are
+    capped so that it cannot pass the row's next endpoint, and a block of rounds runs only while no row can reach
+    one. A request that hits starts from the restored KDA snapshot and pages, prefills the suffix, and drafts from
+    there. The draft's own cache (not paged: one row of ``max_len + k + 1`` positions per slot) holds the
+    (feature, token) pairs of the prefilled part only: the target features of a cached prefix are not stored, so
+    after a hit the draft's own context starts at the restored endpoint (the target features it fuses carry the
+    whole context). Outputs do not depend on it (verification is lossless); only acceptance can.
     """
 
     def __init__(self, cfg: K3Config, params: Any, draft_params: Any, draft_config: DraftConfig,
                  num_draft_tokens: int = 4, max_len: int = 512, **kwargs: Any):
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-        if kwargs.get("paged"):
-            raise ValueError("speculative decoding runs on the contiguous cache: pass paged=False")
         self.dcfg = draft_config.validate(cfg)
         self.k = num_draft_tokens
         self.request_max_len = max_len
@@ -367,24 +398,22 @@ class SpeculativeEngine(Engine):
                                   jnp.zeros((self.max_batch,), jnp.int32)))
         self._draft_len = np.full(self.max_batch, self.k, np.int32)
         self._draft_len_by_id: dict[str, int] = {}
-        self._feats_of: dict[str, list[jax.Array]] = {}  # target features of each prefilling request's pieces
         self.spec = SpecStats()
 
     # ------------------------------------------------------------------ jitted functions
     def _build_fns(self) -> None:
         super()._build_fns()
-        model, draft, dcfg, cfg = self.model, self.draft, self.dcfg, self.cfg
+        model, draft, dcfg, cfg, axes, cdt = self.model, self.draft, self.dcfg, self.cfg, self._axes, self.compute_dtype
 
         def prefill(variables, cache, slot, tokens, table, media=None):
             """As the engine's prefill, also returning the prompt piece's target features [1, T, F]."""
-            del table  # contiguous cache only
-            row = jax.tree.map(lambda x, ax: jax.lax.dynamic_slice_in_dim(x, slot, 1, ax), cache, self._axes)
+            row = take_cache_row(cache, slot, axes)
+            row_table = None if table is None else jax.lax.dynamic_slice_in_dim(table, slot, 1, 0)
             hook = media_lib.media_embeds_hook(media, tokens, cfg.pad_token_id)
-            (logits, row), collected = model.apply(variables, tokens, cache=row, embeds_hook=hook,
-                                                   mutable=[FEATURES])
-            cache = jax.tree.map(lambda x, r, ax: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax),
-                                 cache, row, self._axes)
-            return logits[0, -1].astype(jnp.float32), cache, target_features(cfg, dcfg, collected)
+            (logits, row), collected = apply_on_cache(model, variables, tokens, row, row_table, cdt,
+                                                      jnp.ones((1,), bool), mutable=[FEATURES], embeds_hook=hook)
+            return (logits[0, -1].astype(jnp.float32), put_cache_row(cache, row, slot, axes),
+                    target_features(cfg, dcfg, collected))
 
         def draft_prefill(dvars, variables, dcache, slot, feats, tokens):
             """The draft consumes prompt pairs ``feats [1, T, F]`` / ``tokens [1, T]`` into row ``slot``."""
@@ -394,23 +423,27 @@ class SpeculativeEngine(Engine):
             return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, 0),
                                 dcache, row)
 
-        def draft_reset(dcache, pend, slot, feat, token):
-            """Zero draft row ``slot`` and make ``(feat [F], token)`` its only pending pair."""
+        def draft_reset(dcache, pend, slot):
+            """Zero draft row ``slot`` and its pending pairs."""
             dcache = jax.tree.map(lambda x: x.at[slot].set(jnp.zeros_like(x[slot])), dcache)
-            pf, pt, pn = pend
-            return dcache, (pf.at[slot].set(0).at[slot, 0].set(feat.astype(pf.dtype)),
-                            pt.at[slot].set(0).at[slot, 0].set(token), pn.at[slot].set(1))
+            return dcache, tuple(x.at[slot].set(jnp.zeros_like(x[slot])) for x in pend)
 
-        def round_fn(variables, dvars, cache, dcache, last, pend, active, num_drafts, samp, num_top, sampling):
+        def draft_pending(pend, slot, feat, token):
+            """Make ``(feat [F], token)`` the only pending pair of row ``slot``."""
+            pf, pt, pn = pend
+            return (pf.at[slot].set(0).at[slot, 0].set(feat.astype(pf.dtype)),
+                    pt.at[slot].set(0).at[slot, 0].set(token), pn.at[slot].set(1))
+
+        def round_fn(variables, dvars, cache, dcache, last, pend, active, num_drafts, samp, num_top, sampling, table):
             out, cache, dcache, pf, pt, pn = speculative_round(
                 model, draft, dcfg, variables, dvars, cache, dcache, last, *pend, active, num_drafts, samp, num_top,
-                sampling)
+                sampling, table, cdt)
             return out, cache, dcache, (pf, pt, pn)
 
         def rounds_fn(variables, dvars, cache, dcache, last, pend, active, draft_len, left, samp, num_top, sampling,
-                      n):
+                      n, table):
             return speculative_rounds(model, draft, dcfg, variables, dvars, cache, dcache, last, pend, active,
-                                      draft_len, left, samp, num_top, sampling, n)
+                                      draft_len, left, samp, num_top, sampling, n, table, cdt)
 
         pin, opts = self._pin, {"compiler_options": self.model_compiler_options}  # the model steps' XLA options
         jit_prefill = self._jit(prefill, lambda o: (o[0], pin(o[1]), o[2]), donate_argnums=(1,), **opts)
@@ -425,16 +458,21 @@ class SpeculativeEngine(Engine):
         pin_state = lambda o: (o[0], pin(o[1]), pin(o[2]), pin(o[3]))  # noqa: E731 - (out, cache, dcache, pend)
         self._draft_prefill = self._jit(draft_prefill, pin, donate_argnums=(2,), **opts)
         self._draft_reset = self._jit(draft_reset, lambda o: (pin(o[0]), pin(o[1])), donate_argnums=(0, 1))
+        self._draft_pending = self._jit(draft_pending, pin, donate_argnums=(0,))
         self._round = self._jit(round_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(9, 10), **opts)
         self._rounds = self._jit(rounds_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(10, 11, 12),
                                  **opts)
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: Sequence[int], params: SamplingParams, media: Any = None) -> None:
-        super().validate(prompt, params, media)
         if len(prompt) >= self.request_max_len:
             raise RequestError(f"prompt has {len(prompt)} tokens; this engine's max_len is {self.request_max_len} "
                                f"(prompt + at least one generated token)")
+        if isinstance(params, SamplingParams) and isinstance(params.max_tokens, int) and params.max_tokens > 0:
+            # pages are checked for what the request can use (the engine's max_len holds k more positions)
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens,
+                                                                self.request_max_len - len(prompt)))
+        super().validate(prompt, params, media)
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
                     media: Any = None, draft_tokens: int | None = None) -> str:
@@ -450,38 +488,34 @@ class SpeculativeEngine(Engine):
     def _start(self, req, slot: int, hit: Any) -> None:
         super()._start(req, slot, hit)
         self._draft_len[slot] = self._draft_len_by_id.pop(req.id, self.k)
-        self._feats_of[req.id] = []
+        self.dcache, self._pend = self._draft_reset(self.dcache, self._pend, jnp.asarray(slot, jnp.int32))
 
     def _prefill_some(self, req) -> list:
-        """The engine's prefill pieces (collecting the target features of each); once the prompt is in, the
-        draft consumes the prompt's (feature, next token) pairs and its last feature becomes the pending one."""
-        slot = req.slot
-        self._prefill_feats = self._feats_of.setdefault(req.id, [])
+        """The engine's prefill pieces of this step (collecting the target features of each); the draft then
+        consumes the (feature, next prompt token) pairs of the positions they covered (the last prompt position has
+        no next prompt token: once the prompt is in, its feature and the first sampled token become the pending
+        pair). Only one step's features are held, whatever the prompt's length."""
+        slot, start = req.slot, req.pos
+        self._prefill_feats = []
         try:
             events = super()._prefill_some(req)
+            feats = jnp.concatenate(self._prefill_feats, axis=1) if self._prefill_feats else None
         finally:
             self._prefill_feats = []
-        if req.prefilling:
+        if feats is None or self._slots[slot] is not req:  # nothing ran, or finished with its first token
             return events
-        feats = jnp.concatenate(self._feats_of.pop(req.id), axis=1)
-        if self._slots[slot] is not req:  # finished with its first token
-            return events
-        slot_arr = jnp.asarray(slot, jnp.int32)
-        self.dcache, self._pend = self._draft_reset(self.dcache, self._pend, slot_arr, feats[0, -1],
-                                                    jnp.asarray(self._last_token[slot], jnp.int32))
         prompt = np.asarray(req.prompt, np.int32)
-        pos = 0
-        for n in _prefill_pieces(len(prompt) - 1, self.prefill_chunk, self.prefill_mode):
+        slot_arr = jnp.asarray(slot, jnp.int32)
+        pairs, pos = min(req.pos, len(prompt) - 1) - start, 0
+        for n in _prefill_pieces(pairs, self.prefill_chunk, self.prefill_mode):
             self.dcache = self._draft_prefill(self.draft_variables, self.variables, self.dcache, slot_arr,
-                                              feats[:, pos:pos + n], jnp.asarray(prompt[None, pos + 1:pos + 1 + n]))
+                                              feats[:, pos:pos + n],
+                                              jnp.asarray(prompt[None, start + pos + 1:start + pos + 1 + n]))
             pos += n
+        if not req.prefilling:
+            self._pend = self._draft_pending(self._pend, slot_arr, feats[0, -1],
+                                             jnp.asarray(self._last_token[slot], jnp.int32))
         return events
-
-    def _free_slot(self, slot: int) -> None:
-        req = self._slots[slot]
-        if req is not None:
-            self._feats_of.pop(req.id, None)
-        super()._free_slot(slot)
 
     def _fail_running(self, exc: BaseException) -> list:
         events = super()._fail_running(exc)
@@ -497,13 +531,44 @@ class SpeculativeEngine(Engine):
 
     # ------------------------------------------------------------------ decoding
     def _block_size(self) -> int:
-        """Rounds of the next device call: ``decode_block`` unless a waiting request could take a free slot or a
-        request is prefilling (then 1). Rows with fewer tokens left stop inside the block on the device."""
-        if self.decode_block == 1 or (self._waiting and any(r is None for r in self._slots)):
+        """Rounds of the next device call: ``decode_block`` unless a waiting request could take a free slot, a
+        request is prefilling, or (prefix cache) a row could reach a snapshot endpoint within the block (then 1).
+        Rows with fewer tokens left stop inside the block on the device."""
+        n = self.decode_block
+        if n == 1 or (self._waiting and any(r is None for r in self._slots)):
             return 1
         if any(r is not None and r.prefilling for r in self._slots):
             return 1
-        return self.decode_block
+        if self.prefix is not None and any(self._endpoint_within(r, n * (self.k + 1))
+                                           for r in self._slots if r is not None):
+            return 1
+        return n
+
+    def _endpoint_room(self) -> np.ndarray:
+        """Per slot, the most drafts a round may keep without passing the row's next snapshot endpoint (``k`` for
+        every slot without a prefix cache): a round keeps at most ``drafts + 1`` tokens."""
+        room = np.full(self.max_batch, self.k, np.int32)
+        if self.prefix is None:
+            return room
+        stride = self.prefix.config.stride
+        for slot, req in enumerate(self._slots):
+            if req is not None and not req.prefilling:
+                held = len(req.prompt) + len(req.output) - 1
+                room[slot] = (held // stride + 1) * stride - held - 1
+        return room
+
+    def _snapshot_rounds(self, active: np.ndarray, out: RoundOutput) -> None:
+        """After a one-round call: a row whose cache now ends on a snapshot endpoint stores that entry (its
+        committed tokens: prompt + the output before this round + the kept tokens of the round)."""
+        stride = self.prefix.config.stride
+        for slot, req in enumerate(self._slots):
+            emitted = int(out.emitted[slot])
+            if req is None or not active[slot] or emitted == 0:
+                continue
+            tokens = req.prompt + req.output + [int(t) for t in out.tokens[slot, :emitted]]
+            held = len(tokens) - 1
+            if held % stride == 0:
+                self._snapshot(req, tokens, held)
 
     def _decode_step(self) -> list:
         t0 = time.perf_counter()
@@ -516,18 +581,19 @@ class SpeculativeEngine(Engine):
         sampling = bool(np.any(self._samp["temperature"][active] > 0))  # static: greedy batches skip the sorts
         n = self._block_size()
         saved = self._save_prefilling_rows()
+        num_drafts = np.minimum(np.minimum(self._draft_len, np.maximum(left - 1, 0)), self._endpoint_room())
         try:
             if n == 1:
-                num_drafts = np.minimum(self._draft_len, np.maximum(left - 1, 0)).astype(np.int32)
                 out, self.cache, self.dcache, self._pend = self._round(
                     self.variables, self.draft_variables, self.cache, self.dcache, jnp.asarray(self._last_token),
-                    self._pend, jnp.asarray(active), jnp.asarray(num_drafts), samp, self.max_logprobs, sampling)
+                    self._pend, jnp.asarray(active), jnp.asarray(num_drafts.astype(np.int32)), samp,
+                    self.max_logprobs, sampling, self._table)
                 outs = jax.tree.map(lambda x: x[None], jax.device_get(out))
             else:
                 outs, self.cache, self.dcache, self._pend = self._rounds(
                     self.variables, self.draft_variables, self.cache, self.dcache, jnp.asarray(self._last_token),
                     self._pend, jnp.asarray(active), jnp.asarray(self._draft_len), jnp.asarray(left), samp,
-                    self.max_logprobs, sampling, n)
+                    self.max_logprobs, sampling, n, self._table)
                 outs = jax.device_get(outs)
             self._restore_prefilling_rows(saved)
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: fail its requests, keep the engine
@@ -536,6 +602,8 @@ class SpeculativeEngine(Engine):
             return self._fail_running(e)
         self.step_failures = 0
         self.last_step_error = None
+        if self.prefix is not None and n == 1:
+            self._snapshot_rounds(active, jax.tree.map(lambda x: x[0], outs))
         self.stats["decode_steps"] += n
         events = []
         for r in range(n):
@@ -545,7 +613,8 @@ class SpeculativeEngine(Engine):
                 if req is None or not active[slot] or emitted == 0:  # finished earlier in the block: left
                     continue
                 self.spec.rounds += 1
-                self.spec.drafted += int(min(self._draft_len[slot], max(left[slot] - 1, 0)))
+                self.spec.drafted += int(num_drafts[slot] if n == 1 else min(self._draft_len[slot],
+                                                                               max(left[slot] - 1, 0)))
                 left[slot] -= emitted
                 self.spec.accepted += emitted - 1
                 self.spec.accepted_hist[emitted - 1] = self.spec.accepted_hist.get(emitted - 1, 0) + 1
