@@ -59,8 +59,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="reuse cached prompt prefixes across requests (paged latent cache; needs both budgets)")
     p.add_argument("--prefix-kda-gb", type=float, default=None, help="prefix cache: KDA snapshot budget (GB)")
     p.add_argument("--prefix-mla-gb", type=float, default=None, help="prefix cache: MLA page budget (GB)")
+    p.add_argument("--paged", action="store_true",
+                   help="page the MLA latent cache (requests reserve pages of one pool; implied by --prefix-cache)")
     p.add_argument("--page-size", type=int, default=None,
-                   help="MLA page tokens of the paged cache (prefix cache default: 6144)")
+                   help="MLA page tokens of the paged cache (default 16; with --prefix-cache 6144)")
     p.add_argument("--prefix-block", type=int, default=512, help="prefix cache: hash block tokens")
     p.add_argument("--prefix-stride", type=int, default=8192, help="prefix cache: KDA snapshot stride (tokens)")
     p.add_argument("--decode-block", type=int, default=1,
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("give --prompt TEXT (terminal) or --port N (HTTP server)")
     if args.image and not (args.chat and args.prompt is not None):
         raise SystemExit("--image goes with --chat --prompt TEXT")
+    if args.page_size is not None and not (args.paged or args.prefix_cache):
+        raise SystemExit(f"--page-size {args.page_size} sets the paged cache's page tokens: add --paged (or "
+                         "--prefix-cache)")
     if int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
         raise SystemExit("serve.py runs in one process on one device; a mesh spanning processes is not supported "
                          "for serving (README: Run on several hosts)")
@@ -195,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                                    stride=args.prefix_stride)
     engine_kwargs = dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                          tokenizer=tok, eos_ids=eos, mesh=mesh, sharding_preset=args.sharding_preset,
-                         decode_block=args.decode_block, paged=prefix is not None, page_size=args.page_size,
-                         prefix_cache=prefix)
+                         decode_block=args.decode_block, paged=args.paged or prefix is not None,
+                         page_size=args.page_size, prefix_cache=prefix)
     if args.draft:
         from k3_jax.serving.speculative import SpeculativeEngine, load_draft
 
