@@ -40,3 +40,25 @@ def test_paged_engine_greedy_exact_and_page_accounting():
     assert engine.allocator.num_free == 6 and not engine.allocator.table.any()
     with pytest.raises(RequestError, match="pages"):
         engine.add_request([5] * 50, SamplingParams(max_tokens=20))
+
+
+@pytest.mark.skipif(__import__("jax").device_count() < 2, reason="needs 2 (virtual) devices; see tests/conftest.py")
+def test_paged_engine_on_a_mesh_equals_one_device():
+    """The paged engine with the model split over a tensor=2 mesh (serve preset): greedy output equals the
+    single-device paged engine's, and the pages go back to the pool."""
+    import jax
+
+    from sharding.mesh import make_mesh
+
+    cfg, variables, _, _ = tiny_setup()
+    kw = dict(max_batch=2, max_len=MAX_LEN, page_size=8, prefill_chunk=16, paged=True, eos_ids=())
+    rs = np.random.RandomState(2)
+    prompts = [rs.randint(3, cfg.vocab_size, n).tolist() for n in (5, 13)]
+    outs = []
+    for mesh in (None, make_mesh("tensor=2", devices=jax.devices()[:2])):
+        engine = Engine(cfg, variables["params"], mesh=mesh, **kw)
+        outs.append(engine.generate(prompts, max_new_tokens=6))
+        assert not engine.allocator.table.any()
+        if mesh is not None:  # the model really is split
+            assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(engine.variables))
+    assert outs[0] == outs[1]
