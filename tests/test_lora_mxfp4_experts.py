@@ -161,7 +161,8 @@ def test_kernel_path_equals_reference_on_cpu_interpret():
 
 def test_adapter_shapes_and_sharding_over_packed_experts(setup):
     """Packed experts get the adapters of the bf16 layout (shared A / per-expert B, or per-expert A and B), with
-    the logical names of the weight's axes, so B's expert axis shards as the packed weight's does."""
+    the logical names of the weight's axes, so B's expert axis shards as the packed weight's does, and its rank
+    over the axis its width leaves free."""
     cfg, mx_cfg, _, _, _, _ = setup
     e, lat, im = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     boxed_mx = jax.eval_shape(K3ForCausalLM(mx_cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
@@ -181,7 +182,9 @@ def test_adapter_shapes_and_sharding_over_packed_experts(setup):
     packed_w1 = _experts_of(boxed_mx)["w1"]["weight_packed"]
     b_spec = logical_to_pspec(got["w1_lora_b"].names, "train", mesh)
     assert b_spec[1] == logical_to_pspec(packed_w1.names, "train", mesh)[1] and b_spec[1] is not None
-    assert len(b_spec) < 3 or b_spec[2] is None  # the rank is never split
+    assert b_spec[2] == "fsdp"  # the rank takes fsdp (ZeRO-3; the expert-parallel kernels gather it)
+    w2_spec = logical_to_pspec(got["w2_lora_b"].names, "train", mesh)
+    assert w2_spec[2:] == ("tensor", "fsdp")  # w2's latent width took fsdp: the rank takes tensor
     # the memory plan trains exactly the adapters over the packed base
     from sharding.memory import param_bytes
 
