@@ -364,8 +364,9 @@ def test_mosaic_tpu_adapter_path_compiles_aot():
 
 def test_memory_plan_of_expert_adapters_agrees_with_the_compiler():
     """The plan's activations + gradient accumulator of a LoRA step with adapters on the packed experts (rank 64,
-    all targets) are within 10% of XLA:TPU's temp bytes for the same K3 depth cut (2 layers, v5p-128 mesh
-    fsdp=4,expert=4,tensor=4, 16×2048 tokens, remat full: 16.734 GB; RESULTS.md), and count the unfused products."""
+    all targets, adapters sharded over fsdp) are within 10% of XLA:TPU's temp bytes for the same K3 depth cut
+    (2 layers, v5p-128 mesh fsdp=4,expert=4,tensor=4, 16×2048 tokens, remat full: 15.300 GB; RESULTS.md), and
+    count one f32 unfused product."""
     from benchmarks.finetune_aot import depth_cut
     from sharding.memory import plan
     from sharding.plan import abstract_params
@@ -378,11 +379,11 @@ def test_memory_plan_of_expert_adapters_agrees_with_the_compiler():
     kw = {"batch": 16, "seq_len": 2048, "optimizer": "adamw", "lora": True}
     p = plan(cfg, "train", "fsdp=4,expert=4,tensor=4", boxed=with_experts, **kw)
     est = (p.per_device["activations_est"] + p.per_device["gradients"]) / 1e9
-    assert est == pytest.approx(16.734, rel=0.10)
+    assert est == pytest.approx(15.300, rel=0.10)
     lc_no = lora.LoraConfig(rank=64, targets=("attention", "shared_experts", "latent"))
     no_experts = plan(cfg, "train", "fsdp=4,expert=4,tensor=4", **kw,
                       boxed=lora.with_adapters(boxed, lora.adapter_shapes(boxed, lc_no, dtype=jnp.float32)))
     rows, inter_t = 2048 * 4 * cfg.num_experts_per_token, cfg.moe_intermediate_size // 4
     extra = p.per_device["activations_est"] - no_experts.per_device["activations_est"]
-    assert extra == 16 * rows * inter_t  # the unfused w1/w3 products
+    assert extra == 4 * rows * inter_t  # an unfused w1/w3 product (f32)
     assert p.per_device["optimizer"] > 10 * no_experts.per_device["optimizer"]  # B per expert: the bulk of it
