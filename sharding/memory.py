@@ -275,8 +275,9 @@ def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *,
     tokens' gradient, or their weight gradients when they train); the loss phase holds a chunk's logits and their
     gradient (f32 ``[chunk, V/t]``). ``lora``: only adapters train (frozen bf16 experts get no weight gradient).
     ``expert_adapters``: LoRA adapters on MXFP4 routed experts, whose w1/w3 products run unfused (the base products
-    and the low-rank terms, each f32 ``[A, I/t]``, before the rounding): 16 bytes per ``A·I/t`` element more in
-    the layer's backward (an upper bound: the four at once; checked against a compiled K3 cut, RESULTS.md).
+    and the low-rank terms, each f32 ``[A, I/t]``, before the rounding): one such f32 product, 4 bytes per ``A·I/t``
+    element, more in the layer's backward (what a compiled K3 cut adds with the adapters sharded over ``fsdp``,
+    RESULTS.md; the adapters' per-layer gathers at the expert-parallel boundary fit in it).
     """
     a = np.dtype(jnp.dtype(cfg.dtype)).itemsize
     t = max(sizes.get("tensor", 1), 1)
@@ -300,7 +301,7 @@ def train_activation_terms(cfg: K3Config, sizes: dict[str, int], tokens: int, *,
            "moe": rows * lat * (a + 4) + tokens * (2 * lat + 3 * shared_t) * a + tokens * cfg.num_experts * 4}
     # local experts in bf16 once more: decoded from MXFP4 for the tokens' gradient, or their weight gradients
     expert_bwd = 3 * (cfg.num_experts // n_e) * lat * inter_t * a if cfg.expert_format == "mxfp4" or not lora else 0
-    unfused = 16 * rows * inter_t if expert_adapters and cfg.expert_format == "mxfp4" else 0
+    unfused = 4 * rows * inter_t if expert_adapters and cfg.expert_format == "mxfp4" else 0
     bwd = {"dense": 2 * ffn["dense"], "moe": rows * lat * 12 + 3 * rows * inter_t * a + expert_bwd + unfused}
     kinds = [(cfg.mixer_kind(i), cfg.ffn_kind(i)) for i in range(cfg.num_hidden_layers)]
     saved_none = [common + mixer[m] + ffn[f] for m, f in kinds]

@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         from k3_jax.training import lora  # noqa: PLC0415
 
         lc = lora.LoraConfig(rank=a.lora, targets=tuple(t for t in a.lora_targets.split(",") if t))
-        boxed = lora.with_adapters(boxed, lora.adapter_shapes(boxed, lc, dtype=jnp.dtype(a.param_dtype)))
+        # f32 adapters, as the LoRA trainer holds them (k3_jax.training.loop), whatever the base's dtype
+        boxed = lora.with_adapters(boxed, lora.adapter_shapes(boxed, lc, dtype=jnp.float32))
     res = plan(cfg, a.preset, a.mesh, num_devices=a.devices, batch=a.batch, seq_len=a.seq_len,
                latent_dtype=a.latent_dtype, optimizer=a.optimizer, master_fp32=a.master_fp32,
                prefill_chunk=a.prefill_chunk, train_tokens_per_device=a.tokens_per_device,

@@ -13,7 +13,8 @@ Built-in presets:
 
 * ``train`` — FSDP + expert + tensor: batch over (data, fsdp, expert); parameters' ``embed``/``latent``
   dimension over (fsdp, expert) (ZeRO-3), heads / MLP widths / vocabulary over ``tensor``, routed experts
-  over ``expert``. ``length`` is not sharded.
+  over ``expert``; a LoRA adapter's ``lora_rank`` over ``fsdp`` (else ``tensor``) where its other dimension left
+  it free. ``length`` is not sharded.
 * ``serve`` — tensor + expert, replicated batch (decode): heads / widths / vocabulary / LatentMoE latent over
   ``tensor`` and experts over ``expert``; ``embed`` replicated, batch over ``data`` (replicas) only.
 * ``long-context`` — ``train`` plus ``length`` over ``sequence`` (and ``sequence`` joins the FSDP group of the
@@ -69,6 +70,7 @@ LOGICAL_AXES: tuple[str, ...] = (
     "vision_out",      # projector output (= text hidden size)
     "vision_pos_h",    # learned position grid rows
     "vision_pos_w",    # learned position grid columns
+    "lora_rank",       # the rank of a LoRA adapter (k3_jax.training.lora; a: [.., in, rank], b: [.., rank, out])
 )
 
 _TRAIN: Rules = (
@@ -96,6 +98,13 @@ _TRAIN: Rules = (
     ("kv_lora", "fsdp"),
     ("gate_lowrank", ("fsdp", "expert")),  # f_b_proj [gate_lowrank, kda_heads]; f_a_proj's embed took fsdp
     ("gate_lowrank", "fsdp"),
+    # LoRA adapters, ZeRO-3 like their base: the rank takes the axis the adapter's other dimension left free.
+    # After every weight name's rules, so `embed`/`latent`/... claim the FSDP axes first: a routed expert's B
+    # [experts, lora_rank, expert_mlp] gets expert × fsdp × tensor, w2's B [experts, lora_rank, latent] rank over
+    # tensor, a q_proj B [lora_rank, heads] fsdp × tensor. One axis, not (fsdp, expert): a rank of 16 divides
+    # fsdp=8 or 16 (a rank the axis does not divide stays whole, with a ShardingFallbackWarning).
+    ("lora_rank", "fsdp"),
+    ("lora_rank", "tensor"),
     ("router_experts", None),  # kept whole: the router kernel's embed dimension carries the FSDP split
     ("layers", None),
     ("head_dim", None),
@@ -120,6 +129,7 @@ _SERVE: Rules = (
     ("q_lora", None),
     ("kv_lora", None),
     ("gate_lowrank", None),  # 128-wide: replicated (see REPLICATED_OK), kda_heads splits f_b_proj
+    ("lora_rank", None),  # adapters are merged (or small) when serving
     ("router_experts", None),  # the router is replicated in decode (one all-gather fewer per token)
     ("layers", None),
     ("head_dim", None),
@@ -150,6 +160,8 @@ _LONG_CONTEXT: Rules = (
     ("kv_lora", ("fsdp", "sequence")),
     ("gate_lowrank", ("fsdp", "sequence", "expert")),
     ("gate_lowrank", ("fsdp", "sequence")),
+    ("lora_rank", "fsdp"),
+    ("lora_rank", "tensor"),
     ("router_experts", None),
     ("layers", None),
     ("head_dim", None),

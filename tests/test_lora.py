@@ -100,17 +100,19 @@ def test_shared_a_per_expert_b_shapes_and_sharding(setup):
     per_exp = per["model"]["segment_0"]["layer_0"]["block_sparse_moe"]["experts"]
     assert nn.unbox(per_exp["w1_lora_a"]).shape == (reps, e, lat, RANK)
     assert "self_attn" not in per["model"]["segment_0"]["layer_0"]  # only the selected targets
-    # adapters shard by the base's table: B's expert axis goes where w1's does, the rank is never split
+    # adapters shard by the base's table: B's expert axis goes where w1's does, its width where w1's does, and the
+    # rank takes the FSDP axis the width left free (ZeRO-3: B and its AdamW moments are not replicated over fsdp)
     mesh = {"expert": 4, "fsdp": 2, "tensor": 2, "data": 1}
     base_w1 = boxed["model"]["segment_0"]["layer_0"]["block_sparse_moe"]["experts"]["w1"]
     base_spec = logical_to_pspec(base_w1.names, "train", mesh)
     b_spec = logical_to_pspec(exp["w1_lora_b"].names, "train", mesh)
     assert b_spec[1] == base_spec[1] and b_spec[1] is not None
-    assert len(b_spec) < 3 or b_spec[2] is None
+    assert b_spec[2:] == ("fsdp", base_spec[3]) and base_spec[3] == "tensor"  # [layers, E, rank, expert_mlp]
     q = shapes["model"]["segment_0"]["layer_0"]["self_attn"]["q_b_proj"]
     q_base = boxed["model"]["segment_0"]["layer_0"]["self_attn"]["q_b_proj"]["kernel"]
-    assert logical_to_pspec(q["lora_b"].names, "train", mesh)[-1] == logical_to_pspec(q_base.names, "train",
-                                                                                         mesh)[-1]
+    q_spec = logical_to_pspec(q["lora_b"].names, "train", mesh)
+    assert q_spec[-1] == logical_to_pspec(q_base.names, "train", mesh)[-1] and q_spec[-2] == "fsdp"
+    assert logical_to_pspec(q["lora_b"].names, "serve", mesh)[-2:] == (None, "tensor")  # serving: rank whole
 
 
 def test_memory_plan_trains_only_adapters(setup):

@@ -32,7 +32,7 @@ def _host_copy(tr: Trainer, path: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["lora_mxfp4_frozen", "full_bf16_decoded"])
 def test_init_from_reads_shards_onto_the_mesh(ckpt, tmp_path, monkeypatch, mode):
-    lora_kw = ({"lora_rank": 4, "lora_targets": ("attention", "shared_experts", "latent")}
+    lora_kw = ({"lora_rank": 4, "lora_targets": ("attention", "shared_experts", "latent", "experts")}
                if mode.startswith("lora") else {"model_overrides": {"expert_format": "bf16"}})
     tc = TrainConfig(init_from=ckpt, mesh=MESH, workdir=str(tmp_path), seq_len=16, batch_size=8, optimizer="adamw",
                      tensorboard=False, **lora_kw)

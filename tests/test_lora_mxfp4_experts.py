@@ -161,7 +161,8 @@ def test_kernel_path_equals_reference_on_cpu_interpret():
 
 def test_adapter_shapes_and_sharding_over_packed_experts(setup):
     """Packed experts get the adapters of the bf16 layout (shared A / per-expert B, or per-expert A and B), with
-    the logical names of the weight's axes, so B's expert axis shards as the packed weight's does."""
+    the logical names of the weight's axes, so B's expert axis shards as the packed weight's does, and its rank
+    over the axis its width leaves free."""
     cfg, mx_cfg, _, _, _, _ = setup
     e, lat, im = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     boxed_mx = jax.eval_shape(K3ForCausalLM(mx_cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
@@ -181,7 +182,9 @@ def test_adapter_shapes_and_sharding_over_packed_experts(setup):
     packed_w1 = _experts_of(boxed_mx)["w1"]["weight_packed"]
     b_spec = logical_to_pspec(got["w1_lora_b"].names, "train", mesh)
     assert b_spec[1] == logical_to_pspec(packed_w1.names, "train", mesh)[1] and b_spec[1] is not None
-    assert len(b_spec) < 3 or b_spec[2] is None  # the rank is never split
+    assert b_spec[2] == "fsdp"  # the rank takes fsdp (ZeRO-3; the expert-parallel kernels gather it)
+    w2_spec = logical_to_pspec(got["w2_lora_b"].names, "train", mesh)
+    assert w2_spec[2:] == ("tensor", "fsdp")  # w2's latent width took fsdp: the rank takes tensor
     # the memory plan trains exactly the adapters over the packed base
     from sharding.memory import param_bytes
 
@@ -361,8 +364,9 @@ def test_mosaic_tpu_adapter_path_compiles_aot():
 
 def test_memory_plan_of_expert_adapters_agrees_with_the_compiler():
     """The plan's activations + gradient accumulator of a LoRA step with adapters on the packed experts (rank 64,
-    all targets) are within 10% of XLA:TPU's temp bytes for the same K3 depth cut (2 layers, v5p-128 mesh
-    fsdp=4,expert=4,tensor=4, 16×2048 tokens, remat full: 16.734 GB; RESULTS.md), and count the unfused products."""
+    all targets, adapters sharded over fsdp) are within 10% of XLA:TPU's temp bytes for the same K3 depth cut
+    (2 layers, v5p-128 mesh fsdp=4,expert=4,tensor=4, 16×2048 tokens, remat full: 15.300 GB; RESULTS.md), and
+    count one f32 unfused product."""
     from benchmarks.finetune_aot import depth_cut
     from sharding.memory import plan
     from sharding.plan import abstract_params
@@ -375,11 +379,11 @@ def test_memory_plan_of_expert_adapters_agrees_with_the_compiler():
     kw = {"batch": 16, "seq_len": 2048, "optimizer": "adamw", "lora": True}
     p = plan(cfg, "train", "fsdp=4,expert=4,tensor=4", boxed=with_experts, **kw)
     est = (p.per_device["activations_est"] + p.per_device["gradients"]) / 1e9
-    assert est == pytest.approx(16.734, rel=0.10)
+    assert est == pytest.approx(15.300, rel=0.10)
     lc_no = lora.LoraConfig(rank=64, targets=("attention", "shared_experts", "latent"))
     no_experts = plan(cfg, "train", "fsdp=4,expert=4,tensor=4", **kw,
                       boxed=lora.with_adapters(boxed, lora.adapter_shapes(boxed, lc_no, dtype=jnp.float32)))
     rows, inter_t = 2048 * 4 * cfg.num_experts_per_token, cfg.moe_intermediate_size // 4
     extra = p.per_device["activations_est"] - no_experts.per_device["activations_est"]
-    assert extra == 16 * rows * inter_t  # the unfused w1/w3 products
+    assert extra == 4 * rows * inter_t  # an unfused w1/w3 product (f32)
     assert p.per_device["optimizer"] > 10 * no_experts.per_device["optimizer"]  # B per expert: the bulk of it

@@ -13,8 +13,13 @@ the activations beside the MXFP4 products (:func:`pallas_kernels.moe.ops.expert_
 shared ``a [.., in, r]`` with per-expert ``b [.., E, r, out]`` (``experts="shared_a"``) or per-expert
 ``a [.., E, in, r]`` and ``b`` (``experts="per_expert"``), in the ``[in, out]`` orientation of the bf16 layout
 whatever the base's format. ``a`` is normal(1/sqrt(in)), ``b`` zeros (a fresh adapter changes nothing);
-``s = alpha / rank``. Each adapter's axes carry the logical names of the weight's (``lora_rank`` for the rank,
-unsharded), so :func:`sharding.rules.param_shardings` lays adapters out by the same table as their base.
+``s = alpha / rank``. Each adapter's axes carry the logical names of the weight's (``lora_rank`` for the rank),
+so :func:`sharding.rules.param_shardings` lays adapters out by the same table as their base; in training the
+rank takes the FSDP (or tensor) axis the adapter's other dimension left free, so no adapter, gradient or AdamW
+moment is replicated over ``fsdp`` (a routed expert's B ``[.., E, r, I]`` over expert × fsdp × tensor). The
+layers read adapters as they are: the expert-parallel MoE's ``shard_map`` takes B gathered over the rank
+(:func:`k3_jax.parallel.expert.moe_dispatch_combine_ep`'s in_specs; XLA gathers at the boundary, one layer at a
+time, and reduces B's gradient back to its shards).
 
 Training (:func:`trainable_mask`, :func:`split`, :func:`join`): only ``lora_a``/``lora_b`` leaves are
 differentiated and given optimizer state; the base (MXFP4 experts stay packed u8) and ``lora_scale`` are
