@@ -19,6 +19,7 @@ from k3_jax.training import lora
 from k3_jax.training.optim import OptimConfig, build_optimizer
 from k3_jax.training.step import StepConfig, make_train_step
 from sharding.rules import logical_to_pspec
+from tests.train_common import draw_params
 
 RANK = 4
 
@@ -40,14 +41,7 @@ def setup():
     tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(2, 9)), jnp.int32)
     boxed = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])["params"]
 
-    def draw(path, leaf):
-        if "e_score_correction_bias" in jax.tree_util.keystr(path):
-            return jnp.zeros(leaf.shape, leaf.dtype)
-        if len(leaf.shape) < 2:
-            return jnp.ones(leaf.shape, leaf.dtype)
-        return jnp.asarray(0.02 * rng.standard_normal(leaf.shape), leaf.dtype)
-
-    params = jax.tree_util.tree_map_with_path(draw, nn.unbox(boxed))
+    params = draw_params(nn.unbox(boxed), rng)
     lc = lora.LoraConfig(rank=RANK, alpha=8.0)
     adapters = lora.init_adapters(params, lc, jax.random.key(1))
     return cfg, model, tokens, boxed, params, lc, adapters

@@ -25,6 +25,7 @@ from pallas_kernels.moe import ops
 from pallas_kernels.moe import reference as ref
 from sharding.rules import logical_to_pspec
 from tests.test_triton_lowering import verified_modules  # noqa: F401  (a fixture)
+from tests.train_common import draw_params
 
 RANK = 4
 
@@ -63,14 +64,7 @@ def setup():
     tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(2, 9)), jnp.int32)
     boxed = jax.eval_shape(K3ForCausalLM(cfg).init, jax.random.key(0), tokens[:, :-1])["params"]
 
-    def draw(path, leaf):
-        if "e_score_correction_bias" in jax.tree_util.keystr(path):
-            return jnp.zeros(leaf.shape, leaf.dtype)
-        if len(leaf.shape) < 2:
-            return jnp.ones(leaf.shape, leaf.dtype)
-        return jnp.asarray(0.02 * rng.standard_normal(leaf.shape), leaf.dtype)
-
-    packed = _map_experts(jax.tree_util.tree_map_with_path(draw, nn.unbox(boxed)), _pack)
+    packed = _map_experts(draw_params(nn.unbox(boxed), rng), _pack)
     decoded = _map_experts(packed, _decode)  # the same model, experts held in the bf16 layout
     lc = lora.LoraConfig(rank=RANK, alpha=8.0, targets=("experts",))
     adapters = lora.init_adapters(packed, lc, jax.random.key(1))

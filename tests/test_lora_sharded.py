@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from k3_jax.training.loop import TrainConfig, Trainer
+from k3_jax.training.loop import TrainConfig
+from tests.train_common import compiled_trainer
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices; see tests/conftest.py")
 
@@ -28,12 +29,7 @@ def _run(mesh: str, tmp_path) -> tuple[list[tuple[float, float]], dict]:
                      steps=100, seq_len=SEQ, batch_size=BATCH, eval_every=0, tensorboard=False, resume=False,
                      mesh=mesh, optimizer="adamw", lr=1e-2, warmup_frac=0.0, lora_rank=RANK, lora_alpha=8.0,
                      lora_targets=TARGETS)
-    tr = Trainer(tc)
-    state = tr.init_state()
-    train_step, _ = tr.compiled_steps(state)
-    rng = np.random.default_rng(0)
-    batch = tr._to_global({"tokens": rng.integers(3, tr.cfg.vocab_size, (BATCH, SEQ + 1)).astype(np.int32),
-                           "segment_ids": np.ones((BATCH, SEQ + 1), np.int32)})
+    tr, state, train_step, batch = compiled_trainer(tc, BATCH, SEQ)
     losses = []  # (loss, gradient norm) per step
     for _ in range(STEPS):
         state, metrics = train_step(state, batch)

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from k3_jax.training.loop import TrainConfig, Trainer
+from k3_jax.training.loop import TrainConfig
+from tests.train_common import compiled_trainer
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices; see tests/conftest.py")
 
@@ -29,12 +30,7 @@ def _losses(mesh: str, tmp_path) -> list[float]:
     tc = TrainConfig(config="configs/k3-tiny.json", model_overrides=OVERRIDES, workdir=str(tmp_path / "run"),
                      steps=100, seq_len=SEQ, batch_size=BATCH, eval_every=0, tensorboard=False, resume=False,
                      mesh=mesh, optimizer="adamw", lr=1e-2, warmup_frac=0.0)
-    tr = Trainer(tc)
-    state = tr.init_state()
-    train_step, _ = tr.compiled_steps(state)
-    rng = np.random.default_rng(0)
-    batch = tr._to_global({"tokens": rng.integers(3, tr.cfg.vocab_size, (BATCH, SEQ + 1)).astype(np.int32),
-                           "segment_ids": np.ones((BATCH, SEQ + 1), np.int32)})
+    tr, state, train_step, batch = compiled_trainer(tc, BATCH, SEQ)
     losses = []
     t0 = time.time()
     for _ in range(STEPS):  # no mesh context here (on purpose: see the module docstring)
