@@ -343,11 +343,8 @@ class Engine:
     def _build_fns(self) -> None:
         model, axes = self.model, self._axes
 
-        def take_row(cache, slot):
-            return take_cache_row(cache, slot, axes)
-
-        def put_row(cache, row, slot):
-            return put_cache_row(cache, row, slot, axes)
+        take_row = functools.partial(take_cache_row, axes=axes)
+        put_row = functools.partial(put_cache_row, axes=axes)
 
         cdt = self.compute_dtype
 
