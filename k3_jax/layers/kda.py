@@ -1,9 +1,9 @@
 """Kimi Delta Attention layer: projections, causal short conv, lower-bounded gate, delta rule, gated norm.
 
 The delta-rule recurrence itself lives in ``pallas_kernels.kda`` (reference + kernels, chosen through the
-registries ``pallas_kernels.kda.ops.CHUNK`` / ``DECODE`` by ``cfg.kda_implementation`` on ``cfg.platform``, with
-the gate bound ``cfg.gate_lower_bound``); this module is the layer around it and matches the checkpoint's
-``self_attn.*`` names for KDA layers.
+registries ``pallas_kernels.kda.ops.CHUNK`` / ``DECODE`` and ``pallas_kernels.kda.verify.VERIFY`` (speculative
+verification) by ``cfg.kda_implementation`` on ``cfg.platform``, with the gate bound ``cfg.gate_lower_bound``); this
+module is the layer around it and matches the checkpoint's ``self_attn.*`` names for KDA layers.
 """
 
 from __future__ import annotations
