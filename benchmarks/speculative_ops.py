@@ -6,9 +6,10 @@ Traces (no compile, no run) the engines' own jitted functions for ``--platform``
 platform's kernels): the plain engine's one-token ``_decode`` and the speculative engine's ``_round`` (greedy, batch
 ``--batch``, random weights, ``DraftConfig.default_for``), and counts the jaxpr's equations with every ``scan`` body
 times its length (``while`` bodies once): ``pallas_call`` s by kernel name (each is one launch that XLA cannot
-fuse), and the other primitives (an upper bound on the fused kernels XLA makes of them). Prints one JSON line per
-program. A count, not a timing: the device call (``benchmarks/speculative_h200.sh``, ``--profile``) says what the
-kernels cost.
+fuse), the other primitives (an upper bound on the fused kernels XLA makes of them), and both by module
+(``by_module``: the target's forward, the draft's layers, ``""`` for the round's own bookkeeping). Prints one JSON
+line per program. A count, not a timing: the device call (``benchmarks/speculative_h200.sh``, ``--profile``) says
+what the kernels cost.
 """
 
 from __future__ import annotations
@@ -18,12 +19,18 @@ import collections
 import json
 
 
-def count_eqns(jaxpr, mult: int, counts: collections.Counter, kernels: collections.Counter) -> None:
-    """Add ``jaxpr``'s equations (times ``mult``) to ``counts`` by primitive and its Pallas kernels to ``kernels``."""
+def count_eqns(jaxpr, mult: int, counts: collections.Counter, kernels: collections.Counter,
+               scopes: collections.Counter, stack: str = "") -> None:
+    """Add ``jaxpr``'s equations (times ``mult``) to ``counts`` by primitive, its Pallas kernels to ``kernels``,
+    and both to ``scopes`` by the first two names of their module path (``K3ForCausalLM/model``,
+    ``DraftModel/self_attn``, ...; ``""``: outside any module)."""
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        path = "/".join(filter(None, (stack, str(eqn.source_info.name_stack))))
+        scope = "/".join(path.split("/")[:2])
         if name == "pallas_call":
             kernels[str(eqn.params.get("name", "pallas_call"))] += mult
+            scopes[scope] += mult
             continue
         sub_mult = mult * (eqn.params["length"] if name == "scan" else 1)
         subs = [v for v in eqn.params.values() if hasattr(v, "jaxpr") or hasattr(v, "eqns")]
@@ -31,9 +38,10 @@ def count_eqns(jaxpr, mult: int, counts: collections.Counter, kernels: collectio
                  if hasattr(b, "jaxpr") or hasattr(b, "eqns")]
         if subs:
             for s in subs:
-                count_eqns(getattr(s, "jaxpr", s), sub_mult, counts, kernels)
+                count_eqns(getattr(s, "jaxpr", s), sub_mult, counts, kernels, scopes, path)
         else:
             counts[name] += mult
+            scopes[scope] += mult
 
 
 def main() -> None:
@@ -74,11 +82,12 @@ def main() -> None:
     active, last = jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32)
 
     def report(what: str, jitted, *a, **kw) -> None:
-        counts, kernels = collections.Counter(), collections.Counter()
-        count_eqns(jitted.trace(*a, **kw).jaxpr.jaxpr, 1, counts, kernels)
+        counts, kernels, scopes = collections.Counter(), collections.Counter(), collections.Counter()
+        count_eqns(jitted.trace(*a, **kw).jaxpr.jaxpr, 1, counts, kernels, scopes)
         print(json.dumps({"program": what, "platform": args.platform, "batch": b,
                           "pallas_calls": sum(kernels.values()), "kernels": dict(kernels.most_common()),
-                          "other_eqns": sum(counts.values()), "top": counts.most_common(args.top)}), flush=True)
+                          "other_eqns": sum(counts.values()), "by_module": dict(scopes.most_common(args.top)),
+                          "top": counts.most_common(args.top)}), flush=True)
 
     plain = Engine(traced, params, max_batch=b, max_len=args.max_len)
     report("plain step", plain._decode, plain.variables, plain.cache, last, active, samp, 0, None, sampling=False)
