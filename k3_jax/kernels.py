@@ -3,6 +3,7 @@
     python -m k3_jax.kernels --config configs/k3.json [--platform tpu] [--seq-len 8192] [--compute-capability 9.0]
 
 :func:`explain` asks each op's registry (``pallas_kernels.kda.ops.CHUNK`` / ``DECODE``,
+``pallas_kernels.kda.verify.VERIFY`` (speculative verification: a few tokens with every state),
 ``pallas_kernels.moe.ops.EXPERT_FFN``, ``pallas_kernels.attention.ATTENTION``,
 ``pallas_kernels.prefix_attention.PREFIX_ATTENTION`` (a prefill chunk against a cached prefix),
 ``pallas_kernels.mla_decode.DECODE`` (the one-token decode step over the latent cache), the vision tower's
@@ -24,6 +25,7 @@ from k3_jax.config import K3Config, load_config
 from k3_jax.vision.attention import VISION_ATTENTION, VisionAttentionCall
 from pallas_kernels import attention, mla_decode, prefix_attention
 from pallas_kernels.kda import ops as kda_ops
+from pallas_kernels.kda import verify as kda_verify
 from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.registry import PLATFORMS, KernelUnavailable, Registry, normalize_platform
 
@@ -83,6 +85,8 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
             out.append(_choose("kda (train/prefill)", kda_ops.CHUNK, cfg.kda_implementation, chunk))
             decode = dataclasses.replace(chunk, shape=(batch, 1, h, dk, dk))
             out.append(_choose("kda (decode)", kda_ops.DECODE, cfg.kda_implementation, decode))
+            verify = dataclasses.replace(chunk, shape=(batch, 5, h, dk, dk))  # k + 1 = 5 verified tokens
+            out.append(_choose("kda (spec. verify)", kda_verify.VERIFY, cfg.kda_implementation, verify))
         cc = compute_capability if compute_capability is not None else (
             attention.visible_gpu_compute_capability() if p == "gpu" else None)
         if has_mla:

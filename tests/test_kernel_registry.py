@@ -123,12 +123,13 @@ def test_explain_per_layer_kind_and_platform():
     rows = explain(cfg, compute_capability=9.0)
     assert {(c.platform, c.layer) for c in rows} == {
         (p, kind) for p in ("cpu", "gpu", "tpu")
-        for kind in ("kda (train/prefill)", "kda (decode)", "mla (train/prefill)", "mla (cached prefill)",
-                     "mla (decode)", "moe (routed experts)")}
+        for kind in ("kda (train/prefill)", "kda (decode)", "kda (spec. verify)", "mla (train/prefill)",
+                     "mla (cached prefill)", "mla (decode)", "moe (routed experts)")}
     got = {(c.platform, c.layer): c.backend for c in rows}
     assert got[("gpu", "mla (train/prefill)")] == "cudnn" and got[("tpu", "mla (train/prefill)")] == "xla"
     assert got[("gpu", "mla (cached prefill)")] == "cudnn" and got[("cpu", "mla (cached prefill)")] == "xla"
     assert got[("gpu", "moe (routed experts)")] == "triton" and got[("cpu", "kda (decode)")] == "xla"
+    assert got[("gpu", "kda (spec. verify)")] == "triton" and got[("tpu", "kda (spec. verify)")] == "mosaic_tpu"
     assert got[("tpu", "mla (decode)")] == "mosaic_tpu" and got[("gpu", "mla (decode)")] == "xla"
     fp32 = {c.layer: c for c in explain(cfg.replace(dtype="float32"), "gpu", compute_capability=9.0)}
     assert fp32["mla (train/prefill)"].backend == "xla"

@@ -1,9 +1,9 @@
 """Kimi Delta Attention layer: projections, causal short conv, lower-bounded gate, delta rule, gated norm.
 
 The delta-rule recurrence itself lives in ``pallas_kernels.kda`` (reference + kernels, chosen through the
-registries ``pallas_kernels.kda.ops.CHUNK`` / ``DECODE`` by ``cfg.kda_implementation`` on ``cfg.platform``, with
-the gate bound ``cfg.gate_lower_bound``); this module is the layer around it and matches the checkpoint's
-``self_attn.*`` names for KDA layers.
+registries ``pallas_kernels.kda.ops.CHUNK`` / ``DECODE`` and ``pallas_kernels.kda.verify.VERIFY`` (speculative
+verification) by ``cfg.kda_implementation`` on ``cfg.platform``, with the gate bound ``cfg.gate_lower_bound``); this
+module is the layer around it and matches the checkpoint's ``self_attn.*`` names for KDA layers.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from k3_jax.layers.parallel import axis_size
 from k3_jax.parallel.sequence import kda_sequence_parallel, short_conv_sequence_parallel
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import reference as kda_reference
+from pallas_kernels.kda import verify as kda_verify
 from sharding.local_kernels import per_shard
 
 _POSITION_STATES = contextvars.ContextVar("kda_position_states", default=False)
@@ -31,7 +32,8 @@ _POSITION_STATES = contextvars.ContextVar("kda_position_states", default=False)
 @contextlib.contextmanager
 def record_position_states() -> Iterator[None]:
     """While tracing inside this context, a cached KDA call over ``T > 1`` tokens runs the recurrent form token
-    by token (as ``T`` decode steps would) and adds to its cache entry ``state_trace [B, T, H, K, V]`` f32 (the
+    by token with the decode step's arithmetic (:func:`pallas_kernels.kda.verify.recurrent_kda_states`, one kernel
+    call for the ``T`` tokens on a GPU) and adds to its cache entry ``state_trace [B, T, H, K, V]`` f32 (the
     state after each token) and ``conv_trace [B, W-1+T, 3·H·K]`` (the conv inputs: the tail after ``i + 1``
     tokens is ``conv_trace[:, i + 1 : i + W]``), so a caller can keep any prefix of the ``T`` tokens
     (speculative verification, :mod:`k3_jax.serving.speculative`)."""
@@ -145,6 +147,18 @@ def _kernel_per_shard(op, q, k, v, g, beta, implementation: str, *, initial_stat
                      (_X4, _X4, _X4, _X4, ("batch", None, "kda_heads"), _STATE, ("batch", None)), (_X4, _STATE))
 
 
+def _states_per_shard(q, k, v, g, beta, initial_state, cfg: K3Config) -> tuple[jax.Array, jax.Array]:
+    """:func:`pallas_kernels.kda.verify.recurrent_kda_states` per shard of the active mesh (as
+    :func:`_kernel_per_shard`): ``(o [B, T, H, V], states [B, T, H, K, V] f32)``."""
+    def call(q, k, v, g, beta, s0):
+        return kda_verify.recurrent_kda_states(q, k, v, g, beta, s0, implementation=cfg.kda_implementation,
+                                               platform=cfg.platform)
+
+    return per_shard(call, (q, k, v, g, beta, initial_state),
+                     (_X4, _X4, _X4, _X4, ("batch", None, "kda_heads"), _STATE),
+                     (_X4, ("batch", None, "kda_heads", None, None)))
+
+
 class KimiDeltaAttention(nn.Module):
     """KDA mixer. ``x`` [B, T, D] -> ``y`` [B, T, D] (cfg.dtype), plus the new cache entry when given one.
 
@@ -233,16 +247,9 @@ class KimiDeltaAttention(nn.Module):
         elif cache is not None and t == 1:  # decode step: one token per sequence, the recurrent form
             o, final_state = _kernel_per_shard(kda_ops.recurrent_kda, q, k, v, g, beta, cfg.kda_implementation,
                                                **kwargs)
-        elif trace:  # T decode steps in a row, keeping every state (see record_position_states)
-            outs, states, final_state = [], [], initial_state
-            for i in range(t):
-                step = {**kwargs, "initial_state": final_state}
-                o_i, final_state = _kernel_per_shard(
-                    kda_ops.recurrent_kda, *(a[:, i:i + 1] for a in (q, k, v, g, beta)), cfg.kda_implementation,
-                    **step)
-                outs.append(o_i)
-                states.append(final_state.astype(jnp.float32))
-            o, state_trace = jnp.concatenate(outs, axis=1), jnp.stack(states, axis=1)
+        elif trace:  # T decode steps in one call, keeping every state (see record_position_states)
+            o, state_trace = _states_per_shard(q, k, v, g, beta, initial_state, cfg)
+            final_state = state_trace[:, -1]
         else:
             o, final_state = _kernel_per_shard(kda_ops.chunk_kda, q, k, v, g, beta, cfg.kda_implementation,
                                                chunk_size=cfg.kda_chunk_size, gate_bound=cfg.gate_lower_bound,

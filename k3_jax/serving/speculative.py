@@ -23,8 +23,9 @@ One decode round (:func:`speculative_round`, one jitted call for all slots):
    the state the verify pass recorded after token ``n`` and the conv tail at that position. Keeping the
    per-position states (not restoring the pre-verify state and recomputing the accepted prefix) costs ``k + 1``
    KDA states per row of device memory during the verify call but no second target forward, and rows with
-   different acceptance need no per-row-length recompute; the verify pass runs the recurrent form token by token,
-   exactly the arithmetic of plain decode steps.
+   different acceptance need no per-row-length recompute; the verify pass runs the recurrent form over the
+   ``k + 1`` tokens with the decode step's arithmetic per token, one kernel call per KDA layer on a GPU
+   (:mod:`pallas_kernels.kda.verify`).
 
 Per-request draft length: ``k_b <= k`` per row (drafts past ``k_b`` are ignored); rows accept independently.
 

@@ -1,0 +1,137 @@
+"""KDA over a few tokens with every intermediate state: the verification step of speculative decoding.
+
+``recurrent_kda_states(q, k, v, g, beta, initial_state)`` runs ``T`` (a handful: the ``k + 1`` verified tokens)
+recurrent KDA steps per sequence and returns the output of each and the state after each, so a caller can keep any
+prefix of the ``T`` tokens (:mod:`k3_jax.serving.speculative` rolls a rejected suffix back this way). The
+arithmetic per token is that of the one-token decode step (:data:`pallas_kernels.kda.ops.DECODE`), so keeping
+``n`` tokens gives the state ``n`` decode steps give.
+
+:data:`VERIFY` is the op's registry (``cfg.kda_implementation`` names its backend, as for the decode step):
+
+* ``mosaic_tpu``: the Mosaic TPU decode step (:func:`pallas_kernels.kda.tpu.decode_step`) once per token.
+* ``triton``: one Pallas Triton kernel for all ``T`` tokens, grid ``(B, H, V / BV)``: a program keeps its
+  ``[K, BV]`` fp32 state slice in registers across the tokens (a static loop over ``T``) and writes the output
+  and the state slice after every token; each token's update is the decode kernel's
+  (:func:`pallas_kernels.kda.gpu.decode_step`, same slice width and warps).
+* ``xla``: the reference one-token step (:func:`pallas_kernels.kda.reference.recurrent_kda`) once per token.
+
+Shapes: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` f32.
+Returns ``(o [B, T, H, V] in v.dtype, states [B, T, H, K, V] f32)`` with ``states[:, i]`` the state after token
+``i``. Forward only (inference); any ``g <= 0`` (no gate bound needed).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.forward_only import forward_only
+from pallas_kernels.kda import ops
+from pallas_kernels.kda import reference as ref
+from pallas_kernels.registry import Backend, Registry
+
+BLOCK_V = 64
+NUM_WARPS = 8
+
+
+def _triton_verify(call: ops.KdaCall) -> str | None:
+    _, _, _, k, v = call.shape
+    dims = None if k & (k - 1) == 0 and v & (v - 1) == 0 else f"head dims must be powers of two, got K={k}, V={v}"
+    return ops._first(ops._platform_reason(call, "gpu"), ops._triton_shipped(), ops._dtype_reason(call), dims)
+
+
+def _tpu_verify(call: ops.KdaCall) -> str | None:
+    return ops._first(ops._platform_reason(call, "tpu"), ops._dtype_reason(call))
+
+
+VERIFY = Registry("kda.verify", (
+    Backend("mosaic_tpu", "the Mosaic TPU decode step once per token", _tpu_verify),
+    Backend("triton", "one Pallas Triton kernel over the T tokens, writing the state after each", _triton_verify),
+    ops.XLA,
+), ops.ALIASES)
+
+
+def _verify_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, states_ref, *, scale: float, block_v: int,
+                   num_tokens: int):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    j = pl.program_id(2)
+    f32 = jnp.float32
+    vs = pl.ds(j * block_v, block_v)
+    s = h0_ref[b, h, :, vs]  # [K, BV]
+    for t in range(num_tokens):  # the decode kernel's update, token by token
+        qc = q_ref[b, t, h, :, :].astype(f32)  # [K, 1]
+        kc = k_ref[b, t, h, :, :].astype(f32)
+        gc = g_ref[b, t, h, :, :].astype(f32)
+        vr = v_ref[b, t, h, :, vs].astype(f32)  # [1, BV]
+        bb = beta_ref[b, t, h, :, :].astype(f32)  # [1, 1]
+        s = s * jnp.exp(gc)
+        pred = jnp.sum(kc * s, axis=0, keepdims=True)  # [1, BV]
+        s = s + (bb * kc) * (vr - pred)
+        o = jnp.sum((qc * scale) * s, axis=0, keepdims=True)
+        o_ref[b, t, h, :, vs] = o.astype(o_ref.dtype)
+        states_ref[b, t, h, :, vs] = s
+
+
+def triton_states(q, k, v, g, beta, scale: float, initial_state, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
+                  interpret: bool = False):
+    """The ``triton`` backend (module docstring); ``interpret=True`` runs Pallas's interpreter (CPU tests)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    bv = min(block_v, V)
+    col = lambda x: x[..., None]  # noqa: E731 - [B, T, H, K] -> [B, T, H, K, 1]: 2-D tiles inside the kernel
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
+
+        params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    o, states = forward_only(pl.pallas_call(
+        functools.partial(_verify_kernel, scale=float(scale), block_v=bv, num_tokens=T),
+        grid=(B, H, V // bv),
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, 1, V), v.dtype), jax.ShapeDtypeStruct((B, T, H, K, V), jnp.float32)],
+        compiler_params=params,
+        interpret=bool(interpret),
+        name="kda_verify_gpu",
+    ), col(q), col(k), v[:, :, :, None, :], col(g), beta[..., None, None], initial_state.astype(jnp.float32),
+        name="kda.verify.triton_states")
+    return o[:, :, :, 0, :], states
+
+
+def _per_token(step, q, k, v, g, beta, initial_state):
+    """``step(q_t, k_t, v_t, g_t, beta_t, state) -> (o_t [B, 1, H, V], state)`` over the ``T`` tokens."""
+    outs, states, state = [], [], initial_state.astype(jnp.float32)
+    for t in range(q.shape[1]):
+        o_t, state = step(*(a[:, t:t + 1] for a in (q, k, v, g, beta)), state)
+        outs.append(o_t)
+        states.append(state.astype(jnp.float32))
+    return jnp.concatenate(outs, axis=1), jnp.stack(states, axis=1)
+
+
+def recurrent_kda_states(q, k, v, g, beta, initial_state, scale: float | None = None, implementation: str = "auto",
+                         interpret: bool = False, platform: str | None = None):
+    """``(o [B, T, H, V], states [B, T, H, K, V] f32)``: see the module docstring. ``implementation``: a
+    :data:`VERIFY` backend or ``"auto"``; ``interpret``: run the Pallas kernels in interpret mode (CPU)."""
+    if initial_state is None:
+        raise ValueError("recurrent_kda_states: initial_state [B, H, K, V] is required")
+    ref._check_inputs(q, k, v, g, beta, initial_state, None, "recurrent_kda_states")
+    B, T, H, K = q.shape
+    scale = K**-0.5 if scale is None else float(scale)
+    impl = VERIFY.select(implementation, ops.make_call(q, v, 64, None, interpret, platform)).backend
+    if impl == "triton":
+        return triton_states(q, k, v, g, beta, scale, initial_state, interpret=interpret)
+    if impl == "mosaic_tpu":
+        from pallas_kernels.kda import tpu  # noqa: PLC0415
+
+        slots = jnp.arange(B, dtype=jnp.int32)
+
+        def step(q, k, v, g, beta, s):
+            o, s = tpu.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], scale, s, slots,
+                                   interpret=interpret)
+            return o[:, None], s
+    else:
+        def step(q, k, v, g, beta, s):
+            return ref.recurrent_kda(q, k, v, g, beta, scale, s, True)
+    return _per_token(step, q, k, v, g, beta, initial_state)
