@@ -102,11 +102,13 @@ def _reference(q, k, v, g, beta, h0):
 
 @pytest.mark.parametrize("via_ops", [True, False])
 def test_interpreter_forward_and_final_state_match_reference(via_ops):
-    """Three chunks (T padded from 130 to 192) with an initial state, both kernels on the Mosaic GPU interpreter,
-    through ``ops.chunk_kda`` (the default split for one head: two CTAs of one state warpgroup) and directly with
-    ``v_split=1`` (one CTA, two state warpgroups): every slot, barrier phase and the padding path run; errors are
-    at the bf16-operand level."""
-    q, k, v, g, beta, h0 = _inputs(1, 130, 1)
+    """Three chunks (T padded from 130 to 192) with an initial state, both kernels on the Mosaic GPU interpreter:
+    through ``ops.chunk_kda`` at one sequence and head (the default split for one head: two CTAs of one state
+    warpgroup), and directly with ``v_split=1`` (one CTA, two state warpgroups) at two sequences of three heads
+    (the flattened sequence / head addressing of every copy). Every slot, barrier phase and the padding path run;
+    errors are at the bf16-operand level."""
+    B, H = (1, 1) if via_ops else (2, 3)
+    q, k, v, g, beta, h0 = _inputs(B, 130, H)
     if via_ops:
         assert mosaic_gpu.default_v_split(1, 1, sms=mosaic_gpu.DEFAULT_SMS) == 2
         o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -136,13 +138,23 @@ def test_default_v_split_keeps_the_state_pass_in_one_wave(batch, heads, want):
     assert mosaic_gpu.default_v_split(batch, heads, sms=132) == want
 
 
-def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host():
+def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host(monkeypatch):
+    """Both kernels lower for sm_90 at two sequences of three heads, and no TMA copy of theirs takes Mosaic GPU's
+    path that folds several integer indices of a copy into one strided dimension
+    (``CollapseLeadingIndicesTransform``): the token tensors are addressed as ``[B * Tp, H, D]`` views, one integer
+    index per copy. (The interpreter indexes the refs directly and never runs that path.)"""
+    from jax.experimental.mosaic.gpu import launch_context
+
+    folded = []
+    collapse = launch_context.CollapseLeadingIndicesTransform
+    monkeypatch.setattr(collapse, "apply", lambda self, ref, f=collapse.apply: folded.append(self) or f(self, ref))
     s = jax.ShapeDtypeStruct
     args = (*(s((2, 200, 3, 128), jnp.bfloat16),) * 3, s((2, 200, 3, 128), jnp.float32), s((2, 200, 3), jnp.float32))
     text = jax.jit(lambda *a: mosaic_gpu.chunk_kda_fwd(*a, 128**-0.5, v_split=1)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2
     assert "wgmma.mma_async" in text
+    assert folded == []
 
 
 @pytest.mark.parametrize("kwargs, match", [
