@@ -1,5 +1,7 @@
 """KDA chunk forward, part 1 of 2 on Mosaic GPU (sm_90): everything of a chunk that does not depend on the carried
-state, one CTA (one warpgroup) per ``(chunk, head, sequence)``, all chunks in parallel.
+state, one CTA (one warpgroup) per ``(chunk, sequence * H + head)``, all chunks in parallel. Every copy between
+device and shared memory has one integer index: the token tensors are read and written as ``[B * Tp, H, D]``
+views (rows ``b * Tp + 64 c``), ``beta`` as ``[B * H, Tp]``, ``decay`` as ``[B * H * Tp / 64, 128]``.
 
 Per chunk of 64 tokens (TMA loads of ``q, k, g, beta``; every product on wgmma, bf16 operands, fp32 accumulation):
 

@@ -1,7 +1,7 @@
 """KDA chunk forward, part 2 of 2 on Mosaic GPU (sm_90): the sequential pass over the chunks that carries the state
 and writes ``o``, from the per-chunk tensors of :mod:`.mosaic_gpu_intra`.
 
-One CTA per ``(V-part, head, sequence)``; the V-part (``v_split`` of them) holds ``128 / v_split`` columns of V,
+One CTA per ``(V-part, sequence * H + head)``; the V-part (``v_split`` of them) holds ``128 / v_split`` columns of V,
 one state warpgroup per 64 columns, plus one memory warpgroup. The memory warpgroup TMA-loads chunk ``c``'s
 ``qg, kd, wn, v, x, aqk, decay`` into slot ``c % 2`` once the state warpgroups released it (barrier ``free``);
 each state warpgroup keeps its transposed fp32 state ``S^T [64, K]`` in registers for the whole sequence and runs,
@@ -10,7 +10,9 @@ per chunk (every product on wgmma with ``S^T`` / ``V~^T`` as the register operan
 ``V~^T = v^T X'^T + S^T (-W)^T``, ``O^T = S^T qg^T + V~^T A_qk^T``, ``S^T <- S^T diag(e^{G_C}) + V~^T kd``.
 
 ``O^T`` is stored transposed into shared memory and TMA-written to ``o``. The initial state enters and the final
-state leaves through a buffer that aliases the slots.
+state leaves through a buffer that aliases the slots. Every copy has at most one integer index (:class:`_Where`:
+the token tensors as ``[B * Tp, H, D]`` views, ``decay`` as ``[B * H * n_chunks, 128]``, the states as
+``[B * H * V, K]``).
 """
 
 from __future__ import annotations
