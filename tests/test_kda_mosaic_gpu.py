@@ -154,8 +154,8 @@ def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host(monkeypatch):
     """Both kernels lower for sm_90 at two sequences of three heads, every copy between device and shared memory
     addressed with at most one integer index (the token tensors as ``[B * Tp, H, D]`` views, the rest flattened
     likewise): the addressing checked on the H200 at ``B > 1``. The first split kernels indexed ``[b, rows, h]``
-    (and ``[b, h, c]``), right in the interpreter (which indexes the refs directly) and wrong on the H200 from
-    ``B = 2, H = 3`` on (benchmarks/ARCHIVE.md, 2026-12-02, s22-kda3)."""
+    (and ``[b, h, c]``), right in the interpreter (which indexes the refs directly) and wrong on the H200 at
+    ``B = 2, H = 3`` (benchmarks/ARCHIVE.md, 2026-12-02, s22-kda3)."""
     from jax.experimental.mosaic.gpu import launch_context
 
     int_indices = []
