@@ -97,7 +97,7 @@ def to_torch(x, dtype=None):
     return t.to(dtype) if dtype is not None else t
 
 
-def bench_fla_chunk(q, k, v, g, beta, do):
+def bench_fla_chunk(q, k, v, g, beta, do, bwd: bool = True):
     try:
         import torch
         from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -116,6 +116,8 @@ def bench_fla_chunk(q, k, v, g, beta, do):
     with torch.no_grad():
         o_fla, _ = fwd()
     t_fwd = do_bench(lambda: fwd(), warmup=5, rep=50)
+    if not bwd:
+        return t_fwd, None, o_fla.float().cpu().numpy(), None
     leaves = [x.detach().clone().requires_grad_(True) for x in (tq, tk, tv, tg, tb)]
 
     def fwdbwd():
@@ -183,7 +185,7 @@ def bench_shape(B, T, H, args, gpu_cfg):
         res["ours_vs_ref_rel_err"] = res[f"{impls[0]}_vs_ref_rel_err"]
         log(res)
     if not args.no_fla:
-        t_fwd, t_fb, o_fla, g_fla = bench_fla_chunk(*inputs, do)
+        t_fwd, t_fb, o_fla, g_fla = bench_fla_chunk(*inputs, do, bwd=not args.no_bwd)
         res["fla_fwd_ms"], res["fla_fwdbwd_ms"] = t_fwd, t_fb
         if o_fla is not None:
             for n, impl in enumerate(impls):

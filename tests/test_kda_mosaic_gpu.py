@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.mosaic import gpu as mgpu
 
 from pallas_kernels import registry
 from pallas_kernels.kda import mosaic_gpu, ops
@@ -24,14 +25,25 @@ def _call(platform="gpu", cc=9.0, dtype="bfloat16", shape=K3, chunk=64, gate_bou
     return ops.KdaCall(platform, dtype, shape, chunk, gate_bound, interpret, cc, packed)
 
 
-@pytest.mark.parametrize("call, want", [
-    (_call(), "triton"),  # faster on the H200 than the Mosaic GPU forward: first while JAX ships it
-    (_call(cc=8.0), "triton"),
-    (_call(platform="cpu", cc=None), "xla"),
+@pytest.mark.parametrize("call, want, why", [
+    (_call(), "mosaic_gpu", None),  # sm_90+: faster on the H200 than the Triton forward (RESULTS.md)
+    (_call(shape=(8, 4096, 32, 128, 128)), "mosaic_gpu", None),
+    (_call(cc=8.0), "triton", "compute capability >= 9.0"),  # A100 / L4 / T4 class
+    (_call(packed=True), "triton", "packed sequences"),
+    (_call(dtype="float32"), "triton", "bfloat16"),
+    (_call(platform="cpu", cc=None), "xla", "target is cpu"),
 ])
-def test_auto_order_with_triton_shipped(monkeypatch, call, want):
+def test_auto_order_with_triton_shipped(monkeypatch, caplog, call, want, why):
+    """While JAX ships Triton: mosaic_gpu on sm_90+ for what it takes, else triton on a GPU, else the XLA
+    reference; the choice is logged with each passed-over backend's reason."""
     monkeypatch.setattr(registry, "TRITON_SHIPPED", True)
-    assert ops.CHUNK.select("auto", call, record=False).backend == want
+    monkeypatch.setattr(registry, "_SELECTIONS", {})
+    with caplog.at_level("INFO", logger=registry.logger.name):
+        sel = ops.CHUNK.select("auto", call)
+    assert sel.backend == want
+    assert f"kernel choice kda.chunk: {want} (auto" in caplog.text, caplog.text
+    if why is not None:
+        assert why in dict(sel.passed_over)["mosaic_gpu"]
 
 
 @pytest.mark.parametrize("call, want, why", [
@@ -53,7 +65,7 @@ def test_auto_order_once_jax_drops_triton(monkeypatch, call, want, why):
     sel = ops.CHUNK.select("auto", call, record=False)
     assert sel.backend == want
     passed = dict(sel.passed_over)
-    if call.platform == "gpu":
+    if call.platform == "gpu" and want == "xla":
         assert "no longer ships" in passed["triton"]
     if why is not None:
         assert why in passed["mosaic_gpu"]
@@ -102,11 +114,13 @@ def _reference(q, k, v, g, beta, h0):
 
 @pytest.mark.parametrize("via_ops", [True, False])
 def test_interpreter_forward_and_final_state_match_reference(via_ops):
-    """Three chunks (T padded from 130 to 192) with an initial state, both kernels on the Mosaic GPU interpreter,
-    through ``ops.chunk_kda`` (the default split for one head: two CTAs of one state warpgroup) and directly with
-    ``v_split=1`` (one CTA, two state warpgroups): every slot, barrier phase and the padding path run; errors are
-    at the bf16-operand level."""
-    q, k, v, g, beta, h0 = _inputs(1, 130, 1)
+    """Three chunks (T padded from 130 to 192) with an initial state, both kernels on the Mosaic GPU interpreter:
+    through ``ops.chunk_kda`` at one sequence and head (the default split for one head: two CTAs of one state
+    warpgroup), and directly with ``v_split=1`` (one CTA, two state warpgroups) at two sequences of three heads
+    (the flattened sequence / head addressing of every copy). Every slot, barrier phase and the padding path run;
+    errors are at the bf16-operand level."""
+    B, H = (1, 1) if via_ops else (2, 3)
+    q, k, v, g, beta, h0 = _inputs(B, 130, H)
     if via_ops:
         assert mosaic_gpu.default_v_split(1, 1, sms=mosaic_gpu.DEFAULT_SMS) == 2
         o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -136,13 +150,30 @@ def test_default_v_split_keeps_the_state_pass_in_one_wave(batch, heads, want):
     assert mosaic_gpu.default_v_split(batch, heads, sms=132) == want
 
 
-def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host():
+def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host(monkeypatch):
+    """Both kernels lower for sm_90 at two sequences of three heads, every copy between device and shared memory
+    addressed with at most one integer index (the token tensors as ``[B * Tp, H, D]`` views, the rest flattened
+    likewise): the addressing checked on the H200 at ``B > 1``. The first split kernels indexed ``[b, rows, h]``
+    (and ``[b, h, c]``), right in the interpreter (which indexes the refs directly) and wrong on the H200 at
+    ``B = 2, H = 3`` (benchmarks/ARCHIVE.md, 2026-12-02, s22-kda3)."""
+    from jax.experimental.mosaic.gpu import launch_context
+
+    int_indices = []
+    copy = launch_context.LaunchContext.async_copy
+
+    def counting(self, *, gmem_slice=(), **kw):
+        index = gmem_slice if isinstance(gmem_slice, tuple) else (gmem_slice,)
+        int_indices.append(sum(not isinstance(i, slice | mgpu.DynamicSlice) for i in index))
+        return copy(self, gmem_slice=gmem_slice, **kw)
+
+    monkeypatch.setattr(launch_context.LaunchContext, "async_copy", counting)
     s = jax.ShapeDtypeStruct
     args = (*(s((2, 200, 3, 128), jnp.bfloat16),) * 3, s((2, 200, 3, 128), jnp.float32), s((2, 200, 3), jnp.float32))
     text = jax.jit(lambda *a: mosaic_gpu.chunk_kda_fwd(*a, 128**-0.5, v_split=1)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2
     assert "wgmma.mma_async" in text
+    assert len(int_indices) >= 20 and max(int_indices) == 1, int_indices
 
 
 @pytest.mark.parametrize("kwargs, match", [

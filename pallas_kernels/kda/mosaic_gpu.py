@@ -1,9 +1,9 @@
 """KDA chunked forward on Pallas Mosaic GPU (sm_90): two kernels, split the way the work parallelises.
 
 1. :mod:`.mosaic_gpu_intra`: everything of a chunk that does not depend on the carried state (cumulative gate,
-   the factored-decay ``A`` tiles on wgmma, the inverse, ``W``), one CTA per ``(chunk, head, sequence)``: all
+   the factored-decay ``A`` tiles on wgmma, the inverse, ``W``), one CTA per ``(chunk, sequence, head)``: all
    chunks at once.
-2. :mod:`.mosaic_gpu_state`: the sequential pass over the chunks per ``(V-part, head, sequence)``, TMA-pipelined,
+2. :mod:`.mosaic_gpu_state`: the sequential pass over the chunks per ``(V-part, sequence, head)``, TMA-pipelined,
    the state in registers, ``o`` and the final state written.
 
 Contract: bf16 ``q, k, v``, fp32 log-decay ``g`` with ``-5 <= g <= 0`` (the K3 gate bound), ``K = V = 128``,

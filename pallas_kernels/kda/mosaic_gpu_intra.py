@@ -1,5 +1,7 @@
 """KDA chunk forward, part 1 of 2 on Mosaic GPU (sm_90): everything of a chunk that does not depend on the carried
-state, one CTA (one warpgroup) per ``(chunk, head, sequence)``, all chunks in parallel.
+state, one CTA (one warpgroup) per ``(chunk, sequence * H + head)``, all chunks in parallel. Every copy between
+device and shared memory has one integer index: the token tensors are read and written as ``[B * Tp, H, D]``
+views (rows ``b * Tp + 64 c``), ``beta`` as ``[B * H, Tp]``, ``decay`` as ``[B * H * Tp / 64, 128]``.
 
 Per chunk of 64 tokens (TMA loads of ``q, k, g, beta``; every product on wgmma, bf16 operands, fp32 accumulation):
 
@@ -213,35 +215,38 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None):
     stages = ()
     if interpret is not None:
         stages = (buf(CHUNK), buf(K))
+    rows_view = lambda x: x.reshape(B * Tp, H, x.shape[-1])
 
     def kda_chunk_intra_mosaic_gpu(q_ref, k_ref, g_ref, beta_ref, qg_ref, kd_ref, wn_ref, x_ref, aqk_ref,
                                    decay_ref, smem_refs, loaded, stage_refs):
         fixed, ((g,), (w, x)) = smem_refs
         s = _Smem(*fixed, g=g, w=w, x=x)
-        c, h, b = lax.axis_index("c"), lax.axis_index("h"), lax.axis_index("b")
-        rows = pl.ds(c * CHUNK, CHUNK)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], s.q, loaded)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], s.k, loaded)
-        plgpu.copy_gmem_to_smem(g_ref.at[b, rows, h], s.g, loaded)
-        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], s.beta, loaded)
+        c, bh = lax.axis_index("c"), lax.axis_index("bh")
+        h = lax.rem(bh, H)
+        rows = pl.ds(lax.div(bh, H) * Tp + c * CHUNK, CHUNK)  # this chunk's rows of the [B * Tp, H, D] views
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, h], s.q, loaded)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, h], s.k, loaded)
+        plgpu.copy_gmem_to_smem(g_ref.at[rows, h], s.g, loaded)
+        plgpu.copy_gmem_to_smem(beta_ref.at[bh, pl.ds(c * CHUNK, CHUNK)], s.beta, loaded)
         plgpu.barrier_wait(loaded)
         stage = None if interpret is None else {CHUNK: stage_refs[0], HEAD_DIM: stage_refs[1]}
         _chunk(s, stage, scale)
         for src, dst in ((s.q, qg_ref), (s.k, kd_ref), (s.w, wn_ref), (s.x, x_ref), (s.aqk, aqk_ref)):
-            plgpu.copy_smem_to_gmem(src, dst.at[b, rows, h])
-        plgpu.copy_smem_to_gmem(s.decay, decay_ref.at[b, h, c])
+            plgpu.copy_smem_to_gmem(src, dst.at[rows, h])
+        plgpu.copy_smem_to_gmem(s.decay, decay_ref.at[bh * n_chunks + c])
         plgpu.wait_smem_to_gmem(0)
 
-    tok = lambda d: jax.ShapeDtypeStruct((B, Tp, H, d), BF16)
-    return plgpu.kernel(
+    tok = lambda d: jax.ShapeDtypeStruct((B * Tp, H, d), BF16)
+    outs = plgpu.kernel(
         kda_chunk_intra_mosaic_gpu,
-        out_type=(tok(K), tok(K), tok(K), tok(CHUNK), tok(CHUNK), jax.ShapeDtypeStruct((B, H, n_chunks, K), F32)),
+        out_type=(tok(K), tok(K), tok(K), tok(CHUNK), tok(CHUNK), jax.ShapeDtypeStruct((B * H * n_chunks, K), F32)),
         scratch_types=(smem, plgpu.Barrier(num_arrivals=4), stages),
-        grid=(n_chunks, H, B),
-        grid_names=("c", "h", "b"),
+        grid=(n_chunks, B * H),
+        grid_names=("c", "bh"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(q, k, g, beta_t)
+    )(*(rows_view(x) for x in (q, k, g)), beta_t.reshape(B * H, Tp))
+    return (*(x.reshape(B, Tp, H, -1) for x in outs[:5]), outs[5].reshape(B, H, n_chunks, K))
 
 
 def intra_chunks_reference(q, k, g, beta_t, *, scale: float):

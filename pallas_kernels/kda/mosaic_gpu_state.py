@@ -1,7 +1,7 @@
 """KDA chunk forward, part 2 of 2 on Mosaic GPU (sm_90): the sequential pass over the chunks that carries the state
 and writes ``o``, from the per-chunk tensors of :mod:`.mosaic_gpu_intra`.
 
-One CTA per ``(V-part, head, sequence)``; the V-part (``v_split`` of them) holds ``128 / v_split`` columns of V,
+One CTA per ``(V-part, sequence * H + head)``; the V-part (``v_split`` of them) holds ``128 / v_split`` columns of V,
 one state warpgroup per 64 columns, plus one memory warpgroup. The memory warpgroup TMA-loads chunk ``c``'s
 ``qg, kd, wn, v, x, aqk, decay`` into slot ``c % 2`` once the state warpgroups released it (barrier ``free``);
 each state warpgroup keeps its transposed fp32 state ``S^T [64, K]`` in registers for the whole sequence and runs,
@@ -10,7 +10,9 @@ per chunk (every product on wgmma with ``S^T`` / ``V~^T`` as the register operan
 ``V~^T = v^T X'^T + S^T (-W)^T``, ``O^T = S^T qg^T + V~^T A_qk^T``, ``S^T <- S^T diag(e^{G_C}) + V~^T kd``.
 
 ``O^T`` is stored transposed into shared memory and TMA-written to ``o``. The initial state enters and the final
-state leaves through a buffer that aliases the slots.
+state leaves through a buffer that aliases the slots. Every copy has at most one integer index (:class:`_Where`:
+the token tensors as ``[B * Tp, H, D]`` views, ``decay`` as ``[B * H * n_chunks, 128]``, the states as
+``[B * H * V, K]``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ class _Slots:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where one CTA's ``(sequence, head, V-part)`` lives in the flattened views: the token tensors as
+    ``[B * Tp, H, D]``, ``decay`` as ``[B * H * n_chunks, 128]``, the states as ``[B * H * V, K]``."""
+
+    bh: object  # sequence * H + head
+    h: object
+    row0: object  # the sequence's first row of the token views
+    v0: object  # first V column of this CTA's part
+    n_chunks: int
+
+    def rows(self, c):
+        return pl.ds(self.row0 + c * CHUNK, CHUNK)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Bars:
     loaded: object  # [S]: a slot's seven tensors landed
     free: object  # [S]: every state warpgroup done with the slot
@@ -53,18 +70,18 @@ class _Bars:
     done: object  # every state warpgroup left the chunk loop (the final state may overwrite the slots)
 
 
-def _load_chunk(c, s: _Slots, bars: _Bars, ins, b, h, v0, vc: int):
+def _load_chunk(c, s: _Slots, bars: _Bars, ins, at: _Where, vc: int):
     qg_ref, kd_ref, wn_ref, v_ref, x_ref, aqk_ref, decay_ref = ins
     slot = lax.rem(c, SLOTS)
-    rows = pl.ds(c * CHUNK, CHUNK)
+    rows = at.rows(c)
     bar = bars.loaded.at[slot]
     for src, dst in ((qg_ref, s.qg), (kd_ref, s.kd), (wn_ref, s.wn), (x_ref, s.x), (aqk_ref, s.aqk)):
-        plgpu.copy_gmem_to_smem(src.at[b, rows, h], dst.at[slot], bar)
-    plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, pl.ds(v0, vc)], s.v.at[slot], bar)
-    plgpu.copy_gmem_to_smem(decay_ref.at[b, h, c], s.decay.at[slot], bar)
+        plgpu.copy_gmem_to_smem(src.at[rows, at.h], dst.at[slot], bar)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows, at.h, pl.ds(at.v0, vc)], s.v.at[slot], bar)
+    plgpu.copy_gmem_to_smem(decay_ref.at[at.bh * at.n_chunks + c], s.decay.at[slot], bar)
 
 
-def _state_step(c, s_t, j: int, s: _Slots, bars: _Bars, stage, o_ref, b, h, v0):
+def _state_step(c, s_t, j: int, s: _Slots, bars: _Bars, stage, o_ref, at: _Where):
     """Chunk ``c`` for the state warpgroup ``j`` (``s_t`` = its ``S^T [64, 128]`` f32); returns the next."""
     slot = lax.rem(c, SLOTS)
     plgpu.barrier_wait(bars.loaded.at[slot])
@@ -90,7 +107,7 @@ def _state_step(c, s_t, j: int, s: _Slots, bars: _Bars, stage, o_ref, b, h, v0):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     s.ostage.at[j].T[...] = o_t.astype(BF16)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(s.ostage.at[j], o_ref.at[b, pl.ds(c * CHUNK, CHUNK), h, pl.ds(v0 + VTILE * j, VTILE)])
+    plgpu.copy_smem_to_gmem(s.ostage.at[j], o_ref.at[at.rows(c), at.h, pl.ds(at.v0 + VTILE * j, VTILE)])
     return s_t
 
 
@@ -123,15 +140,16 @@ def state_pass(qg, kd, wn, v, x, aqk, decay, h0_t, *, v_split: int, interpret=No
                                    smem_refs, bar_refs, stage_refs):
         main, (hbuf,) = smem_refs
         s, bs = _Slots(*main), _Bars(*bar_refs)
-        part, h, b, wg = (lax.axis_index(n) for n in ("s", "h", "b", "wg"))
-        v0 = part * vc
+        part, bh, wg = (lax.axis_index(n) for n in ("s", "bh", "wg"))
+        at = _Where(bh=bh, h=lax.rem(bh, H), row0=lax.div(bh, H) * Tp, v0=part * vc, n_chunks=n_chunks)
+        state_rows = lambda j0, n: pl.ds(bh * HEAD_DIM + at.v0 + j0, n)  # rows of the [B * H * V, K] views
         ins = (qg_ref, kd_ref, wn_ref, v_ref, x_ref, aqk_ref, decay_ref)
 
         @pl.when(wg == n_state)
         def _memory_wg():
             if interpret is None and n_state == 2:
                 plgpu.set_max_registers(REGISTERS["memory"], action="decrease")
-            plgpu.copy_gmem_to_smem(h0_ref.at[b, h, pl.ds(v0, vc)], hbuf, bs.h_loaded)
+            plgpu.copy_gmem_to_smem(h0_ref.at[state_rows(0, vc)], hbuf, bs.h_loaded)
             plgpu.barrier_wait(bs.h_free)
 
             @pl.loop(0, n_chunks)
@@ -140,7 +158,7 @@ def state_pass(qg, kd, wn, v, x, aqk, decay, h0_t, *, v_split: int, interpret=No
                 def _():
                     plgpu.barrier_wait(bs.free.at[lax.rem(c, SLOTS)])
 
-                _load_chunk(c, s, bs, ins, b, h, v0, vc)
+                _load_chunk(c, s, bs, ins, at, vc)
 
             for c in range(max(n_chunks - SLOTS, 0), n_chunks):  # observe every phase of `free`
                 plgpu.barrier_wait(bs.free.at[c % SLOTS])
@@ -155,25 +173,26 @@ def state_pass(qg, kd, wn, v, x, aqk, decay, h0_t, *, v_split: int, interpret=No
                 plgpu.barrier_wait(bs.h_loaded)
                 s_t = plgpu.layout_cast(hbuf[VTILE * j:VTILE * (j + 1), :], plgpu.Layout.WGMMA)
                 plgpu.barrier_arrive(bs.h_free)
-                s_t = lax.fori_loop(0, n_chunks, lambda c, st: _state_step(c, st, j, s, bs, stage, o_ref, b, h, v0),
-                                    s_t)
+                s_t = lax.fori_loop(0, n_chunks, lambda c, st: _state_step(c, st, j, s, bs, stage, o_ref, at), s_t)
                 plgpu.wait_smem_to_gmem(0)
                 plgpu.barrier_arrive(bs.done)
                 plgpu.barrier_wait(bs.done)
                 hbuf[VTILE * j:VTILE * (j + 1), :] = s_t
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(hbuf.at[VTILE * j:VTILE * (j + 1)],
-                                        ht_ref.at[b, h, pl.ds(v0 + VTILE * j, VTILE)])
+                plgpu.copy_smem_to_gmem(hbuf.at[VTILE * j:VTILE * (j + 1)], ht_ref.at[state_rows(VTILE * j, VTILE)])
                 plgpu.wait_smem_to_gmem(0)
 
-    return plgpu.kernel(
+    rows_view = lambda x: x.reshape(B * Tp, H, x.shape[-1])
+    o, ht_t = plgpu.kernel(
         kda_chunk_state_mosaic_gpu,
-        out_type=(jax.ShapeDtypeStruct((B, Tp, H, HEAD_DIM), BF16), jax.ShapeDtypeStruct((B, H, HEAD_DIM, K), F32)),
+        out_type=(jax.ShapeDtypeStruct((B * Tp, H, HEAD_DIM), BF16), jax.ShapeDtypeStruct((B * H * HEAD_DIM, K), F32)),
         scratch_types=(smem, fields(bars), stages),
-        grid=(v_split, H, B),
-        grid_names=("s", "h", "b"),
+        grid=(v_split, B * H),
+        grid_names=("s", "bh"),
         num_threads=n_state + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(qg, kd, wn, v, x, aqk, decay, h0_t)
+    )(*(rows_view(t) for t in (qg, kd, wn, v, x, aqk)), decay.reshape(B * H * n_chunks, K),
+      h0_t.reshape(B * H * HEAD_DIM, K))
+    return o.reshape(B, Tp, H, HEAD_DIM), ht_t.reshape(B, H, HEAD_DIM, K)

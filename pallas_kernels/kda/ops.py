@@ -9,11 +9,10 @@ the call, an explicit name that cannot run raises with the reason):
   (:mod:`.reference`, the chunked UT/WY form).
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``xla``.
 
-Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (``registry.TRITON_SHIPPED``), then
-``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`), then ``xla``. ``triton`` stays ahead until the
-Mosaic GPU forward beats it in a same-run comparison on the H200 (benchmarks/RESULTS.md); ``mosaic_gpu`` is
-what ``"auto"`` picks on Hopper once the Triton backend is gone, and can be chosen by name today.
-There is no Mosaic GPU decode kernel.
+Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`; it beats the Triton forward on
+the H200 in a same-run comparison, benchmarks/RESULTS.md), then ``triton`` while JAX ships the Pallas Triton
+backend (``registry.TRITON_SHIPPED``: every other GPU, and what ``mosaic_gpu`` does not take, e.g. packed
+sequences, fp32 or K != 128), then ``xla``. There is no Mosaic GPU decode kernel.
 
 What a backend checks (``supports``): the target platform (``platform=`` or
 :func:`pallas_kernels.registry.target_platform`: the mesh's devices, else the default device; ``interpret=True``
@@ -147,10 +146,10 @@ def _triton_decode(call: KdaCall) -> str | None:
 XLA = Backend("xla", "pure-JAX reference (any g <= 0, any dtype and head dims)", lambda call: None)
 CHUNK = Registry("kda.chunk", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU chunk forward + backward kernels", _tpu_chunk),
-    Backend("triton", "Pallas Triton chunk forward (5 kernels) + backward (9 kernels)", _triton_chunk),
     Backend("mosaic_gpu", "Pallas Mosaic GPU chunk forward (sm_90 wgmma + TMA: a per-chunk kernel over all chunks, "
             "then a warp-specialised state pass); backward: the Triton kernels while shipped, else the reference "
             "VJP", _mosaic_gpu_chunk),
+    Backend("triton", "Pallas Triton chunk forward (5 kernels) + backward (9 kernels)", _triton_chunk),
     XLA,
 ), ALIASES)
 DECODE = Registry("kda.decode", (
