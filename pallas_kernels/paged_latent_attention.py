@@ -261,7 +261,7 @@ def _paged_kernel(pos_ref, table_ref, last_ref, *refs, scale: float, c: int, hea
         s = jax.lax.dot_general(q_lat_ref[...], lat, nt, precision=prec, preferred_element_type=f32)
         s = s + jax.lax.dot_general(q_rot_ref[...], rot, nt, precision=prec, preferred_element_type=f32)
         cols = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)  # [T·H, S]
-        q_at = pos + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0) // heads
+        q_at = pos + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, s.shape, 0), jnp.int32(heads))
         vis = cols <= q_at
         s = jnp.where(vis, s * scale, NEG_INF)
         m_prev = m_sc[...]
