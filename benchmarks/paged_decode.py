@@ -6,16 +6,18 @@ One JSON line per case, both paths timed in the same process on the same inputs:
 
 * ``attention``: the MLA latent attention alone at the config's widths (``H`` heads, ``C = kv_lora``, ``Dr``) over
   a page pool of ``--page-size`` tokens per page (pages of each row scattered over the pool in random order):
-  ``in_place`` = :func:`pallas_kernels.paged_latent_attention.paged_attention` with ``auto`` (its backend is in
-  ``kernel``), ``gather`` = :func:`~pallas_kernels.paged_latent_attention.paged_attention_reference` (the whole
-  table of every row gathered into a dense view, one masked softmax: what the engine's gather path computes).
-  ``bytes`` = the latents the step must read, ``Σ_b (len_b + 1) · (C + Dr) · 2``; ``max_abs_diff`` between the two.
+  ``gather`` = :func:`pallas_kernels.paged_latent_attention.paged_attention_reference` (the whole table of every
+  row gathered into a dense view, one masked softmax: what the engine's gather path computes), and per
+  ``--impls`` name :func:`~pallas_kernels.paged_latent_attention.paged_attention` with that implementation
+  (``kernel``: the registry's choices). ``bytes`` = the latents the step must read, ``Σ_b (len_b + 1) · (C + Dr)
+  · 2``; ``max_abs_diff`` against the gather path.
 * ``step``: the paged engine's decode step (one token per row, greedy argmax) on a model of the config with random
-  weights (:func:`benchmarks.decode.init_params`), ``apply_on_cache`` with the pages read in place vs
-  ``gather_view=True`` (each MLA layer's view ``[B, max_pages · S, C + Dr]`` gathered, the dense layer, the new
-  token scattered back). Lengths are reset every call (every call decodes at the same positions). ``bytes`` as in
-  ``benchmarks/decode.py`` with the MLA latents read up to each row's own length; ``tokens_equal``: the greedy
-  tokens of the two paths' first calls, position by position.
+  weights (:func:`benchmarks.decode.init_params`): ``apply_on_cache`` with the pages read in place (``in_place_<impl>``
+  per ``--impls`` name, the first timed first) vs ``gather_view=True`` (``gather``: each MLA layer's view ``[B,
+  max_pages · S, C + Dr]`` gathered, the dense layer, the new token scattered back). Every path starts from a copy
+  of the same random cache; lengths are reset every call (every call decodes at the same positions). ``bytes`` as
+  in ``benchmarks/decode.py`` with the MLA latents read up to each row's own length; ``tokens_equal_gather``: the
+  greedy tokens of the path's first call equal to the gather path's, of ``batch``.
 
 ``copy_gbps``: device copy bandwidth in the same process (``benchmarks.decode.copy_bandwidth_gbps``);
 ``roofline_ms = bytes / copy_gbps``, ``roofline_fraction = roofline_ms / ms``.
@@ -43,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--gen", type=int, default=128, help="pages mapped beyond each row's length (its max_tokens)")
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--impls", default="auto,xla", help="paged-attention implementations timed (registry names)")
     ap.add_argument("--label", default="")
     return ap.parse_args(argv)
 
@@ -96,22 +99,29 @@ def attention_case(cfg, lengths: list[int], args, gbps: float) -> dict:
     q_rot = jax.random.normal(k[2], (b, 1, h, dr), jnp.bfloat16)
     table, pos = jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
     scale = (cfg.qk_nope_head_dim + dr) ** -0.5
-    in_place = jax.jit(lambda *a: pla.paged_attention("auto", *a[:6], scale))
-    gather = jax.jit(lambda *a: pla.paged_attention_reference(*a[:6], scale))
     args_ = (q_lat, q_rot, pages, None, table, pos)
-    got, want = jax.block_until_ready((in_place(*args_), gather(*args_)))
-    ms_in, ms_g = timed(lambda: in_place(*args_), args.calls), timed(lambda: gather(*args_), args.calls)
+    gather = jax.jit(lambda *a: pla.paged_attention_reference(*a[:6], scale))
+    want = np.asarray(jax.block_until_ready(gather(*args_)), np.float32)
     nbytes = sum(n + 1 for n in lengths) * (c + dr) * 2
     roof = nbytes / (gbps * 1e9) * 1000
-    return {"bench": "paged_decode", "case": "attention", "label": args.label, "batch": b, "heads": h,
-            "lengths": lengths, "page_size": args.page_size, "max_pages": int(table.shape[1]),
-            "kernel": [s.describe() for s in selections() if s.op == pla.PAGED_DECODE.op],
-            "in_place_ms": round(ms_in, 4), "gather_ms": round(ms_g, 4), "speedup": round(ms_g / ms_in, 2),
-            "bytes": nbytes, "roofline_ms": round(roof, 4), "in_place_roofline_fraction": round(roof / ms_in, 3),
-            "gather_roofline_fraction": round(roof / ms_g, 3),
-            "max_abs_diff": float(np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)))),
-            "max_abs": float(np.max(np.abs(np.asarray(want, np.float32)))), "copy_gbps": round(gbps, 1),
-            "device": jax.devices()[0].device_kind}
+    rec = {"bench": "paged_decode", "case": "attention", "label": args.label, "batch": b, "heads": h,
+           "lengths": lengths, "page_size": args.page_size, "max_pages": int(table.shape[1]), "bytes": nbytes,
+           "roofline_ms": round(roof, 4), "max_abs": float(np.max(np.abs(want))), "copy_gbps": round(gbps, 1),
+           "device": jax.devices()[0].device_kind}
+    rec["gather_ms"] = round(timed(lambda: gather(*args_), args.calls), 4)
+    rec["gather_roofline_fraction"] = round(roof / rec["gather_ms"], 3)
+    for impl in args.impls.split(","):
+        try:
+            fn = jax.jit(lambda *a, impl=impl: pla.paged_attention(impl, *a[:6], scale))
+            got = np.asarray(jax.block_until_ready(fn(*args_)), np.float32)
+            ms = timed(lambda fn=fn: fn(*args_), args.calls)
+            rec[impl] = {"ms": round(ms, 4), "roofline_fraction": round(roof / ms, 3),
+                         "speedup_vs_gather": round(rec["gather_ms"] / ms, 2),
+                         "max_abs_diff": float(np.max(np.abs(got - want)))}
+        except Exception as e:  # noqa: BLE001 - report the backend and go on
+            rec[impl] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    rec["kernel"] = [s.describe() for s in selections() if s.op == pla.PAGED_DECODE.op]
+    return rec
 
 
 def step_case(cfg, lengths: list[int], args, gbps: float) -> dict:
@@ -120,6 +130,7 @@ def step_case(cfg, lengths: list[int], args, gbps: float) -> dict:
     import numpy as np
 
     from benchmarks.decode import init_params, step_bytes
+    from k3_jax.model import K3ForCausalLM
     from k3_jax.serving.engine import Engine, apply_on_cache
 
     b = len(lengths)
@@ -149,9 +160,11 @@ def step_case(cfg, lengths: list[int], args, gbps: float) -> dict:
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, cfg.vocab_size, b), jnp.int32)
     active, table = jnp.ones((b,), bool), jnp.asarray(table)
 
-    def make(gather_view: bool):
+    def make(gather_view: bool, impl: str):
+        model = K3ForCausalLM(cfg.replace(mla_decode_attention_implementation=impl))
+
         def step(variables, cache, toks):
-            logits, new = apply_on_cache(eng.model, variables, toks[:, None], cache, table, eng.compute_dtype,
+            logits, new = apply_on_cache(model, variables, toks[:, None], cache, table, eng.compute_dtype,
                                          active, gather_view=gather_view)
             return jnp.argmax(logits[:, 0], axis=-1), {**new, "lengths": cache["lengths"]}
         return jax.jit(step, donate_argnums=(1,), compiler_options=eng.model_compiler_options)
@@ -159,26 +172,35 @@ def step_case(cfg, lengths: list[int], args, gbps: float) -> dict:
     rec = {"bench": "paged_decode", "case": "step", "label": args.label, "config": args.config, "batch": b,
            "lengths": lengths, "page_size": args.page_size, "init_s": round(init_s, 1)}
     firsts = {}
-    for name, gather_view in (("in_place", False), ("gather", True)):
-        t0 = time.perf_counter()
-        state["cache"] = jax.tree.map(jnp.copy, start)
-        fn = make(gather_view).lower(eng.variables, state["cache"], tokens).compile()
-        rec[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
-
-        def call(fn=fn):
-            out, state["cache"] = fn(eng.variables, state["cache"], tokens)
-            return out
-
-        firsts[name] = np.asarray(jax.block_until_ready(call()))
-        call()
-        rec[f"{name}_ms"] = round(timed(call, args.calls), 3)
     roof = nbytes["total"] / (gbps * 1e9) * 1000
-    rec.update({"bytes": nbytes, "roofline_ms": round(roof, 3),
-                "in_place_roofline_fraction": round(roof / rec["in_place_ms"], 3),
-                "gather_roofline_fraction": round(roof / rec["gather_ms"], 3),
-                "speedup": round(rec["gather_ms"] / rec["in_place_ms"], 3),
-                "tokens_equal": int(np.sum(firsts["in_place"] == firsts["gather"])),
-                "copy_gbps": round(gbps, 1), "device": jax.devices()[0].device_kind})
+    rec.update({"bytes": nbytes, "roofline_ms": round(roof, 3), "copy_gbps": round(gbps, 1),
+                "device": jax.devices()[0].device_kind})
+    impls = args.impls.split(",")
+    paths = [(f"in_place_{impls[0]}", False, impls[0]), ("gather", True, "xla")]
+    paths += [(f"in_place_{i}", False, i) for i in impls[1:]]
+    for name, gather_view, impl in paths:  # the gather path's MLA layers run the dense decode (no page reads)
+        try:
+            state["cache"] = jax.tree.map(jnp.copy, start)
+            t0 = time.perf_counter()
+            fn = make(gather_view, impl).lower(eng.variables, state["cache"], tokens).compile()
+            compile_s = time.perf_counter() - t0
+
+            def call(fn=fn):
+                out, state["cache"] = fn(eng.variables, state["cache"], tokens)
+                return out
+
+            firsts[name] = np.asarray(jax.block_until_ready(call()))
+            call()
+            ms = timed(call, args.calls)
+            rec[name] = {"ms": round(ms, 3), "tokens_per_s": round(b * 1000 / ms, 1),
+                         "roofline_fraction": round(roof / ms, 3), "compile_s": round(compile_s, 1)}
+        except Exception as e:  # noqa: BLE001 - report the path and go on
+            rec[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        emit({**rec, "partial": True})
+    for name, _, _ in paths:
+        if name != "gather" and "ms" in rec.get(name, {}) and "ms" in rec.get("gather", {}):
+            rec[name]["speedup_vs_gather"] = round(rec["gather"]["ms"] / rec[name]["ms"], 3)
+            rec[name]["tokens_equal_gather"] = int(np.sum(firsts[name] == firsts["gather"]))
     return rec
 
 

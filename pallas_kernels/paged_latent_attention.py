@@ -22,6 +22,10 @@ Implementations (registry :data:`PAGED_DECODE`, ``cfg.mla_decode_attention_imple
   step gathering just its items' pages, computing partial softmax statistics, and merging them into the rows'
   running (max, denominator, fp32 output) by a log-sum-exp merge. Reads ``Σ_b len_b`` positions (rounded up to
   items), not ``B · max_len``;
+* ``triton`` (:func:`paged_attention_triton`): Pallas Triton split-K flash decoding: each row's visited pages
+  cut into equal splits, one program per (query-row block, split, row) walking its pages through the table with
+  an online softmax, the splits' partial (max, denominator, output) merged by log-sum-exp. Non-FP8 pages, one
+  device, C / Dr / page size powers of two >= 16;
 * ``mosaic_tpu`` (:func:`paged_attention_tpu`): Pallas Mosaic TPU flash decoding with the page table and the
   positions scalar-prefetched: grid ``(B, max_pages)``, one page per step DMA'd straight from the pool at
   ``table[b, j]`` (steps past the row's last visible page repeat the previous page index: no DMA, no work), online
@@ -43,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.forward_only import forward_only
-from pallas_kernels.registry import Backend, Registry, target_platform
+from pallas_kernels.registry import Backend, Registry, target_platform, triton_missing_reason
 
 NEG_INF = -1e30
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -51,6 +55,12 @@ ITEM_TOKENS = 512
 """Default positions per work item of :func:`paged_attention_xla` (``pages_per_item = ITEM_TOKENS // S``)."""
 STEP_TOKENS = 16384
 """Default positions × queries per loop step of :func:`paged_attention_xla` (``items_per_step`` follows)."""
+HEAD_BLOCK = 16
+"""Query rows (of the ``T·H``) per program of :func:`paged_attention_triton`."""
+PAGES_PER_SPLIT = 64
+""":func:`paged_attention_triton` cuts each row's visited pages into ``clamp(max_pages // PAGES_PER_SPLIT, 1,
+MAX_SPLITS)`` splits."""
+MAX_SPLITS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +88,30 @@ def _tpu_reason(call: PagedDecodeCall) -> str | None:
     return None
 
 
+def _triton_reason(call: PagedDecodeCall) -> str | None:
+    missing = triton_missing_reason()
+    if missing is not None:
+        return missing
+    if call.platform != "gpu" and not (call.interpret and call.platform == "cpu"):
+        return f"needs target platform gpu (or cpu with interpret=True), target is {call.platform}"
+    if call.dtype not in ("float32", "bfloat16") or call.page_dtype not in ("float32", "bfloat16"):
+        return f"takes float32 or bfloat16 queries and pages, got {call.dtype} queries, {call.page_dtype} pages"
+    b, t, h, c, dr, s, _ = call.shape
+    pow2 = lambda n: n >= 16 and n & (n - 1) == 0
+    if not (pow2(c) and pow2(dr) and pow2(s)):
+        return f"needs C, Dr and the page size to be powers of two >= 16 (tl.dot tiles), got {c}, {dr}, {s}"
+    if (t * h) % HEAD_BLOCK:
+        return f"needs T·H divisible by {HEAD_BLOCK}, got {t}·{h}"
+    if call.mesh_devices > 1:
+        return f"runs on one device (no shard_map wrapper), the active mesh has {call.mesh_devices}"
+    return None
+
+
 PAGED_DECODE = Registry("mla.paged_decode_attention", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU flash decoding reading each row's pages in place through the "
                           "scalar-prefetched page table", _tpu_reason),
+    Backend("triton", "Pallas Triton split-K flash decoding over each row's pages through the page table, "
+                      "log-sum-exp merge of the splits", _triton_reason),
     Backend("xla", "split-K over each row's visited pages (lax.while_loop over work items, log-sum-exp merge)",
             lambda call: None),
 ))
@@ -334,6 +365,102 @@ def paged_attention_tpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, pa
     return out.reshape(b, t, h, c)
 
 
+def _triton_kernel(pos_ref, last_ref, base_ref, table_ref, q_lat_ref, q_rot_ref, pages_ref, m_ref, l_ref, acc_ref,
+                   *, scale: float, c: int, dr: int, heads: int, page_size: int, splits: int, interpret: bool):
+    hblk, sp, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    f32 = jnp.float32
+    dt = q_lat_ref.dtype
+    prec = HIGHEST if dt == f32 or interpret else None
+    nt, nn = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
+    last = last_ref[b]
+    chunk = jax.lax.div(last + splits - 1, splits)
+    start = sp * chunk
+    end = jnp.minimum(start + chunk, last)
+    rows = pl.ds(hblk * HEAD_BLOCK, HEAD_BLOCK)
+    q_lat = q_lat_ref[b, rows, :]  # [hb, C]
+    q_rot = q_rot_ref[b, rows, :]  # [hb, Dr]
+    row_ids = hblk * HEAD_BLOCK + jax.lax.broadcasted_iota(jnp.int32, (HEAD_BLOCK, 1), 0)
+    q_at = pos_ref[b] + jax.lax.div(row_ids, jnp.int32(heads))  # [hb, 1] position of each query row
+    last_pos = pos_ref[b] + q_lat_ref.shape[1] // heads - 1  # of the row's last query
+    base = base_ref[0]
+
+    def body(j, carry):
+        m, l, acc = carry
+        pid = table_ref[b, j]
+        lat = pages_ref[base + pid, :, pl.ds(0, c)]  # [S, C]
+        rot = pages_ref[base + pid, :, pl.ds(c, dr)]  # [S, Dr]
+        keys = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+        lat = jnp.where((keys <= last_pos) & (pid != 0), lat.astype(dt), jnp.zeros((), dt))
+        s = jax.lax.dot_general(q_lat, lat, nt, precision=prec, preferred_element_type=f32)
+        s = s + jax.lax.dot_general(q_rot, rot.astype(dt), nt, precision=prec, preferred_element_type=f32)
+        cols = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (HEAD_BLOCK, page_size), 1)
+        vis = (cols <= q_at) & (pid != 0)
+        s = jnp.where(vis, s * scale, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
+        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        acc = alpha * acc + jax.lax.dot_general(p.astype(dt), lat, nn, precision=prec, preferred_element_type=f32)
+        return m_new, l, acc
+
+    init = (jnp.full((HEAD_BLOCK, 1), NEG_INF, f32), jnp.zeros((HEAD_BLOCK, 1), f32), jnp.zeros((HEAD_BLOCK, c), f32))
+    m, l, acc = jax.lax.fori_loop(start, end, body, init)
+    m_ref[b, sp, rows, :] = m
+    l_ref[b, sp, rows, :] = l
+    acc_ref[b, sp, rows, :] = acc
+
+
+def paged_attention_triton(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, page_scale: jax.Array | None,
+                           table: jax.Array, pos: jax.Array, scale: float, layer: jax.Array | None = None, *,
+                           splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           interpret: bool = False) -> jax.Array:
+    """:func:`paged_attention_xla` as a Pallas Triton kernel (forward only): the same arguments and result;
+    ``page_scale`` must be None. Grid ``(T·H / HEAD_BLOCK, splits, B)``: program ``(hb, sp, b)`` walks split
+    ``sp`` of row ``b``'s visited pages (:func:`visited_pages`, cut into ``splits`` equal runs per row, so a short
+    row's programs finish early) one page at a time through the table (pages read in place, a stacked pool at
+    ``layer``), with an online softmax for its ``HEAD_BLOCK`` query rows, and writes its partial (max,
+    denominator, fp32 output); the splits are merged by log-sum-exp outside the kernel."""
+    _check(q_lat, q_rot, pages, page_scale, table, pos, layer, "paged_attention_triton")
+    if page_scale is not None:
+        raise ValueError("paged_attention_triton reads float32/bfloat16 pages: page_scale must be None")
+    b, t, h, c = q_lat.shape
+    s_len, width = pages.shape[-2], pages.shape[-1]
+    dr = width - c
+    th = t * h
+    if th % HEAD_BLOCK:
+        raise ValueError(f"paged_attention_triton: T·H = {t}·{h} must be a multiple of {HEAD_BLOCK}")
+    max_pages = table.shape[1]
+    ns = splits or max(1, min(MAX_SPLITS, max_pages // PAGES_PER_SPLIT))
+    flat = pages if layer is None else pages.reshape(-1, s_len, width)
+    base = jnp.zeros((1,), jnp.int32) if layer is None else (
+        jnp.clip(jnp.reshape(layer, (1,)).astype(jnp.int32), 0, pages.shape[0] - 1) * pages.shape[1])
+    last = visited_pages(table, pos, t, s_len)
+    f32 = jnp.float32
+    if interpret:
+        params = None
+    else:
+        from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415 - only where Triton ships
+
+        params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    kernel = functools.partial(_triton_kernel, scale=float(scale), c=c, dr=dr, heads=h, page_size=s_len, splits=ns,
+                               interpret=bool(interpret))
+    m, l, acc = forward_only(pl.pallas_call(
+        kernel,
+        grid=(th // HEAD_BLOCK, ns, b),
+        out_shape=[jax.ShapeDtypeStruct((b, ns, th, 1), f32), jax.ShapeDtypeStruct((b, ns, th, 1), f32),
+                   jax.ShapeDtypeStruct((b, ns, th, c), f32)],
+        compiler_params=params,
+        interpret=bool(interpret),
+        name="mla_paged_decode_gpu",
+    ), pos.astype(jnp.int32), last, base, table.astype(jnp.int32), q_lat.reshape(b, th, c),
+        q_rot.reshape(b, th, dr), flat, name="paged_latent_attention.paged_attention_triton")
+    m_all = jnp.max(m, axis=1, keepdims=True)
+    f = jnp.exp(m - m_all)
+    den = jnp.sum(l * f, axis=1)
+    out = jnp.sum(acc * f, axis=1) / jnp.maximum(den, 1e-30)
+    return out.astype(q_lat.dtype).reshape(b, t, h, c)
+
+
 def paged_attention(implementation: str, q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array,
                     page_scale: jax.Array | None, table: jax.Array, pos: jax.Array, scale: float,
                     layer: jax.Array | None = None, *, platform: str | None = None, mesh_devices: int = 1,
@@ -342,4 +469,7 @@ def paged_attention(implementation: str, q_lat: jax.Array, q_rot: jax.Array, pag
     backend = select(implementation, q_lat, pages, table, platform, mesh_devices, interpret)
     if backend == "mosaic_tpu":
         return paged_attention_tpu(q_lat, q_rot, pages, page_scale, table, pos, scale, layer, interpret=interpret)
+    if backend == "triton":
+        return paged_attention_triton(q_lat, q_rot, pages, page_scale, table, pos, scale, layer,
+                                      interpret=interpret)
     return paged_attention_xla(q_lat, q_rot, pages, page_scale, table, pos, scale, layer)

@@ -14,7 +14,7 @@ import pytest
 
 from k3_jax.layers import paged_latent
 from pallas_kernels import paged_latent_attention as pla
-from pallas_kernels.registry import KernelUnavailable
+from pallas_kernels.registry import TRITON_SHIPPED, KernelUnavailable
 
 B, H, C, DR, S, MAXP, P, R = 5, 4, 32, 8, 8, 16, 80, 2
 LENGTHS = [0, 5, 40, 121, 44]  # one token, a partial page, several pages, almost the whole table, a prefix sharer
@@ -94,6 +94,47 @@ def test_mosaic_tpu_kernel_equals_reference(t, dtype, tol):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=tol * np.abs(want).max())
 
 
+def _wide_inputs(t: int, h: int, c: int, dr: int, s: int, lengths: list[int], dtype, seed: int = 1):
+    """Inputs at Triton-friendly widths (C, Dr, page size powers of two >= 16): pool ``[2, P, s, c + dr]`` with a
+    NaN null page, each row mapping ``ceil((len + t) / s)`` shuffled pages."""
+    b = len(lengths)
+    max_pages = -(-(max(lengths) + t) // s)
+    need = [-(-(n + t) // s) for n in lengths]
+    num_pages = sum(need) + 1
+    perm = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
+    table = np.zeros((b, max_pages), np.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    k = jax.random.split(jax.random.key(seed), 3)
+    pages = jax.random.normal(k[2], (2, num_pages, s, c + dr)).astype(dtype).at[:, 0].set(jnp.nan)
+    return (jax.random.normal(k[0], (b, t, h, c)).astype(dtype), jax.random.normal(k[1], (b, t, h, dr)).astype(dtype),
+            pages, jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
+
+
+@pytest.mark.skipif(not TRITON_SHIPPED, reason="this JAX ships no Pallas Triton backend")
+@pytest.mark.parametrize("t,splits", [(1, 1), (1, 3), (2, 2)])
+def test_triton_kernel_interpreted_equals_reference(t, splits):
+    q_lat, q_rot, pages, table, pos = _wide_inputs(t, 16, 32, 16, 16, [0, 5, 40, 150], jnp.float32)
+    got = jax.jit(lambda lyr: pla.paged_attention_triton(q_lat, q_rot, pages, None, table, pos, 0.2, lyr,
+                                                         splits=splits, interpret=True))(jnp.int32(1))
+    want = pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.2, jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_triton_kernel_at_k3_widths_equals_reference(t):
+    """K3's MLA widths (96 heads, C 512, Dr 64), 16-token pages, rows of 1 to 5,000 tokens, bf16."""
+    q_lat, q_rot, pages, table, pos = _wide_inputs(t, 96, 512, 64, 16, [0, 17, 700, 5000, 2100, 64], jnp.bfloat16)
+    got = jax.jit(lambda lyr: pla.paged_attention_triton(q_lat, q_rot, pages, None, table, pos, 0.07, lyr))(
+        jnp.int32(1))
+    want = pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.07, jnp.int32(1))
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=3e-2 * np.abs(want).max())
+
+
 def test_write_pages_in_place_at_a_layer_and_null_rows():
     pages = jnp.zeros((R, P, S, C + DR))
     scale = jnp.ones((R, P, S))
@@ -111,7 +152,10 @@ def test_write_pages_in_place_at_a_layer_and_null_rows():
 def test_registry_choices():
     q_lat, _, pages, table, _ = _inputs(1, jnp.bfloat16)
     assert pla.select("auto", q_lat, pages, table, platform="tpu") == "mosaic_tpu"
-    assert pla.select("auto", q_lat, pages, table, platform="gpu") == "xla"
+    assert pla.select("auto", q_lat, pages, table, platform="gpu") == "xla"  # Dr = 8, S = 8: below tl.dot's 16
+    wide = jnp.zeros((P, 16, C + 16), jnp.bfloat16)
+    q16 = jnp.zeros((B, 1, 16, C), jnp.bfloat16)
+    assert pla.select("auto", q16, wide, table, platform="gpu") == ("triton" if TRITON_SHIPPED else "xla")
     assert pla.select("auto", q_lat, pages, table, platform="cpu", interpret=True) == "mosaic_tpu"
     assert pla.select("auto", q_lat, pages.astype(jnp.float8_e4m3fn), table, platform="tpu") == "xla"
     assert pla.select("auto", q_lat, pages, table, platform="tpu", mesh_devices=2) == "xla"
