@@ -24,6 +24,10 @@ The one-token decode step (the engine's in-place step on a segment's stacked cac
 value product from the registry :data:`pallas_kernels.mla_decode.DECODE` (``cfg.mla_decode_attention_implementation``):
 ``mosaic_tpu`` = flash decoding over the stacked latent cache read in place, up to each row's position; ``xla`` =
 the absorbed form above over the layer's whole cache.
+
+A paged cache entry (``{"pages", "scale"}`` with the model's ``page_table``; the serving engine's paged cache) goes
+through :mod:`k3_jax.layers.paged_latent`: the new tokens are written into their pages and the queries attend over
+each row's pages read in place (registry :data:`pallas_kernels.paged_latent_attention.PAGED_DECODE`).
 """
 
 from __future__ import annotations
