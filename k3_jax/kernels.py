@@ -105,7 +105,7 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
             call = paged_latent_attention.PagedDecodeCall(
                 p, dt, dt, (batch, 1, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 16,
                             -(-seq_len // 16)))
-            out.append(_choose("mla (paged decode, 16-token pages)", paged_latent_attention.PAGED_DECODE,
+            out.append(_choose("mla (paged decode)", paged_latent_attention.PAGED_DECODE,
                                cfg.mla_decode_attention_implementation, call))
         if has_moe:
             rows = batch * seq_len * cfg.num_experts_per_token
