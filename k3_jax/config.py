@@ -105,8 +105,9 @@ class K3Config:
     # MLA attention of a prefill chunk (>= 256 queries) against a cached prefix:
     # pallas_kernels.prefix_attention.PREFIX_ATTENTION (cudnn = expanded form, xla = absorbed form)
     mla_prefix_attention_implementation: str = "auto"  # cudnn | xla
-    # MLA attention of the one-token decode step over the latent cache: pallas_kernels.mla_decode.DECODE
-    mla_decode_attention_implementation: str = "auto"  # mosaic_tpu | xla
+    # MLA attention of the decode step over the latent cache: pallas_kernels.mla_decode.DECODE (contiguous cache),
+    # pallas_kernels.paged_latent_attention.PAGED_DECODE (paged cache; also triton)
+    mla_decode_attention_implementation: str = "auto"  # mosaic_tpu | triton (paged) | xla
     # where the kernels will run: "auto" = the active mesh's devices, else the default device; set it to lower
     # for another platform without a mesh of its devices (ahead-of-time compiles)
     platform: str = "auto"  # auto | cpu | gpu | tpu
@@ -266,13 +267,15 @@ def _validate_kernel_choices(c: K3Config) -> None:
     from pallas_kernels.kda.ops import CHUNK  # noqa: PLC0415
     from pallas_kernels.mla_decode import DECODE as MLA_DECODE  # noqa: PLC0415
     from pallas_kernels.moe.ops import EXPERT_FFN  # noqa: PLC0415
+    from pallas_kernels.paged_latent_attention import PAGED_DECODE  # noqa: PLC0415
     from pallas_kernels.prefix_attention import PREFIX_ATTENTION  # noqa: PLC0415
 
     for key, reg in (("kda_implementation", CHUNK), ("moe_implementation", EXPERT_FFN),
                      ("mla_attention_implementation", ATTENTION),
                      ("mla_prefix_attention_implementation", PREFIX_ATTENTION),
-                     ("mla_decode_attention_implementation", MLA_DECODE)):
-        _check(getattr(c, key) in reg.choices, key, f"one of {reg.choices}", getattr(c, key))
+                     ("mla_decode_attention_implementation", (MLA_DECODE, PAGED_DECODE))):
+        choices = tuple(dict.fromkeys(n for r in (reg if isinstance(reg, tuple) else (reg,)) for n in r.choices))
+        _check(getattr(c, key) in choices, key, f"one of {choices}", getattr(c, key))
     _check(c.moe_expert_parallel in EXPERT_PARALLEL, "moe_expert_parallel", f"one of {EXPERT_PARALLEL}",
            c.moe_expert_parallel)
     _check(c.platform in ("auto", "cpu", "gpu", "tpu"), "platform", "one of ('auto', 'cpu', 'gpu', 'tpu')",

@@ -6,7 +6,8 @@
 ``pallas_kernels.kda.verify.VERIFY`` (speculative verification: a few tokens with every state),
 ``pallas_kernels.moe.ops.EXPERT_FFN``, ``pallas_kernels.attention.ATTENTION``,
 ``pallas_kernels.prefix_attention.PREFIX_ATTENTION`` (a prefill chunk against a cached prefix),
-``pallas_kernels.mla_decode.DECODE`` (the one-token decode step over the latent cache), the vision tower's
+``pallas_kernels.mla_decode.DECODE`` (the one-token decode step over the latent cache),
+``pallas_kernels.paged_latent_attention.PAGED_DECODE`` (the decode step over a paged latent cache), the vision tower's
 ``k3_jax.vision.attention.VISION_ATTENTION``) what ``cfg``'s implementation
 field selects for a call of the config's shapes, without running anything: the backend, or the reason an
 explicit choice cannot run, and why the backends ahead of it were passed over. At run time the same registries
@@ -23,7 +24,7 @@ from typing import Any
 
 from k3_jax.config import K3Config, load_config
 from k3_jax.vision.attention import VISION_ATTENTION, VisionAttentionCall
-from pallas_kernels import attention, mla_decode, prefix_attention
+from pallas_kernels import attention, mla_decode, paged_latent_attention, prefix_attention
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import verify as kda_verify
 from pallas_kernels.moe import ops as moe_ops
@@ -99,7 +100,13 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
                                cfg.mla_prefix_attention_implementation, call))
             call = mla_decode.DecodeCall(p, dt, (batch, cfg.num_attention_heads, cfg.kv_lora_rank,
                                                  cfg.qk_rope_head_dim, seq_len))
-            out.append(_choose("mla (decode)", mla_decode.DECODE, cfg.mla_decode_attention_implementation, call))
+            if cfg.mla_decode_attention_implementation in mla_decode.DECODE.choices:
+                out.append(_choose("mla (decode)", mla_decode.DECODE, cfg.mla_decode_attention_implementation, call))
+            call = paged_latent_attention.PagedDecodeCall(
+                p, dt, dt, (batch, 1, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 16,
+                            -(-seq_len // 16)))
+            out.append(_choose("mla (paged decode)", paged_latent_attention.PAGED_DECODE,
+                               cfg.mla_decode_attention_implementation, call))
         if has_moe:
             rows = batch * seq_len * cfg.num_experts_per_token
             call = moe_ops.MoeCall(p, dt, (rows, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),

@@ -112,9 +112,12 @@ class DecoderLayer(nn.Module):
     def __call__(self, sources: jax.Array, layer: jax.Array, segment_ids: jax.Array | None,
                  cache: dict | None, lengths: jax.Array | None,
                  cache_index: jax.Array | None = None,
-                 stacked_experts: dict | None = None) -> tuple[jax.Array, dict | None]:
+                 stacked_experts: dict | None = None,
+                 page_table: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
         """``cache_index``: with a decode cache, ``cache`` is the segment's stacked entry ``[R, ...]`` and this
         layer reads and writes its repeat ``cache_index`` in place (see :class:`LayerGroup`);
+        ``page_table`` (a paged cache): the MLA layers' page table ``[B, max_pages]``
+        (:mod:`k3_jax.layers.paged_latent`);
         ``stacked_experts`` (with ``cache_index``): the segment's stacked routed-expert weights of this layer,
         read at repeat ``cache_index`` in place (see :class:`LatentMoE`)."""
         cfg = self.cfg
@@ -128,7 +131,8 @@ class DecoderLayer(nn.Module):
         if mixer_kind == "kda":
             a, new_cache = KimiDeltaAttention(cfg, name="self_attn")(h, segment_ids, cache, cache_index)
         else:
-            a, new_cache = KimiMLAAttention(cfg, name="self_attn")(h, segment_ids, cache, lengths, cache_index)
+            a, new_cache = KimiMLAAttention(cfg, name="self_attn")(h, segment_ids, cache, lengths, cache_index,
+                                                                    page_table)
         sources = _add_to_slot(sources, slot, a)
 
         m = attn_res_point(cfg, "mlp_res", sources, mlp_sources_count(layer, bs))
@@ -168,7 +172,7 @@ class LayerGroup(nn.Module):
     @nn.compact
     def __call__(self, sources: Any, repeat: jax.Array, cache: dict | None,
                  segment_ids: jax.Array | None, lengths: jax.Array | None,
-                 experts: dict | None = None) -> tuple[Any, dict | None]:
+                 experts: dict | None = None, page_table: jax.Array | None = None) -> tuple[Any, dict | None]:
         stacked = None
         if self.in_place:
             sources, stacked = sources
@@ -179,12 +183,12 @@ class LayerGroup(nn.Module):
             if stacked is not None:
                 sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
                     sources, layer, segment_ids, stacked[f"layer_{j}"], lengths, repeat,
-                    (experts or {}).get(f"layer_{j}"))
+                    (experts or {}).get(f"layer_{j}"), page_table)
                 stacked = {**stacked, f"layer_{j}": entry}
                 continue
             entry = None if cache is None else cache[f"layer_{j}"]
             sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
-                sources, layer, segment_ids, entry, lengths)
+                sources, layer, segment_ids, entry, lengths, None, None, page_table)
             if new_cache is not None:
                 new_cache[f"layer_{j}"] = entry
         if stacked is not None:
@@ -221,6 +225,7 @@ class K3Model(nn.Module):
         sources = jnp.zeros((num_sources(cfg), b, t, cfg.hidden_size), dt).at[0].set(e)
         sources = constrain(sources, (None, "batch", "length", "embed"))
         lengths = None if cache is None else cache["lengths"]
+        page_table = None if cache is None else cache.get("page_table")  # paged MLA pools (k3_jax.layers.paged_latent)
 
         # one-token decode on one device: the stacked cache rides in the scan carry and is updated in place
         in_place = cache is not None and t == 1 and active_mesh_size() == 1
@@ -230,7 +235,7 @@ class K3Model(nn.Module):
                 LayerGroup,
                 variable_axes={"params": 0, "intermediates": 0, FEATURES: 0},
                 split_rngs={"params": True},
-                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=seg.repeats,
                 metadata_params={nn.PARTITION_NAME: "layers"},
                 # The broadcast inputs (segment ids, lengths) are plain arguments, never derived from the carry:
@@ -242,10 +247,10 @@ class K3Model(nn.Module):
             if in_place:
                 experts = None if self.is_initializing() else _segment_experts(cfg, self.variables, s, seg)
                 (sources, seg_new), _ = scanned(cfg, seg, in_place=True, name=f"segment_{s}")(
-                    (sources, seg_cache), jnp.arange(seg.repeats), None, segment_ids, lengths, experts)
+                    (sources, seg_cache), jnp.arange(seg.repeats), None, segment_ids, lengths, experts, page_table)
             else:
                 sources, seg_new = scanned(cfg, seg, name=f"segment_{s}")(
-                    sources, jnp.arange(seg.repeats), seg_cache, segment_ids, lengths, None)
+                    sources, jnp.arange(seg.repeats), seg_cache, segment_ids, lengths, None, page_table)
             new_segments.append(seg_new)
 
         out = attn_res_point(cfg, "output_attn_res", sources, num_sources(cfg))

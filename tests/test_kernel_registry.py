@@ -125,13 +125,17 @@ def test_explain_per_layer_kind_and_platform():
     assert {(c.platform, c.layer) for c in rows} == {
         (p, kind) for p in ("cpu", "gpu", "tpu")
         for kind in ("kda (train/prefill)", "kda (decode)", "kda (spec. verify)", "mla (train/prefill)",
-                     "mla (cached prefill)", "mla (decode)", "moe (routed experts)")}
+                     "mla (cached prefill)", "mla (decode)", "mla (paged decode)", "moe (routed experts)")}
     got = {(c.platform, c.layer): c.backend for c in rows}
     assert got[("gpu", "mla (train/prefill)")] == "cudnn" and got[("tpu", "mla (train/prefill)")] == "xla"
     assert got[("gpu", "mla (cached prefill)")] == "cudnn" and got[("cpu", "mla (cached prefill)")] == "xla"
     assert got[("gpu", "moe (routed experts)")] == "triton" and got[("cpu", "kda (decode)")] == "xla"
     assert got[("gpu", "kda (spec. verify)")] == "triton" and got[("tpu", "kda (spec. verify)")] == "mosaic_tpu"
     assert got[("tpu", "mla (decode)")] == "mosaic_tpu" and got[("gpu", "mla (decode)")] == "xla"
+    assert got[("tpu", "mla (paged decode)")] == "mosaic_tpu" and got[("gpu", "mla (paged decode)")] == "xla"
+    paged_gpu = [c for c in rows if c.layer == "mla (paged decode)" and c.platform == "gpu"][0]
+    reason = dict(paged_gpu.passed_over)["triton"]  # tiny has 4 heads
+    assert "T·H divisible by 16" in reason or "no longer ships" in reason, reason
     fp32 = {c.layer: c for c in explain(cfg.replace(dtype="float32"), "gpu", compute_capability=9.0)}
     assert fp32["mla (train/prefill)"].backend == "xla"
     assert "bfloat16/float16" in dict(fp32["mla (train/prefill)"].passed_over)["cudnn"]

@@ -24,6 +24,10 @@ The one-token decode step (the engine's in-place step on a segment's stacked cac
 value product from the registry :data:`pallas_kernels.mla_decode.DECODE` (``cfg.mla_decode_attention_implementation``):
 ``mosaic_tpu`` = flash decoding over the stacked latent cache read in place, up to each row's position; ``xla`` =
 the absorbed form above over the layer's whole cache.
+
+A paged cache entry (``{"pages", "scale"}`` with the model's ``page_table``; the serving engine's paged cache) goes
+through :mod:`k3_jax.layers.paged_latent`: the new tokens are written into their pages and the queries attend over
+each row's pages read in place (registry :data:`pallas_kernels.paged_latent_attention.PAGED_DECODE`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from k3_jax.config import K3Config
+from k3_jax.layers import paged_latent
 from k3_jax.layers.common import Linear, LinearKernel, RMSNorm, compute_dtype, einsum_f32, matmul_precision
 from k3_jax.layers.parallel import axis_size
 from k3_jax.parallel.sequence import mla_sequence_parallel
@@ -298,16 +303,19 @@ class KimiMLAAttention(nn.Module):
     cfg: K3Config
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, cache: dict | None = None,
-                 lengths: jax.Array | None = None,
-                 cache_index: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+                 lengths: jax.Array | None = None, cache_index: jax.Array | None = None,
+                 page_table: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
         """``cache_index``: ``cache`` is a segment's stacked entry ``{"latent": [R, B, S_max, C+Dr]}``; the new
-        token is written into repeat ``cache_index`` in place and the whole stacked entry is returned."""
+        token is written into repeat ``cache_index`` in place and the whole stacked entry is returned.
+        ``page_table [B, max_pages] i32``: ``cache`` is a page pool ``{"pages", "scale"}`` (stacked too with
+        ``cache_index``), read and written through the table (:mod:`k3_jax.layers.paged_latent`)."""
         with platform_scope(self.cfg.platform):  # einsum_f32's code path follows cfg.platform when it is set
-            return self._attend(x, segment_ids, cache, lengths, cache_index)
+            return self._attend(x, segment_ids, cache, lengths, cache_index, page_table)
 
     @nn.compact
     def _attend(self, x: jax.Array, segment_ids: jax.Array | None, cache: dict | None,
-                lengths: jax.Array | None, cache_index: jax.Array | None) -> tuple[jax.Array, dict | None]:
+                lengths: jax.Array | None, cache_index: jax.Array | None,
+                page_table: jax.Array | None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         b, t, _ = x.shape
         h, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -338,6 +346,13 @@ class KimiMLAAttention(nn.Module):
             k_nope, v = kv[..., :dn], kv[..., dn:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None, :], (b, t, h, dr))], axis=-1)
             o = causal_attention(cfg, q.astype(dt), k.astype(dt), v.astype(dt), scale, segment_ids)
+        elif paged_latent.is_paged(cache):
+            if lengths is None or page_table is None:
+                raise ValueError("MLA with a paged cache needs `lengths` [B] and `page_table` [B, max_pages]")
+            new_entries = jnp.concatenate([latent, k_rot], axis=-1)  # [B, T, C+Dr]
+            o, new_cache = paged_latent.paged_cached_attention(
+                cfg.mla_decode_attention_implementation, cfg.platform, q_nope.astype(dt), q_rot.astype(dt),
+                new_entries, cache, page_table, lengths, kv_kernel.reshape(c, h, dn + dv), scale, cache_index)
         else:
             if lengths is None:
                 raise ValueError("MLA with a cache needs `lengths` [B] (tokens already cached per row)")

@@ -173,8 +173,9 @@ class Engine:
       page_size: tokens per MLA page when paged (default 16, or ``prefix_cache.page_size``).
       paged: keep the MLA latents in a shared page pool (:mod:`k3_jax.serving.paged_cache`) instead of
         ``max_batch × max_len`` rows: a request reserves ``ceil((prompt + max_tokens) / page_size)`` pages at
-        admission and waits in the queue while the pool is short. Attention still runs on a contiguous
-        view gathered from the pages inside the jitted step (a page-reading attention kernel is the next step).
+        admission and waits in the queue while the pool is short. Decode reads each slot's pages in place up to
+        its length and writes the new token into its page (:mod:`k3_jax.layers.paged_latent`); a multi-token
+        prefill piece runs on its row's view gathered from the pages.
       num_pages: page pool size (default: enough for every slot at ``max_len``, + the null page).
       latent_dtype: page storage dtype, e.g. ``"float8_e4m3fn"`` (per-token scales); default the cache dtype.
       prefix_cache: :class:`PrefixCacheConfig` (granularities + byte budgets) to reuse prompt prefixes; needs
@@ -348,9 +349,10 @@ class Engine:
 
         cdt = self.compute_dtype
 
-        def run(variables, cache, tokens, table, valid, hook=None):
+        def run(variables, cache, tokens, table, valid, hook=None, gather_view=False):
             """model.apply on a (possibly paged) cache; ``valid [B]``: rows whose new tokens are kept."""
-            return apply_on_cache(model, variables, tokens, cache, table, cdt, valid, embeds_hook=hook)
+            return apply_on_cache(model, variables, tokens, cache, table, cdt, valid, embeds_hook=hook,
+                                  gather_view=gather_view)
 
         def reset(cache, slot):
             row = jax.tree.map(lambda x, ax: x if ax < 0 else jnp.zeros_like(x), take_row(cache, slot), axes)
@@ -362,7 +364,9 @@ class Engine:
             row = take_row(cache, slot)
             row_table = None if table is None else jax.lax.dynamic_slice_in_dim(table, slot, 1, 0)
             hook = media_lib.media_embeds_hook(media, tokens, self.cfg.pad_token_id)
-            logits, row = run(variables, row, tokens, row_table, jnp.ones((1,), bool), hook)
+            # a multi-token piece runs on the row's gathered view: the layer scan would pass every slot's pages
+            # through the call (one token reads the pages in place, like decode)
+            logits, row = run(variables, row, tokens, row_table, jnp.ones((1,), bool), hook, tokens.shape[1] > 1)
             return logits[0, -1].astype(jnp.float32), put_row(cache, row, slot)
 
         def decode(variables, cache, tokens, active, samp, num_top, table, sampling=True):
@@ -910,16 +914,22 @@ def put_cache_row(cache: Any, row: Any, slot: jax.Array, axes: Any) -> Any:
 
 
 def apply_on_cache(model: nn.Module, variables: Any, tokens: jax.Array, cache: dict, table: jax.Array | None,
-                   dtype: Any, valid: jax.Array, mutable: Any = False, **kwargs: Any) -> Any:
+                   dtype: Any, valid: jax.Array, mutable: Any = False, gather_view: bool = False,
+                   **kwargs: Any) -> Any:
     """``model.apply(variables, tokens [B, T], cache=...)`` on a contiguous (``table`` None) or paged cache.
 
-    Paged: the model runs on the contiguous view gathered through ``table [B, max_pages]`` (``dtype``), and the
-    ``T`` tokens it appends at each row's ``lengths`` are written back into that row's pages (rows with
-    ``valid [B]`` False write to the null page; positions past the row's mapped pages land on the null page too).
-    Returns what ``model.apply`` returns (``((logits, cache), collections)`` with ``mutable``), with the paged
-    cache in place of the view."""
+    Paged (``table [B, max_pages]``): the MLA layers read each row's pages in place through the table and write the
+    ``T`` new tokens at each row's ``lengths`` straight into its pages (:mod:`k3_jax.layers.paged_latent`); rows
+    with ``valid [B]`` False see an all-null table row (their tokens go to the null page, they read nothing, their
+    outputs are garbage to discard). ``gather_view=True`` (a one-row prefill: the layer scan would otherwise pass
+    every slot's pool through each call) runs the model on the row's contiguous view gathered through ``table``
+    (``dtype``) and writes the new tokens back into its pages. Returns what ``model.apply`` returns (``((logits,
+    cache), collections)`` with ``mutable``), with the paged cache."""
     if table is None:
         return model.apply(variables, tokens, cache=cache, mutable=mutable, **kwargs)
+    if not gather_view:
+        paged = {**cache, "page_table": jnp.where(valid[:, None], table, 0)}
+        return model.apply(variables, tokens, cache=paged, mutable=mutable, **kwargs)
     out = model.apply(variables, tokens, cache=_gather_view(cache, table, dtype), mutable=mutable, **kwargs)
     (logits, new), rest = (out, None) if mutable is False else out
     new = _absorb(cache, new, table, cache["lengths"], tokens.shape[1], valid)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.cache import cache_bytes_per_sequence  # noqa: F401 - re-exported (see __all__)
+from k3_jax.layers.paged_latent import FP8_MAX, write_pages
 
 __all__ = [
     "PagedCacheSpec",
@@ -40,8 +41,6 @@ __all__ = [
     "cache_bytes_per_sequence",
     "FP8_MAX",
 ]
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,15 +209,6 @@ class PageAllocator:
         self.table[slot] = 0
 
 
-def _quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x [..., D]`` → (e4m3 values, per-vector f32 scale [...])."""
-    x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = (x / scale[..., None]).astype(jnp.float8_e4m3fn)
-    return q, scale
-
-
 def write_latent(
     latent: jax.Array,
     latent_scale: jax.Array,
@@ -227,7 +217,7 @@ def write_latent(
     values: jax.Array,
     valid: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter new tokens of one MLA layer into its page pool.
+    """Scatter new tokens of one MLA layer into its page pool (:func:`k3_jax.layers.paged_latent.write_pages`).
 
     Args:
       latent: ``[P, S, D]`` pool of one layer; latent_scale: ``[P, S] f32``.
@@ -236,20 +226,7 @@ def write_latent(
         (invalid tokens, and tokens at positions past the table's ``max_pages · S``, go to the null page 0).
     Returns: updated ``(latent, latent_scale)``.
     """
-    page_size = latent.shape[1]
-    max_pages = page_table.shape[1]
-    valid = valid & (positions >= 0) & (positions < max_pages * page_size)
-    logical = jnp.clip(positions // page_size, 0, max_pages - 1)
-    page = jnp.take_along_axis(page_table, logical, axis=1)
-    page = jnp.where(valid, page, 0)
-    offset = jnp.where(valid, positions % page_size, 0)
-    if latent.dtype == jnp.float8_e4m3fn:
-        q, scale = _quantize_fp8(values)
-    else:
-        q, scale = values.astype(latent.dtype), jnp.ones(values.shape[:-1], jnp.float32)
-    latent = latent.at[page, offset].set(q, mode="drop")
-    latent_scale = latent_scale.at[page, offset].set(scale, mode="drop")
-    return latent, latent_scale
+    return write_pages(latent, latent_scale, page_table, positions, values, valid)
 
 
 def gather_latent(

@@ -1,0 +1,193 @@
+"""Paged MLA decode attention (:mod:`pallas_kernels.paged_latent_attention`) and the layer's page writes
+(:mod:`k3_jax.layers.paged_latent`): the split-K XLA form and the Mosaic TPU kernel (Pallas interpreter on CPU)
+against the dense gather reference, fp32, rows of very different lengths with shared pages, T = 1 and T > 1, a
+stacked pool read at a traced layer, FP8 pages, rows that map no page; the registry's choices; and (with ``libtpu``)
+the kernel compiled for v5p."""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3_jax.layers import paged_latent
+from pallas_kernels import paged_latent_attention as pla
+from pallas_kernels.registry import TRITON_SHIPPED, KernelUnavailable
+
+B, H, C, DR, S, MAXP, P, R = 5, 4, 32, 8, 8, 16, 80, 2
+LENGTHS = [0, 5, 40, 121, 44]  # one token, a partial page, several pages, almost the whole table, a prefix sharer
+
+
+def _table(t: int) -> jax.Array:
+    """Each row maps the pages its ``len + t`` tokens need (shuffled pool); row 4 shares row 2's first 5 pages
+    (a prefix hit: positions 0..39), row 0's second entry is left null."""
+    perm = np.random.default_rng(0).permutation(np.arange(1, P))
+    table = np.zeros((B, MAXP), np.int32)
+    at = 0
+    for b, n in enumerate(LENGTHS):
+        need = -(-(n + t) // S)
+        table[b, :need] = perm[at:at + need]
+        at += need
+    table[4, :5] = table[2, :5]
+    return jnp.asarray(table)
+
+
+def _inputs(t: int, dtype=jnp.float32, seed: int = 0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    q_lat = jax.random.normal(k[0], (B, t, H, C)).astype(dtype)
+    q_rot = jax.random.normal(k[1], (B, t, H, DR)).astype(dtype)
+    pages = jax.random.normal(k[2], (R, P, S, C + DR)).astype(dtype)
+    pages = pages.at[:, 0].set(jnp.nan)  # the null page's garbage must never reach an output
+    return q_lat, q_rot, pages, _table(t), jnp.asarray(LENGTHS, jnp.int32)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_split_k_xla_equals_gather_reference_fp32(t):
+    q_lat, q_rot, pages, table, pos = _inputs(t)
+
+    @jax.jit
+    def both(layer):  # two pages per item, three items per step: several loop steps and a padded last step
+        got = pla.paged_attention_xla(q_lat, q_rot, pages, None, table, pos, 0.2, layer, pages_per_item=2,
+                                      items_per_step=3)
+        return got, pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.2, layer)
+
+    got, want = both(jnp.int32(1))
+    assert got.shape == (B, t, H, C) and np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # row 0 at position 0 sees its one token only: every head's output is that token's latent
+    np.testing.assert_allclose(np.asarray(got[0, 0]), np.broadcast_to(np.asarray(pages[1, table[0, 0], 0, :C]),
+                                                                      (H, C)), rtol=1e-6)
+    # the reference is the dense absorbed attention over each row's positions in order
+    lat = np.asarray(pages[1])[np.asarray(table[3])].reshape(-1, C + DR)[: LENGTHS[3] + t]
+    s = np.einsum("thc,sc->ths", np.asarray(q_lat[3]), lat[:, :C]) + np.einsum("thr,sr->ths", np.asarray(q_rot[3]),
+                                                                               lat[:, C:])
+    s = np.where(np.arange(len(lat))[None, None, :] <= LENGTHS[3] + np.arange(t)[:, None, None], 0.2 * s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(want[3]), np.einsum("ths,sc->thc", p / p.sum(-1, keepdims=True),
+                                                              lat[:, :C]), rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_pages_and_rows_that_map_nothing():
+    q_lat, q_rot, pages, table, pos = _inputs(1)
+    q8, scale = paged_latent.quantize_fp8(jnp.nan_to_num(pages[0]))
+    table = table.at[1].set(0)  # an inactive row: all-null table, reads nothing
+    got = pla.paged_attention_xla(q_lat, q_rot, q8, scale, table, pos, 0.2, pages_per_item=3)
+    want = pla.paged_attention_reference(q_lat, q_rot, q8, scale, table, pos, 0.2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
+    dense = pla.paged_attention_reference(q_lat, q_rot, q8.astype(jnp.float32) * scale[..., None], None, table, pos,
+                                          0.2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dense), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,dtype,tol", [(1, jnp.float32, 1e-5), (3, jnp.float32, 1e-5), (1, jnp.bfloat16, 3e-2)],
+                         ids=["t1-f32", "t3-f32", "t1-bf16"])
+def test_mosaic_tpu_kernel_equals_reference(t, dtype, tol):
+    q_lat, q_rot, pages, table, pos = _inputs(t, dtype)
+    got = jax.jit(lambda lyr: pla.paged_attention_tpu(q_lat, q_rot, pages, None, table, pos, 0.2, lyr,
+                                                      interpret=True))(jnp.int32(1))
+    want = pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.2, jnp.int32(1))
+    assert got.dtype == dtype
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=tol * np.abs(want).max())
+
+
+def _wide_inputs(t: int, h: int, c: int, dr: int, s: int, lengths: list[int], dtype, seed: int = 1):
+    """Inputs at Triton-friendly widths (C, Dr, page size powers of two >= 16): pool ``[2, P, s, c + dr]`` with a
+    NaN null page, each row mapping ``ceil((len + t) / s)`` shuffled pages."""
+    b = len(lengths)
+    max_pages = -(-(max(lengths) + t) // s)
+    need = [-(-(n + t) // s) for n in lengths]
+    num_pages = sum(need) + 1
+    perm = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
+    table = np.zeros((b, max_pages), np.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    k = jax.random.split(jax.random.key(seed), 3)
+    pages = jax.random.normal(k[2], (2, num_pages, s, c + dr)).astype(dtype).at[:, 0].set(jnp.nan)
+    return (jax.random.normal(k[0], (b, t, h, c)).astype(dtype), jax.random.normal(k[1], (b, t, h, dr)).astype(dtype),
+            pages, jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
+
+
+@pytest.mark.skipif(not TRITON_SHIPPED, reason="this JAX ships no Pallas Triton backend")
+@pytest.mark.parametrize("t,splits", [(1, 1), (1, 3), (2, 2)])
+def test_triton_kernel_interpreted_equals_reference(t, splits):
+    q_lat, q_rot, pages, table, pos = _wide_inputs(t, 16, 32, 16, 16, [0, 5, 40, 150], jnp.float32)
+    got = jax.jit(lambda lyr: pla.paged_attention_triton(q_lat, q_rot, pages, None, table, pos, 0.2, lyr,
+                                                         splits=splits, interpret=True))(jnp.int32(1))
+    want = pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.2, jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_triton_kernel_at_k3_widths_equals_reference(t):
+    """K3's MLA widths (96 heads, C 512, Dr 64), 16-token pages, rows of 1 to 5,000 tokens, bf16."""
+    q_lat, q_rot, pages, table, pos = _wide_inputs(t, 96, 512, 64, 16, [0, 17, 700, 5000, 2100, 64], jnp.bfloat16)
+    got = jax.jit(lambda lyr: pla.paged_attention_triton(q_lat, q_rot, pages, None, table, pos, 0.07, lyr))(
+        jnp.int32(1))
+    want = pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.07, jnp.int32(1))
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=3e-2 * np.abs(want).max())
+
+
+def test_write_pages_in_place_at_a_layer_and_null_rows():
+    pages = jnp.zeros((R, P, S, C + DR))
+    scale = jnp.ones((R, P, S))
+    table = _table(1).at[1].set(0)
+    pos = jnp.asarray(LENGTHS, jnp.int32)[:, None]
+    vals = jnp.arange(B, dtype=jnp.float32)[:, None, None] + 1 + jnp.zeros((B, 1, C + DR))
+    new, new_scale = jax.jit(paged_latent.write_pages)(pages, scale, table, pos, vals, None, jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(new_scale), np.asarray(scale))  # scales change for fp8 pages only
+    np.testing.assert_array_equal(np.asarray(new[0]), 0.0)  # the other layer untouched
+    for b, n in enumerate(LENGTHS):  # row 1 (null table) writes into the null page 0
+        np.testing.assert_array_equal(np.asarray(new[1, int(table[b, n // S]), n % S]), b + 1)
+    assert int(np.sum(np.asarray(new[1]) != 0)) == B * (C + DR)  # one token per row, nothing else
+
+
+def test_registry_choices():
+    q_lat, _, pages, table, _ = _inputs(1, jnp.bfloat16)
+    assert pla.select("auto", q_lat, pages, table, platform="tpu") == "mosaic_tpu"
+    assert pla.select("auto", q_lat, pages, table, platform="gpu") == "xla"  # Dr = 8, S = 8: below tl.dot's 16
+    wide = jnp.zeros((P, 16, C + 16), jnp.bfloat16)
+    q16 = jnp.zeros((B, 1, 16, C), jnp.bfloat16)
+    assert pla.select("auto", q16, wide, table, platform="gpu") == ("triton" if TRITON_SHIPPED else "xla")
+    assert pla.select("auto", q_lat, pages, table, platform="cpu", interpret=True) == "mosaic_tpu"
+    assert pla.select("auto", q_lat, pages.astype(jnp.float8_e4m3fn), table, platform="tpu") == "xla"
+    assert pla.select("auto", q_lat, pages, table, platform="tpu", mesh_devices=2) == "xla"
+    with pytest.raises(KernelUnavailable, match="needs target platform tpu"):
+        pla.select("mosaic_tpu", q_lat, pages, table, platform="gpu")
+    with pytest.raises(KernelUnavailable, match="fp8 pages"):
+        pla.select("mosaic_tpu", q_lat, pages.astype(jnp.float8_e4m3fn), table, platform="tpu")
+    with pytest.raises(ValueError, match=r"pages must be \[R, P, S, C \+ Dr\]"):
+        pla.paged_attention_xla(q_lat, q_lat[..., :DR], pages[0], None, table, table[:, 0], 0.1, jnp.int32(0))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_kernel_compiles_for_v5p_and_reads_a_row_major_pool_in_place():
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    from jax.experimental.layout import Format, Layout
+    from jax.sharding import SingleDeviceSharding
+
+    from benchmarks.hlo_bytes import op_bytes
+
+    try:
+        dev = SingleDeviceSharding(topologies.get_topology_desc("v5p:2x2x1", platform="tpu").devices[0])
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"libtpu cannot describe v5p: {type(exc).__name__}: {exc}")
+    b, h, c, dr, s, maxp, p = 16, 96, 512, 64, 16, 256, 2049  # K3's MLA widths, 4,096-token rows, two layers
+    sds = lambda shape, dt, sh=dev: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    pool = sds((2, p, s, c + dr), jnp.bfloat16, Format(Layout((0, 1, 2, 3)), dev))  # row-major, as the kernel reads
+    fn = lambda ql, qr, pg, tb, pos, lyr: pla.paged_attention_tpu(ql, qr, pg, None, tb, pos, 0.07, lyr)
+    compiled = jax.jit(fn).lower(sds((b, 1, h, c), jnp.bfloat16), sds((b, 1, h, dr), jnp.bfloat16),
+                                 pool, sds((b, maxp), jnp.int32),
+                                 sds((b,), jnp.int32), sds((), jnp.int32)).compile()
+    rows = op_bytes(compiled.as_text())
+    one_layer = p * s * (c + dr) * 2
+    assert [r["kernel"] for r in rows if "kernel" in r] == ["mla_paged_decode"]
+    assert sum(r["bytes"] for r in rows if "kernel" not in r) < one_layer // 50, rows[:3]  # no copy of the pool
