@@ -411,8 +411,10 @@ class SpeculativeEngine(Engine):
             row = take_cache_row(cache, slot, axes)
             row_table = None if table is None else jax.lax.dynamic_slice_in_dim(table, slot, 1, 0)
             hook = media_lib.media_embeds_hook(media, tokens, cfg.pad_token_id)
+            # as the engine's prefill: a multi-token piece runs on the row's gathered view
             (logits, row), collected = apply_on_cache(model, variables, tokens, row, row_table, cdt,
-                                                      jnp.ones((1,), bool), mutable=[FEATURES], embeds_hook=hook)
+                                                      jnp.ones((1,), bool), mutable=[FEATURES], embeds_hook=hook,
+                                                      gather_view=tokens.shape[1] > 1)
             return (logits[0, -1].astype(jnp.float32), put_cache_row(cache, row, slot, axes),
                     target_features(cfg, dcfg, collected))
 
