@@ -4,9 +4,9 @@ Parts (``--parts``, in this order; each under its own wall-clock budget, one JSO
 
 - ``decode``: MXFP4 experts (packed E2M1 codes + E8M0 scales, HF layout) with <= 8 rows per expert. Measures an
   HBM copy (read + write bytes / s) first, then ``pallas_kernels.moe`` with ``implementation="triton"``
-  (Triton kernels decoding the codes in registers): one w1 grouped matmul swept over tiles (``--mx-tiles``; each
-  checked against the f32 XLA reference, ``rel_err_vs_ref``; the fastest matching one becomes ``gpu.MXFP4_TILES``
-  for the rest), the expert FFN (fused w1/w3
+  (Triton kernels decoding the codes in registers): one w1 grouped matmul swept over tiles (``--mx-tiles``
+  ``tm,tq,tn,warps,stages``, see ``gpu.MXFP4_TILES``; each checked against the f32 XLA reference,
+  ``rel_err_vs_ref``; the fastest matching one becomes ``gpu.MXFP4_TILES`` for the rest), the expert FFN (fused w1/w3
   + SiTU-GLU, then w2) on 64 local experts x 8 rows, the reference (dequantize to bf16 + ``jax.lax.ragged_dot``)
   on the same, and K3's decode routing
   (``--decode-tokens`` tokens, top-16 of 896 experts: dispatch + FFN + combine). ``gbps`` = weight bytes of the
@@ -138,8 +138,9 @@ def random_mxfp4(key, e: int, n: int, k: int) -> dict[str, jax.Array]:
     return {"weight_packed": codes, "weight_scale": scales}
 
 
-#: tiles (tm, tkh, tn, warps, stages) of the w1 sweep: the default first, then more bytes in flight per program.
-MX_TILES = "16,128,64,4,4;16,128,128,4,4;16,256,64,4,3;16,128,256,8,3"
+#: tiles (tm, tq, tn, warps, stages) of the w1 sweep: the default first, then more stages, wider N (two warpgroups),
+#: longer K steps, 8 token rows (mma.sync instead of wgmma), shorter K steps.
+MX_TILES = "16,64,64,4,3;16,64,64,4,4;16,64,128,8,3;16,128,64,4,3;8,64,64,4,3;8,64,128,8,3;8,128,64,4,3;16,32,64,4,4"
 
 
 def mx_bytes(w: dict[str, jax.Array], live_experts: int) -> int:
@@ -373,7 +374,7 @@ def main() -> None:
     ap.add_argument("--k3-experts", type=int, default=896)
     ap.add_argument("--k3-topk", type=int, default=16)
     ap.add_argument("--mx-tiles", default=MX_TILES,
-                    help="'tm,tkh,tn,warps,stages;...' MXFP4 tiles for the w1 sweep (each checked against the f32 "
+                    help="'tm,tq,tn,warps,stages;...' MXFP4 tiles for the w1 sweep (each checked against the f32 "
                          "reference; the fastest matching one drives the FFN)")
     ap.add_argument("--gmm-tiles", default="128,64,256,8,3;128,64,128,8,4")
     ap.add_argument("--mgpu-blocks", default="128,128,64,4,1;128,128,64,6,4;64,256,64,4,1;128,192,64,4,1",
