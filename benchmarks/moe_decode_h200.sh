@@ -34,10 +34,10 @@ PROF="--profile-batches 64 --profile-calls 1"
 decode new "$NEW" --cases 64:128:8,1:128:8 $PROF --profile-dir "$RUNS/prof/new"
 decode old "$OLD" --cases 64:128:8,1:128:8 $PROF --profile-dir "$RUNS/prof/old"
 (
-  locked moe_new "$NEW" 120 python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_S:-50}"
-  locked gpu_tests "$NEW" 100 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_gpu_mxfp4.py \
+  locked moe_new "$NEW" 90 python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_S:-50}"
+  locked gpu_tests "$NEW" 80 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_gpu_mxfp4.py \
     tests/test_moe_stacked_layer.py tests/test_decode_small_ops.py
-  locked moe_old "$OLD" 60 python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_OLD_S:-25}" \
+  locked moe_old "$OLD" 50 python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_OLD_S:-20}" \
     --mx-tiles 16,128,64,4,4
 ) &
 wait
