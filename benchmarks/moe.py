@@ -141,7 +141,7 @@ def random_mxfp4(key, e: int, n: int, k: int) -> dict[str, jax.Array]:
 
 #: tiles (tm, tq, tn, warps, stages) of the w1 sweep: 8 rows (the defaults for 8-row tiles first), then shorter K
 #: steps, more stages, 2 warps, 16 / 32 rows (two / four products per K step) with the 16+-row defaults and others.
-MX_TILES = "8,128,64,4,3;8,64,64,4,3;8,128,64,4,4;8,128,64,2,3;16,64,64,4,3;16,128,64,4,3;16,32,64,4,4;32,64,64,4,3"
+MX_TILES = "8,128,64,4,3;8,64,64,4,3;8,128,64,4,4;8,128,64,2,3;16,64,64,4,3;16,128,64,4,3;32,64,64,4,3"
 #: tiles of the fused w1/w3 + SiTU-GLU sweep (two weights): the defaults for 8 and 16+ rows, then twice their K step.
 MX_GLU_TILES = "8,64,64,4,3;16,32,64,4,3;8,128,64,4,3;16,64,64,4,3"
 

@@ -5,9 +5,9 @@
 #
 # Under the GPU env of benchmarks/RESULTS.md, every GPU section holds K3_BENCH_LOCK (compiles run in parallel,
 # timings one at a time): benchmarks/moe.py --parts decode of the new tree (its --mx-tiles sweep, expert FFN, K3
-# routing) then of the old tree (its default tiles: the same-run peer); the new tree's GPU tests of the MXFP4 kernels
+# routing) then of the old tree (its default tiles: the same-run peer; MOE_OLD=0 skips it); the new tree's GPU tests of the MXFP4 kernels
 # and their callers; benchmarks/decode.py on configs/k3-slice.json with MXFP4 experts at batch 64 and 1 (prompt 128,
-# 8 steps per call, batch 64 profiled) in both trees. Outputs under $OUT: moe.jsonl, decode.jsonl, gpu_tests.txt,
+# 8 steps per call; the new tree's batch 64 profiled) in both trees. Outputs under $OUT: moe.jsonl, decode.jsonl, gpu_tests.txt,
 # stderr.txt; a summary is printed last (decode rows with their greedy tokens compared to the old tree's).
 set -u
 : "${OLD:?} ${NEW:?} ${OUT:?}"
@@ -32,17 +32,19 @@ locked() {  # name tree seconds command...: one command in a tree, holding the l
 
 PROF="--profile-batches 64 --profile-calls 1"
 decode new "$NEW" --cases 64:128:8,1:128:8 $PROF --profile-dir "$RUNS/prof/new"
-decode old "$OLD" --cases 64:128:8,1:128:8 $PROF --profile-dir "$RUNS/prof/old"
+decode old "$OLD" --cases 64:128:8,1:128:8
 (
   locked moe_new "$NEW" 90 python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_S:-50}"
   locked gpu_tests "$NEW" 80 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_gpu_mxfp4.py \
     tests/test_moe_stacked_layer.py tests/test_decode_small_ops.py
-  locked moe_old "$OLD" 50 python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_OLD_S:-20}" \
-    --mx-tiles 16,128,64,4,4
+  if [ "${MOE_OLD:-1}" = 1 ]; then
+    locked moe_old "$OLD" 50 python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_OLD_S:-20}" \
+      --mx-tiles 16,128,64,4,4
+  fi
 ) &
 wait
 
-cat "$RUNS"/moe_new.out "$RUNS"/moe_old.out >"$OUT/moe.jsonl"
+cat "$RUNS"/moe_*.out >"$OUT/moe.jsonl"
 cat "$RUNS"/new.jsonl "$RUNS"/old.jsonl >"$OUT/decode.jsonl"
 cp "$RUNS/gpu_tests.out" "$OUT/gpu_tests.txt"
 for f in "$RUNS"/*.err; do echo "== $f"; tail -n 6 "$f"; done >"$OUT/stderr.txt"
