@@ -4,38 +4,40 @@
 #   OLD=/path/to/old/tree NEW=/path/to/new/tree OUT=/path/to/out TOTAL_S=200 bash benchmarks/moe_decode_h200.sh
 #
 # Under the GPU env of benchmarks/RESULTS.md, every GPU section holds K3_BENCH_LOCK (compiles run in parallel,
-# timings one at a time): benchmarks/moe.py --parts decode of the new tree (its --mx-tiles sweep, expert FFN, K3
-# routing) then of the old tree (its default tiles: the same-run peer; MOE_OLD=0 skips it); the new tree's GPU tests of the MXFP4 kernels
-# and their callers; benchmarks/decode.py on configs/k3-slice.json with MXFP4 experts at batch 64 and 1 (prompt 128,
-# 8 steps per call; the new tree's batch 64 profiled) in both trees. Outputs under $OUT: moe.jsonl, decode.jsonl, gpu_tests.txt,
-# stderr.txt; a summary is printed last (decode rows with their greedy tokens compared to the old tree's).
+# timings one at a time): benchmarks/moe.py --parts decode of the new tree (its tile sweeps, expert FFN, routed
+# steps) then of the old tree (its default tiles: the same-run peer; MOE_OLD=0 skips it); the new tree's GPU tests
+# of the MXFP4 kernels and their callers; benchmarks/decode.py on configs/k3-slice.json with MXFP4 experts at batch 64 and 1 (prompt 128,
+# 8 steps per call; the new tree's batch 64 profiled) in both trees. Outputs under $OUT (written as they run):
+# moe_new.out / moe_old.out, new.jsonl / old.jsonl (decode.py), gpu_tests.out, stderr.txt; a summary is printed last
+# (decode rows with their greedy tokens compared to the old tree's).
 set -u
 : "${OLD:?} ${NEW:?} ${OUT:?}"
 T=${TOTAL_S:-200}
 export XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false" K3_COMPILATION_CACHE=off \
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 K3_BENCH_LOCK=/tmp/k3_bench.lock
-RUNS=/tmp/k3_moe_runs
-mkdir -p "$RUNS/prof"
+RUNS=$OUT  # written as they run: a call cut short still returns what finished
+ERRS=/tmp/k3_moe_err
+mkdir -p "$ERRS/prof"
 
 decode() {  # name tree args...: one decode.py process in the background (takes the lock itself)
   local name=$1 dir=$2
   shift 2
   (cd "$dir" && PYTHONPATH="$dir" timeout "$T" python3 benchmarks/decode.py --experts mxfp4 --label "$name" "$@" \
-    >"$RUNS/$name.jsonl" 2>"$RUNS/$name.err") &
+    >"$RUNS/$name.jsonl" 2>"$ERRS/$name.err") &
 }
 
 locked() {  # name tree seconds command...: one command in a tree, holding the lock
   local name=$1 dir=$2 s=$3
   shift 3
-  (cd "$dir" && PYTHONPATH="$dir" flock "$K3_BENCH_LOCK" timeout "$s" "$@" >"$RUNS/$name.out" 2>"$RUNS/$name.err")
+  (cd "$dir" && PYTHONPATH="$dir" flock "$K3_BENCH_LOCK" timeout "$s" "$@" >"$RUNS/$name.out" 2>"$ERRS/$name.err")
 }
 
 PROF="--profile-batches 64 --profile-calls 1"
-decode new "$NEW" --cases 64:128:8,1:128:8 $PROF --profile-dir "$RUNS/prof/new"
+decode new "$NEW" --cases 64:128:8,1:128:8 $PROF --profile-dir "$ERRS/prof/new"
 decode old "$OLD" --cases 64:128:8,1:128:8
 (
-  locked moe_new "$NEW" 90 python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_S:-50}"
-  locked gpu_tests "$NEW" 80 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_moe_gpu_mxfp4.py \
+  locked moe_new "$NEW" "${MOE_T:-90}" python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_S:-50}"
+  locked gpu_tests "$NEW" "${TESTS_T:-80}" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_moe_gpu_mxfp4.py \
     tests/test_moe_stacked_layer.py tests/test_decode_small_ops.py
   if [ "${MOE_OLD:-1}" = 1 ]; then
     locked moe_old "$OLD" 50 python3 benchmarks/moe.py --parts decode --budget-decode "${MOE_OLD_S:-20}" \
@@ -44,12 +46,11 @@ decode old "$OLD" --cases 64:128:8,1:128:8
 ) &
 wait
 
-cat "$RUNS"/moe_*.out >"$OUT/moe.jsonl"
-cat "$RUNS"/new.jsonl "$RUNS"/old.jsonl >"$OUT/decode.jsonl"
-cp "$RUNS/gpu_tests.out" "$OUT/gpu_tests.txt"
-for f in "$RUNS"/*.err; do echo "== $f"; tail -n 6 "$f"; done >"$OUT/stderr.txt"
-tail -n 3 "$OUT/gpu_tests.txt"
-python3 - "$OUT/moe.jsonl" "$OUT/decode.jsonl" <<'PY'
+for f in "$ERRS"/*.err; do echo "== $f"; tail -n 6 "$f"; done >"$OUT/stderr.txt"
+tail -n 3 "$OUT/gpu_tests.out"
+cat "$OUT"/moe_*.out >"$ERRS/moe.jsonl"
+cat "$OUT"/new.jsonl "$OUT"/old.jsonl >"$ERRS/decode.jsonl"
+python3 - "$ERRS/moe.jsonl" "$ERRS/decode.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     if line.startswith("{"):
