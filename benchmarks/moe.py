@@ -139,11 +139,11 @@ def random_mxfp4(key, e: int, n: int, k: int) -> dict[str, jax.Array]:
     return {"weight_packed": codes, "weight_scale": scales}
 
 
-#: tiles (tm, tq, tn, warps, stages) of the w1 sweep: 8 rows (the defaults for 8-row tiles first), then shorter K
-#: steps, more stages, 2 warps, 16 / 32 rows (two / four products per K step) with the 16+-row defaults and others.
-MX_TILES = "8,128,64,4,3;8,64,64,4,3;8,128,64,4,4;8,128,64,2,3;16,64,64,4,3;16,128,64,4,3;32,64,64,4,3"
-#: tiles of the fused w1/w3 + SiTU-GLU sweep (two weights): the defaults for 8 and 16+ rows, then twice their K step.
-MX_GLU_TILES = "8,64,64,4,3;16,32,64,4,3;8,128,64,4,3;16,64,64,4,3"
+#: tiles (tm, tq, tn, warps, stages) of the w1 sweep: 8 rows (mma.sync; the 8-row defaults first), then a shorter K
+#: step, 2 warps, 16 / 32 rows (wgmma) with the 16+-row defaults and a longer K step.
+MX_TILES = "8,128,64,4,3;8,64,64,4,3;8,128,64,2,3;16,64,64,4,3;16,128,64,4,3;32,64,64,4,3"
+#: tiles of the fused w1/w3 + SiTU-GLU sweep (two weights): the defaults for 8 and 16+ rows, then half their K step.
+MX_GLU_TILES = "8,128,64,4,3;16,64,64,4,3;8,64,64,4,3;16,32,64,4,3"
 
 
 def mx_bytes(w: dict[str, jax.Array], live_experts: int) -> int:
@@ -214,7 +214,7 @@ def part_decode(a, budget: Budget) -> None:
     out_ours = None
     try:
         out_ours, tm = timeit(ours, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
-        report("ours_ffn", case, tm, ffn_bytes, tiles=[list(gpu.mxfp4_tiles(m, e, n)) for n in (2, 1)])
+        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.mxfp4_tiles(m, e)))
     except Exception as exc:  # noqa: BLE001
         err_line(part, "ours_ffn", exc, case=case)
     try:
@@ -245,7 +245,7 @@ def part_decode(a, budget: Budget) -> None:
                                                                            interpret=a.interpret))
             _, tm = timeit(f, z, ids, wts, experts, iters=a.decode_iters, budget=budget)
             report("ours_dispatch_ffn_combine", name, tm, nbytes, live_experts=live,
-                   tiles=[list(gpu.mxfp4_tiles(t * k, e, n)) for n in (2, 1)])
+                   tiles=list(gpu.mxfp4_tiles(t * k, e)))
             del experts
         except Exception as exc:  # noqa: BLE001
             err_line(part, "ours_dispatch_ffn_combine", exc, case=name)

@@ -244,13 +244,14 @@ def tgmm(lhs, dout, group_sizes, *, tiles=None, out_dtype=jnp.float32, interpret
 
 
 # ------------------------------------------------------------------------------------------- MXFP4 gmm
-# Layout. The kernel reads the HF codes ``u8 [E, N, K/2]`` as little-endian ``u16`` words ``[E, N, K/4]`` (a free
-# bitcast): word j holds K elements 4j..4j+3 as its nibbles 0..3 (bits 4c..4c+3 = element 4j + c). The four nibble
-# classes c are decoded into four ``[tn, tq]`` tiles, each multiplied with the matching column class of x
-# (:func:`columns_mod4`: x's columns reordered c = 0, 1, 2, 3 mod 4), so no tile ever interleaves nibbles. A 16-bit
-# word per decoded 16-bit value keeps the decode in the layout of the MMA's A operand (the weights are the A operand:
-# the product is computed as ``acc[tn, tm] = W x^T``, tn the weights' rows, tm the token rows: Hopper's wgmma takes A
-# from registers and needs only tm >= 8 token rows, where the weights as B would go through shared memory).
+# Layout. The kernel loads tiles of the HF codes ``u8 [E, N, K/2]`` and reads each as little-endian ``u16`` words
+# (:func:`code_words`, in registers: the byte pairs already share a register, so it compiles to nothing): word j holds
+# K elements 4j..4j+3 as its nibbles 0..3 (bits 4c..4c+3 = element 4j + c). The four nibble classes c are decoded
+# into four ``[tn, tq]`` tiles, each multiplied with the matching column class of x (:func:`columns_mod4`: x's
+# columns reordered c = 0, 1, 2, 3 mod 4), so no tile ever interleaves nibbles. A 16-bit word per decoded 16-bit
+# value keeps the decode in the layout of the MMA's A operand: the weights are the A operand, the product is
+# ``acc[tn, tm] = W x^T`` (tn the weights' rows, tm the token rows), an mma.sync m16n8k16 for tm = 8 and a wgmma
+# (A from registers) for tm >= 16; as the B operand the decoded weights went through shared memory.
 #
 # bf16 activations on the GPU (inline PTX, two words -> one bf16x2 register per class, 4.5 instructions per two
 # elements): ``and`` keeps nibble c of both words, one ``mul.lo`` places its magnitude bits at 6..8 and its sign at
@@ -343,13 +344,6 @@ def _decode_tile(words: jax.Array, scales_u8: jax.Array, dtype, interpret: bool)
     return [_decode(w >> (4 * c), f, dtype) for c in range(4)]
 
 
-ROW_CHUNK = 8
-"""Token rows per MMA in :func:`gmm_mxfp4`: a tile of tm rows runs tm / 8 products ``[tn, tq] x [tq, 8]`` on the
-same decoded weights (mma.sync m16n8k16 with the weights as A; no warp holds another warp's weights, where one
-[tn, 16+] product makes Triton take wgmma, whose register operand stays live for the whole K step, or split the
-rows over warps, each decoding the same weights)."""
-
-
 def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, x_ref, *refs,
                       tm: int, tq: int, tn: int, kq: int, num_groups: int, n_rhs: int, epilogue, interpret: bool,
                       stacked: bool):
@@ -358,75 +352,66 @@ def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, x_ref, *r
     w_refs, out_ref = refs[:2 * n_rhs], refs[2 * n_rhs]
     t = pl.program_id(1)
     j = pl.program_id(0)
-    chunks = tm // ROW_CHUNK
 
     @pl.when(t < num_ref[0])
     def _run():
-        g, r0 = gid_ref[t], row0_ref[t]  # as _tile_rows, per chunk of rows (tm need not be a power of two)
+        g, r0, smask = _tile_rows(gid_ref, row0_ref, ends_ref, t, tm)
         n0 = pl.multiple_of(j * tn, tn)
         gw = jnp.minimum(g, num_groups - 1)
         at = (layer_ref[0], gw) if stacked else (gw,)
         ts = tq // 8  # scales per K step (one per 32 elements = 8 code words)
-        dims = (((1,), (1,)), ((), ()))  # W [tn, tq] . x [8, tq] -> [tn, 8]
-        rows = [r0 + i * ROW_CHUNK + jnp.arange(ROW_CHUNK, dtype=jnp.int32) for i in range(chunks)]
-        masks = [(rw < ends_ref[g])[:, None] for rw in rows]
+        dims = (((1,), (1,)), ((), ()))  # W [tn, tq] . x [tm, tq] -> [tn, tm]
 
         def body(kk, accs):
             k0 = pl.multiple_of(kk * tq, tq)
-            xs = [[pltriton.load(x_ref.at[pl.ds(r0 + i * ROW_CHUNK, ROW_CHUNK), pl.ds(c * kq + k0, tq)],
-                                 mask=masks[i], other=0.0) for c in range(4)] for i in range(chunks)]
+            xs = [pltriton.load(x_ref.at[pl.ds(r0, tm), pl.ds(c * kq + k0, tq)], mask=smask[:, None], other=0.0)
+                  for c in range(4)]
             out = []
             for r in range(n_rhs):
                 words = code_words(w_refs[2 * r][(*at, pl.ds(n0, tn), pl.ds(2 * k0, 2 * tq))])
                 sc = w_refs[2 * r + 1][(*at, pl.ds(n0, tn), pl.ds(kk * ts, ts))]
-                ws = _decode_tile(words, sc, xs[0][0].dtype, interpret)
-                for i in range(chunks):
-                    acc = accs[r * chunks + i]
-                    for wc, xc in zip(ws, xs[i], strict=True):
-                        acc = acc + jax.lax.dot_general(wc, xc, dims, preferred_element_type=jnp.float32)
-                    out.append(acc)
+                acc = accs[r]
+                for wc, xc in zip(_decode_tile(words, sc, xs[0].dtype, interpret), xs, strict=True):
+                    acc = acc + jax.lax.dot_general(wc, xc, dims, preferred_element_type=jnp.float32)
+                out.append(acc)
             return tuple(out)
+
+        dst = out_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)]
 
         # A static trip count (a traced one lowers to an scf.for whose bounds Triton rejects, seen on the
         # H200); the virtual trailing group (rows past sum(group_sizes)) streams no weights and stores zeros.
         @pl.when(g < num_groups)
         def _real_group():
-            accs = tuple(jnp.zeros((tn, ROW_CHUNK), jnp.float32) for _ in range(n_rhs * chunks))
+            accs = tuple(jnp.zeros((tn, tm), jnp.float32) for _ in range(n_rhs))
             accs = jax.lax.fori_loop(0, kq // tq, body, accs)
-            for i in range(chunks):
-                val = accs[i] if epilogue is None else epilogue(*accs[i::chunks])
-                pltriton.store(out_ref.at[pl.ds(r0 + i * ROW_CHUNK, ROW_CHUNK), pl.ds(n0, tn)],
-                               val.T.astype(out_ref.dtype), mask=masks[i])
+            val = epilogue(*accs) if epilogue is not None else accs[0]
+            pltriton.store(dst, val.T.astype(out_ref.dtype), mask=smask[:, None])
 
         @pl.when(g >= num_groups)
         def _virtual_group():
-            for i in range(chunks):
-                pltriton.store(out_ref.at[pl.ds(r0 + i * ROW_CHUNK, ROW_CHUNK), pl.ds(n0, tn)],
-                               jnp.zeros((ROW_CHUNK, tn), out_ref.dtype), mask=masks[i])
+            pltriton.store(dst, jnp.zeros((tm, tn), out_ref.dtype), mask=smask[:, None])
 
 
-MXFP4_TILES = {(8, 1): (128, 64, 4, 3), (8, 2): (64, 64, 4, 3), (16, 1): (64, 64, 4, 3), (16, 2): (32, 64, 4, 3)}
-""":func:`gmm_mxfp4`'s tiles ``(tq, tn, num_warps, num_stages)`` by (token rows per tile: 8, or 16 and more; weights:
-1, or 2 with the epilogue). tq counts u16 code words (4 K elements each) per K step, halved per doubling of the
-decoded weights that stay in registers while the tm / 8 products use them (more takes ~180 registers: half the
-programs per SM)."""
+MXFP4_TILES = {8: (128, 64, 4, 3), 16: (64, 64, 4, 3)}
+""":func:`gmm_mxfp4`'s tiles ``(tq, tn, num_warps, num_stages)`` by token rows per tile (8, or 16 and more); tq
+counts u16 code words (4 K elements each) per K step. An 8-row product is an mma.sync m16n8k16 (A = the decoded
+weights in registers); 16+ rows make Triton take wgmma, whose register operand stays live for the whole K step,
+so the step is halved there (128 words with 16 rows took ~195 registers and streamed slower, benchmarks/RESULTS.md).
+"""
 
 
 def mxfp4_rows_tile(m: int, e: int) -> int:
-    """Token rows per tile for ``m`` rows routed over ``e`` experts: the mean rows per expert plus two standard
-    deviations of uniform routing (about ``2 sqrt(mean)``), rounded up to a multiple of ROW_CHUNK, at most 64: most
-    experts' rows fit one tile (each extra tile decodes and streams the expert's weights again), and rows that stay
-    empty cost only their share of the products."""
-    mean = m / max(e, 1)
-    want = mean + 2.0 * mean**0.5
-    return int(min(64, max(ROW_CHUNK, -(-int(want + 0.999) // ROW_CHUNK) * ROW_CHUNK)))
+    """Token rows per tile for ``m`` rows over ``e`` experts: twice the mean rows per expert as a power of two in
+    [8, 32], so that most experts' rows fit one tile (each extra tile decodes and streams the expert's weights
+    again). 32 at most: a 64-row tile takes 113 KB of shared memory (one program per SM)."""
+    want = 2 * -(-m // max(e, 1))
+    return int(min(32, max(8, 1 << (want - 1).bit_length())))
 
 
-def mxfp4_tiles(m: int, e: int, n_rhs: int = 1) -> tuple[int, int, int, int, int]:
-    """``(tm, tq, tn, num_warps, num_stages)`` of :func:`gmm_mxfp4` for ``m`` rows over ``e`` experts and ``n_rhs``
-    weights."""
+def mxfp4_tiles(m: int, e: int) -> tuple[int, int, int, int, int]:
+    """``(tm, tq, tn, num_warps, num_stages)`` of :func:`gmm_mxfp4` for ``m`` rows over ``e`` experts."""
     tm = mxfp4_rows_tile(m, e)
-    return (tm, *MXFP4_TILES[(min(tm, 16), n_rhs)])
+    return (tm, *MXFP4_TILES[min(tm, 16)])
 
 
 def gmm_mxfp4(
@@ -447,8 +432,8 @@ def gmm_mxfp4(
       weights: one ``(codes u8 [E, N, K/2], scales u8 [E, N, K/32])`` pair (HF layout, as stored in the
         checkpoint: no transpose, no dequantized copy), or two with ``epilogue(acc1, acc2) -> f32`` (elementwise).
       group_sizes: ``[E] i32``; experts with no rows are not read.
-      tiles: ``(tm, tq, tn, num_warps, num_stages)`` (default :func:`mxfp4_tiles`); tm a multiple of 8; tq counts
-        u16 code words (4 K elements) per step, a multiple of 8 (16 or more when compiled).
+      tiles: ``(tm, tq, tn, num_warps, num_stages)`` (default :func:`mxfp4_tiles`); tm a power of two >= 8; tq
+        counts u16 code words (4 K elements) per step, a multiple of 8 (16 or more when compiled).
       layer: i32 scalar: every codes/scales array is a stack ``[L, E, ...]`` read in place at that layer
         (clamped into ``[0, L)``).
     Returns:
@@ -470,12 +455,11 @@ def gmm_mxfp4(
                              f"[(L,) E, N, {k // 32}], got {codes.shape} / {scales.shape} (first codes {codes0.shape})")
     if 2 * kh != k or k % 32:
         raise ValueError(f"gpu.gmm_mxfp4: x has K={k} but codes {codes0.shape} imply K={2 * kh} (K % 32 == 0)")
-    tm, tq, tn, warps, stages = tiles or mxfp4_tiles(m, e, len(weights))
+    tm, tq, tn, warps, stages = tiles or mxfp4_tiles(m, e)
     kq = k // 4
     tq, tn = min(tq, kq), min(tn, n)
-    if kq % tq or tq % 8 or n % tn or tm % ROW_CHUNK:
-        raise ValueError(f"gpu.gmm_mxfp4: K/4={kq}, N={n} must be multiples of tq={tq} (a multiple of 8), tn={tn}; "
-                         f"tm={tm} a multiple of {ROW_CHUNK}")
+    if kq % tq or tq % 8 or n % tn:
+        raise ValueError(f"gpu.gmm_mxfp4: K/4={kq}, N={n} must be multiples of tq={tq} (a multiple of 8), tn={tn}")
     xe = columns_mod4(x)
     if x.dtype == jnp.bfloat16 and not interpret:  # the PTX decode's weights carry 2^-XSHIFT
         xe = xe * jnp.asarray(2.0**XSHIFT, xe.dtype)
