@@ -4,13 +4,14 @@ Parts (``--parts``, in this order; each under its own wall-clock budget, one JSO
 
 - ``decode``: MXFP4 experts (packed E2M1 codes + E8M0 scales, HF layout) with <= 8 rows per expert. Measures an
   HBM copy (read + write bytes / s) first, then ``pallas_kernels.moe`` with ``implementation="triton"``
-  (Triton kernels decoding the codes in registers): one w1 grouped matmul swept over tiles (``--mx-tiles``; each
-  checked against the f32 XLA reference, ``rel_err_vs_ref``; the fastest matching one becomes ``gpu.MXFP4_TILES``
-  for the rest), the expert FFN (fused w1/w3
-  + SiTU-GLU, then w2) on 64 local experts x 8 rows, the reference (dequantize to bf16 + ``jax.lax.ragged_dot``)
-  on the same, and K3's decode routing
-  (``--decode-tokens`` tokens, top-16 of 896 experts: dispatch + FFN + combine). ``gbps`` = weight bytes of the
-  experts that received rows (codes + scales) / time; ``pct_hbm`` = that / the copy bandwidth.
+  (Triton kernels decoding the codes in registers) on 64 local experts x 8 rows: one w1 grouped matmul swept over
+  tiles (``--mx-tiles`` ``tm,tq,tn,warps,stages``) and the fused w1/w3 + SiTU-GLU kernel over ``--mx-glu-tiles``
+  (each checked against the f32 XLA reference, ``rel_err_vs_ref``), then with the kernels' own tiles
+  (``gpu.mxfp4_tiles``): the expert FFN (fused w1/w3 + SiTU-GLU, then w2), the reference (dequantize to bf16 +
+  ``jax.lax.ragged_dot``) on the same, and routed decode steps (``--routing`` ``tokens:topk:experts``, uniform
+  random top-k: dispatch + FFN + combine; K3's 64 tokens top-16 of 896 and k3-slice's 64 tokens top-4 of 16).
+  ``gbps`` = weight bytes of the experts that received rows (codes + scales) / time; ``pct_hbm`` = that / the copy
+  bandwidth.
 - ``ffn``: the routed expert FFN ``w2(SiTU-GLU(x w1, x w3))`` at K3 shapes (L = 3584, I = 3072; 65,536 rows over 64
   local experts, balanced and skewed), forward and forward+backward (grads of x, w1, w3, w2), peers: ``ours``
   (``expert_ffn(implementation="triton")``: two grouped matmuls + XLA SiTU-GLU, then w2), ``mosaic_gpu`` (the same
@@ -138,8 +139,11 @@ def random_mxfp4(key, e: int, n: int, k: int) -> dict[str, jax.Array]:
     return {"weight_packed": codes, "weight_scale": scales}
 
 
-#: tiles (tm, tkh, tn, warps, stages) of the w1 sweep: the default first, then more bytes in flight per program.
-MX_TILES = "16,128,64,4,4;16,128,128,4,4;16,256,64,4,3;16,128,256,8,3"
+#: tiles (tm, tq, tn, warps, stages) of the w1 sweep: 8 rows (mma.sync; the 8-row defaults first), then a shorter K
+#: step, 2 warps, 16 / 32 rows (wgmma) with the 16+-row defaults and a longer K step.
+MX_TILES = "8,128,64,4,3;8,64,64,4,3;8,128,64,2,3;16,64,64,4,3;16,128,64,4,3;32,64,64,4,3"
+#: tiles of the fused w1/w3 + SiTU-GLU sweep (two weights): the defaults for 8 and 16+ rows, then half their K step.
+MX_GLU_TILES = "8,128,64,4,3;16,64,64,4,3;8,64,64,4,3;16,32,64,4,3"
 
 
 def mx_bytes(w: dict[str, jax.Array], live_experts: int) -> int:
@@ -174,30 +178,35 @@ def part_decode(a, budget: Budget) -> None:
     w1, w3 = random_mxfp4(ks[1], e, inter, lat), random_mxfp4(ks[2], e, inter, lat)
     w2 = random_mxfp4(ks[3], e, lat, inter)
     case = f"E{e}x{rows}"
-    best = None
     try:  # every combo is checked against the f32 XLA reference (dequantised f32 weights, HIGHEST precision)
-        base = jax.jit(lambda x, w, g: ref.grouped_matmul(x.astype(jnp.float32), ref.dense_expert_weight(
-            w, jnp.float32), g))(x, w1, gs)
+        refs = jax.jit(lambda x, w1, w3, g: (
+            ref.grouped_matmul(x.astype(jnp.float32), ref.dense_expert_weight(w1, jnp.float32), g),
+            ref.grouped_matmul(x.astype(jnp.float32), ref.dense_expert_weight(w3, jnp.float32), g)))(x, w1, w3, gs)
+        base, glu_base = refs[0], ref.situ_glu(*refs)
     except Exception as exc:  # noqa: BLE001
         err_line(part, "reference_gmm_w1", exc, case=case)
-        base = None
-    for cfg in a.mx_tiles.split(";"):
-        tiles = tuple(int(v) for v in cfg.split(","))
-        try:
-            f = jax.jit(lambda x, c, s, g, t=tiles: gpu.gmm_mxfp4(x, [(c, s)], g, tiles=t, interpret=a.interpret))
-            out, tm = timeit(f, x, w1["weight_packed"], w1["weight_scale"], gs, iters=a.decode_iters, budget=budget)
-            err = rel_err(out, base) if base is not None else None  # None: the reference failed (its line)
-            report("ours_gmm_w1", case, tm, mx_bytes(w1, e), tiles=list(tiles),
-                   rel_err_vs_ref=err, finite=bool(jnp.all(jnp.isfinite(out))))
-            if err is not None and err <= 1e-2 and (best is None or tm["ms"] < best[0]):
-                best = (tm["ms"], tiles)
-            del out
-        except Exception as exc:  # noqa: BLE001
-            err_line(part, "ours_gmm_w1", exc, case=case, tiles=list(tiles))
-    if best is not None:
-        gpu.MXFP4_TILES = best[1]
-        emit({"part": part, "case": case, "best_mx": {"tiles": list(best[1]), "ms": best[0]}})
-    del base
+        base = glu_base = None
+    glu = ref.situ_epilogue(4.0, 25.0, jnp.float32)
+    sweeps = [("ours_gmm_w1", a.mx_tiles, mx_bytes(w1, e), base,
+               lambda x, w1, w3, g, t: gpu.gmm_mxfp4(x, [(w1["weight_packed"], w1["weight_scale"])], g, tiles=t,
+                                                     interpret=a.interpret)),
+              ("ours_glu_w1w3", a.mx_glu_tiles, mx_bytes(w1, e) + mx_bytes(w3, e), glu_base,
+               lambda x, w1, w3, g, t: gpu.gmm_mxfp4(x, [(w["weight_packed"], w["weight_scale"]) for w in (w1, w3)],
+                                                     g, epilogue=glu, out_dtype=jnp.float32, tiles=t,
+                                                     interpret=a.interpret))]
+    for peer, cfgs, nbytes, want, call in sweeps:
+        for cfg in filter(None, cfgs.split(";")):
+            tiles = tuple(int(v) for v in cfg.split(","))
+            try:
+                f = jax.jit(functools.partial(call, t=tiles))
+                out, tm = timeit(f, x, w1, w3, gs, iters=a.decode_iters, budget=budget)
+                err = rel_err(out, want) if want is not None else None  # None: the reference failed (its line)
+                report(peer, case, tm, nbytes, tiles=list(tiles), rel_err_vs_ref=err,
+                       finite=bool(jnp.all(jnp.isfinite(out))))
+                del out
+            except Exception as exc:  # noqa: BLE001
+                err_line(part, peer, exc, case=case, tiles=list(tiles))
+    del base, glu_base
     ffn_bytes = mx_bytes(w1, e) + mx_bytes(w3, e) + mx_bytes(w2, e)
     ours = jax.jit(lambda x, g, w1, w3, w2: ops.expert_ffn(x, g, w1, w3, w2, implementation="triton",
                                                             interpret=a.interpret))
@@ -205,7 +214,7 @@ def part_decode(a, budget: Budget) -> None:
     out_ours = None
     try:
         out_ours, tm = timeit(ours, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
-        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.MXFP4_TILES))
+        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.mxfp4_tiles(m, e)))
     except Exception as exc:  # noqa: BLE001
         err_line(part, "ours_ffn", exc, case=case)
     try:
@@ -217,27 +226,30 @@ def part_decode(a, budget: Budget) -> None:
     del x, w1, w3, w2, out_ours
     gc.collect()
 
-    # Case 2: K3 decode routing, T tokens x top-16 of 896 experts, full dispatch + FFN + combine.
-    e, k, t = a.k3_experts, a.k3_topk, a.decode_tokens
-    ks = jax.random.split(jax.random.key(2), 6)
-    try:
-        if budget.left() < 5:
-            raise TimeoutError("part budget spent")
-        z = jax.random.normal(ks[0], (t, lat), jnp.bfloat16)
-        ids = jax.lax.top_k(jax.random.normal(ks[1], (t, e)), k)[1].astype(jnp.int32)
-        wts = jax.nn.softmax(jax.random.normal(ks[2], (t, k)), axis=-1)
-        experts = {"w1": random_mxfp4(ks[3], e, inter, lat), "w3": random_mxfp4(ks[4], e, inter, lat),
-                   "w2": random_mxfp4(ks[5], e, lat, inter)}
-        live = int(np.unique(np.asarray(ids)).size)
-        nbytes = sum(mx_bytes(w, live) for w in experts.values())
-        f = jax.jit(lambda z, ids, wts, ex: ops.moe_dispatch_combine(z, ids, wts, ex, implementation="triton",
-                                                                       interpret=a.interpret))
-        _, tm = timeit(f, z, ids, wts, experts, iters=a.decode_iters, budget=budget)
-        report("ours_dispatch_ffn_combine", f"T{t}_top{k}_of_{e}", tm, nbytes, live_experts=live)
-        del experts
-    except Exception as exc:  # noqa: BLE001
-        err_line(part, "ours_dispatch_ffn_combine", exc, case=f"T{t}_top{k}_of_{e}")
-    gc.collect()
+    # Routed decode steps: T tokens x top-k of E experts, full dispatch + FFN + combine.
+    for n_case, spec in enumerate(filter(None, a.routing.split(","))):
+        t, k, e = (int(v) for v in spec.split(":"))
+        ks = jax.random.split(jax.random.key(2 + n_case), 6)
+        name = f"T{t}_top{k}_of_{e}"
+        try:
+            if budget.left() < 5:
+                raise TimeoutError("part budget spent")
+            z = jax.random.normal(ks[0], (t, lat), jnp.bfloat16)
+            ids = jax.lax.top_k(jax.random.normal(ks[1], (t, e)), k)[1].astype(jnp.int32)
+            wts = jax.nn.softmax(jax.random.normal(ks[2], (t, k)), axis=-1)
+            experts = {"w1": random_mxfp4(ks[3], e, inter, lat), "w3": random_mxfp4(ks[4], e, inter, lat),
+                       "w2": random_mxfp4(ks[5], e, lat, inter)}
+            live = int(np.unique(np.asarray(ids)).size)
+            nbytes = sum(mx_bytes(w, live) for w in experts.values())
+            f = jax.jit(lambda z, ids, wts, ex: ops.moe_dispatch_combine(z, ids, wts, ex, implementation="triton",
+                                                                           interpret=a.interpret))
+            _, tm = timeit(f, z, ids, wts, experts, iters=a.decode_iters, budget=budget)
+            report("ours_dispatch_ffn_combine", name, tm, nbytes, live_experts=live,
+                   tiles=list(gpu.mxfp4_tiles(t * k, e)))
+            del experts
+        except Exception as exc:  # noqa: BLE001
+            err_line(part, "ours_dispatch_ffn_combine", exc, case=name)
+        gc.collect()
 
 
 # ----------------------------------------------------------------------------------------- bf16 expert FFN
@@ -369,12 +381,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--decode-iters", type=int, default=50)
     ap.add_argument("--decode-rows", type=int, default=8, help="rows per local expert (decode case 1)")
-    ap.add_argument("--decode-tokens", type=int, default=64, help="tokens of decode case 2 (K3 routing)")
-    ap.add_argument("--k3-experts", type=int, default=896)
-    ap.add_argument("--k3-topk", type=int, default=16)
+    ap.add_argument("--routing", default="64:16:896,64:4:16",
+                    help="'tokens:topk:experts,...' routed decode steps (K3's, k3-slice's)")
     ap.add_argument("--mx-tiles", default=MX_TILES,
-                    help="'tm,tkh,tn,warps,stages;...' MXFP4 tiles for the w1 sweep (each checked against the f32 "
-                         "reference; the fastest matching one drives the FFN)")
+                    help="'tm,tq,tn,warps,stages;...' MXFP4 tiles for the w1 sweep (each checked against the f32 "
+                         "reference)")
+    ap.add_argument("--mx-glu-tiles", default=MX_GLU_TILES, help="the same for the fused w1/w3 + SiTU-GLU kernel")
     ap.add_argument("--gmm-tiles", default="128,64,256,8,3;128,64,128,8,4")
     ap.add_argument("--mgpu-blocks", default="128,128,64,4,1;128,128,64,6,4;64,256,64,4,1;128,192,64,4,1",
                     help="'block_m,block_n,block_k,stages,grid_block_n;...' of the Mosaic GPU kernel (gmm part)")

@@ -24,7 +24,7 @@ def _fp32_reference_dots(request):
         yield
 
 
-MX_TILES = (8, 16, 16, 4, 2)  # tm, tkh, tn: 2 K steps and 2 N tiles on the shapes below
+MX_TILES = (8, 8, 16, 4, 2)  # tm, tq (u16 code words), tn: 2 K steps and 2 N tiles on the shapes below
 SIZES = ([5, 0, 12, 3], [0, 0, 20, 0])  # empty experts + trailing rows; one expert takes every row
 E, K, N, M = 4, 64, 32, 24
 
@@ -106,9 +106,9 @@ def test_ops_dispatch_mxfp4_expert_ffn_and_gmm():
 
 
 # ------------------------------------------------------------------------------------------------- decodes
-#: E8M0 scales each decode gets exactly (see the comment above gpu._decode_tile). f32 from 2 here: its f32 products
-#: for s = 0/1 are subnormal and XLA:CPU flushes them (the GPU keeps them).
-EXACT_SCALES = {"f32": range(2, 241), "asm": range(0, 256)}
+#: E8M0 scales each decode gets exactly (see the comment above gpu.XSHIFT). f32 from 2 here: its f32 products for
+#: s = 0/1 are subnormal and XLA:CPU flushes them (the GPU keeps them).
+EXACT_SCALES = {"f32": range(2, 241), "asm": range(gpu.EXACT_SCALES[0], gpu.EXACT_SCALES[1] + 1)}
 
 
 def _all_bytes_tile(scales):
@@ -118,13 +118,16 @@ def _all_bytes_tile(scales):
     return jnp.asarray(codes), jnp.asarray(np.repeat(s[:, None], 16, axis=1))
 
 
-def _reference_lo_hi(codes, scales):
+def _reference_classes(codes, scales):
     """Exact MXFP4 values (float64 E2M1 x 2^(s-127), 255 -> NaN, then f32: overflow -> inf like the f32 reference)
-    split into the even / odd K columns. Computed in numpy: XLA:CPU flushes the f32 subnormals that scale 0/1 give."""
-    c, s = np.asarray(codes).astype(np.int64), np.repeat(np.asarray(scales).astype(np.float64), 16, axis=1)
+    of K elements 4j + c, c = 0..3 (the nibble classes). Computed in numpy: XLA:CPU flushes the f32 subnormals that
+    scale 0/1 give."""
+    c, s = np.asarray(codes).astype(np.int64), np.repeat(np.asarray(scales).astype(np.float64), 32, axis=1)
     scale = np.where(s == 255, np.nan, np.exp2(s - 127.0))
+    nib = np.stack([c & 15, c >> 4], axis=-1).reshape(c.shape[0], -1)  # element 2i = low nibble of byte i
     with np.errstate(over="ignore", invalid="ignore"):
-        return tuple((E2M1_LUT[(c >> sh) & 15].astype(np.float64) * scale).astype(np.float32) for sh in (0, 4))
+        vals = (E2M1_LUT[nib].astype(np.float64) * scale).astype(np.float32)
+    return tuple(vals[:, cls::4] for cls in range(4))
 
 
 def _bits_f32(x) -> np.ndarray:
@@ -139,15 +142,21 @@ def _assert_same_values(got, want):
     assert np.array_equal(np.signbit(got[both]), np.signbit(want[both])), "signed zero lost"
 
 
+def test_code_words_are_little_endian_byte_pairs():
+    codes = jnp.asarray(np.arange(8, dtype=np.uint8).reshape(1, 8))
+    np.testing.assert_array_equal(np.asarray(gpu.code_words(codes)), [[0x0100, 0x0302, 0x0504, 0x0706]])
+    x = jnp.arange(8.0)[None]
+    np.testing.assert_array_equal(np.asarray(gpu.columns_mod4(x)), [[0, 4, 1, 5, 2, 6, 3, 7]])
+
+
 def test_f32_decode_exact_on_all_codes():
     """Every byte (16 x 16 codes) x every E8M0 scale of its contract: the f32 decode (f32 activations, and bf16 in
     the interpreter) gives the reference values in bf16. The PTX decode is checked on its text below (IEEE
-    arithmetic: XLA:CPU flushes the bf16 subnormal it passes +-0.5 through)."""
+    arithmetic: XLA:CPU flushes the bf16 subnormals it passes +-0.5 through)."""
     codes, scales = _all_bytes_tile(EXACT_SCALES["f32"])
-    lo, hi = gpu._decode_tile(codes, scales, jnp.bfloat16, interpret=True)
-    want_lo, want_hi = _reference_lo_hi(codes, scales)
-    _assert_same_values(_bits_f32(lo), want_lo)
-    _assert_same_values(_bits_f32(hi), want_hi)
+    got = gpu._decode_tile(gpu.code_words(codes), scales, jnp.bfloat16, interpret=True)
+    for g, want in zip(got, _reference_classes(codes, scales), strict=True):
+        _assert_same_values(_bits_f32(g), want)
 
 
 # A tiny PTX interpreter for the instructions of gpu._mxfp4_asm, so the asm text itself is checked on CPU.
@@ -157,8 +166,8 @@ def _bf16_bits_to_f32(h):
 
 def _f32_to_bf16_bits_exact(f):
     b = np.asarray(f, np.float32).view(np.uint32)
-    assert np.all((b & 0xFFFF) == 0) | np.isnan(f).all(), "bf16 product not exact (test assumes exact products)"
-    return (b >> 16).astype(np.uint32)
+    assert np.all(((b & 0xFFFF) == 0) | np.isnan(f)), "bf16 product not exact (test assumes exact products)"
+    return np.where(np.isnan(f), 0x7FC0, b >> 16).astype(np.uint32)
 
 
 def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -170,31 +179,17 @@ def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             continue
         op, args = line.split(None, 1)
         a = [t.strip() for t in args.split(",")]
-        x = [val(t) for t in a[1:]]
-        if op == "mov.b32":
-            r = x[0]
-        elif op == "shl.b32":
-            r = x[0] << x[1]
+        x = [np.asarray(val(t), np.uint32) for t in a[1:]]
+        if op == "shr.b32":
+            r = x[0] >> x[1]
         elif op == "and.b32":
             r = x[0] & x[1]
-        elif op == "prmt.b32":  # default mode: selector nibble i picks byte (nibble & 7) of {b, a}; bit 3 unused here
-            src = (np.asarray(x[1], np.uint64) << 32) | np.asarray(x[0], np.uint64)
-            sel = int(a[3], 0)
-            assert sel < 0x10000 and not sel & 0x8888, "sign-replicate mode not emulated"
-            r = sum((((src >> np.uint64(8 * ((sel >> 4 * i) & 7))) & np.uint64(0xFF)) << np.uint64(8 * i))
-                    for i in range(4)).astype(np.uint32)
-        elif op == "lop3.b32":
-            lut = int(a[4], 0)
-            f, b, c = (np.asarray(v, np.uint32) for v in x[:3])
-            r = np.zeros_like(f | b | c)
-            for bit in range(8):  # LUT bit index = (a-bit << 2) | (b-bit << 1) | c-bit with a=0xF0, b=0xCC, c=0xAA
-                if lut >> bit & 1:
-                    term = (f if bit & 4 else ~f) & (b if bit & 2 else ~b) & (c if bit & 1 else ~c)
-                    r = r | term
+        elif op == "mul.lo.u32":
+            r = (x[0].astype(np.uint64) * x[1].astype(np.uint64)) & np.uint64(0xFFFFFFFF)
         elif op == "mul.rn.bf16x2":
-            lo = _bf16_bits_to_f32(x[0] & 0xFFFF) * _bf16_bits_to_f32(x[1] & 0xFFFF)
-            hi = _bf16_bits_to_f32(x[0] >> 16) * _bf16_bits_to_f32(x[1] >> 16)
-            with np.errstate(invalid="ignore", over="ignore"):
+            with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 past the exact scales
+                lo = _bf16_bits_to_f32(x[0] & 0xFFFF) * _bf16_bits_to_f32(x[1] & 0xFFFF)
+                hi = _bf16_bits_to_f32(x[0] >> 16) * _bf16_bits_to_f32(x[1] >> 16)
                 r = _f32_to_bf16_bits_exact(lo) | (_f32_to_bf16_bits_exact(hi) << 16)
         else:
             raise AssertionError(f"PTX op {op} not emulated")
@@ -202,19 +197,34 @@ def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return regs
 
 
+def _ptx_decode(scales) -> list[np.ndarray]:
+    """gpu._mxfp4_asm's four classes through the emulator on all 256 bytes under each scale, times 2^XSHIFT (the
+    activations' factor): ``[S, 128]`` f32 per class."""
+    s = np.asarray(list(scales), np.int32)
+    sbits = np.asarray(gpu._scale_bits(jnp.asarray(s)), np.uint32)
+    words = np.arange(256, dtype=np.uint32).reshape(64, 2, 2)  # words [64, 2]: bytes (2w, 2w + 1)
+    words = (words[..., 0] | words[..., 1] << 8).astype(np.uint32)
+    pair = np.broadcast_to((words[:, 0] | words[:, 1] << 16)[None], (s.size, 64))
+    sreg = np.broadcast_to((sbits | sbits << 16)[:, None], (s.size, 64)).astype(np.uint32)
+    out = []
+    for cls in range(4):
+        r = _run_ptx(gpu._mxfp4_asm(cls), {"$1": pair, "$2": sreg})["$0"]
+        v = _bf16_bits_to_f32(np.stack([r & 0xFFFF, r >> 16], axis=-1).reshape(s.size, 128))
+        out.append(v * np.float32(2.0**gpu.XSHIFT))
+    return out
+
+
 def test_inline_ptx_decodes_like_reference():
-    """gpu._mxfp4_asm's PTX, run by the emulator above on all 256 bytes (4 per block) x every E8M0 scale."""
-    scales = np.asarray(EXACT_SCALES["asm"], np.int32)
-    sbits = np.asarray(gpu._scale_bf16_bits(jnp.asarray(scales)), np.uint32)
-    packed = np.arange(256, dtype=np.uint32).reshape(64, 4)
-    word = packed[:, 0] | packed[:, 1] << 8 | packed[:, 2] << 16 | packed[:, 3] << 24  # b0 lowest (Triton's packing)
-    word = np.broadcast_to(word[None], (scales.size, 64))
-    sreg = np.broadcast_to((sbits | sbits << 16)[:, None], (scales.size, 64)).astype(np.uint32)
+    """gpu._mxfp4_asm's PTX, run by the emulator above on all 256 bytes x every E8M0 scale it gets exactly."""
     codes, sc = _all_bytes_tile(EXACT_SCALES["asm"])
-    for high, want in zip((False, True), _reference_lo_hi(codes, sc), strict=True):
-        regs = _run_ptx(gpu._mxfp4_asm(high), {"$2": word, "$3": sreg, "$4": sreg})
-        got = np.stack([regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16], axis=-1)
-        _assert_same_values(_bf16_bits_to_f32(got.reshape(scales.size, 256)), want)
+    for got, want in zip(_ptx_decode(EXACT_SCALES["asm"]), _reference_classes(codes, sc), strict=True):
+        _assert_same_values(got, want)
+
+
+def test_inline_ptx_saturates_large_scales():
+    """Scales past gpu.EXACT_SCALES (255 = NaN included) decode to non-finite values, never to finite wrong ones."""
+    for got in _ptx_decode(range(gpu.EXACT_SCALES[1] + 1, 256)):
+        assert not np.isfinite(got).any()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

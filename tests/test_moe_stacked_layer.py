@@ -35,6 +35,8 @@ def _stacks(key, mxfp4: bool) -> dict:
 @pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["f32", "mxfp4"])
 def test_stacked_expert_ffn_equals_the_layer_slice(mxfp4, impl):
+    if impl == "mosaic_tpu" and jax.default_backend() != "cpu":
+        pytest.skip("mosaic_tpu runs in interpret mode on a CPU target only (the registry refuses a GPU target)")
     x = jax.random.normal(jax.random.key(0), (M, LAT))
     w = _stacks(jax.random.key(1), mxfp4)
 

@@ -159,7 +159,6 @@ DECODE_TILES = (16, 64, 64, 4, 3)
 """:func:`gmm`'s tiles for at most ``tm = 16`` rows (a decode step of a few tokens): no group can span two row
 tiles (each expert's weight is read once), and N cut into 64-wide tiles gives a few live experts enough
 programs to stream their weights over most of the GPU (256-wide: 12 programs per expert for N = 3,072)."""
-MXFP4_TILES = (16, 128, 64, 4, 4)  # tm, tkh (packed bytes of K per step), tn, num_warps, num_stages
 TGMM_TILES = (64, 128, 128, 8, 3)
 
 
@@ -245,9 +244,41 @@ def tgmm(lhs, dout, group_sizes, *, tiles=None, out_dtype=jnp.float32, interpret
 
 
 # ------------------------------------------------------------------------------------------- MXFP4 gmm
-def even_odd_columns(x: jax.Array) -> jax.Array:
-    """``[M, K]`` -> ``[M, K]``: even columns, then odd ones (the low / high nibble order of packed codes)."""
-    return jnp.concatenate([x[:, 0::2], x[:, 1::2]], axis=1)
+# Layout. The kernel loads tiles of the HF codes ``u8 [E, N, K/2]`` and reads each as little-endian ``u16`` words
+# (:func:`code_words`, in registers: the byte pairs already share a register, so it compiles to nothing): word j holds
+# K elements 4j..4j+3 as its nibbles 0..3 (bits 4c..4c+3 = element 4j + c). The four nibble classes c are decoded
+# into four ``[tn, tq]`` tiles, each multiplied with the matching column class of x (:func:`columns_mod4`: x's
+# columns reordered c = 0, 1, 2, 3 mod 4), so no tile ever interleaves nibbles. A 16-bit word per decoded 16-bit
+# value keeps the decode in the layout of the MMA's A operand: the weights are the A operand, the product is
+# ``acc[tn, tm] = W x^T`` (tn the weights' rows, tm the token rows), an mma.sync m16n8k16 for tm = 8 and a wgmma
+# (A from registers) for tm >= 16; as the B operand the decoded weights went through shared memory.
+#
+# bf16 activations on the GPU (inline PTX, two words -> one bf16x2 register per class, 4.5 instructions per two
+# elements): ``and`` keeps nibble c of both words, one ``mul.lo`` places its magnitude bits at 6..8 and its sign at
+# 15 of each half (the bf16 of E2M1 * 2^-126, +-0.5 a subnormal), ``and`` clears the rest, then one
+# ``mul.rn.bf16x2`` by 2^(s - 1 - XSHIFT): the 2^126 of the placement and the scale in one exact multiply; the
+# activations carry 2^XSHIFT (``x * 2^XSHIFT``, exact in bf16 for |x| < 2^(128 - XSHIFT)), so the products are
+# the exact products. Exact for every E8M0 scale in [EXACT_SCALES[0], EXACT_SCALES[1]]; smaller scales
+# (|w| < 6 * 2^(EXACT_SCALES[0] - 127)) round in the bf16 subnormal range; larger scales (and 255, NaN in E8M0)
+# decode as +-inf (NaN for code 0): a non-finite output, never a finite wrong one. f32 activations, and the
+# interpreter (no inline PTX there), use the f32 decode (:func:`_decode`: exact for s in 0..240 on the GPU, 2..240
+# on XLA:CPU, which flushes the f32 subnormals of s <= 1), with unscaled activations.
+XSHIFT = 16
+EXACT_SCALES = (XSHIFT - 5, 128 + XSHIFT)
+"""E8M0 scales the bf16 decode gets exactly: every value E2M1 * 2^(s - 127 - XSHIFT) is a bf16 (2^-133, the smallest
+subnormal, divides 0.5 * 2^(s - 127 - XSHIFT)), and the factor 2^(s - 1 - XSHIFT) stays below 2^128."""
+
+
+def columns_mod4(x: jax.Array) -> jax.Array:
+    """``[M, K]`` -> ``[M, K]``: columns 0 mod 4, then 1, 2, 3 mod 4 (the nibble classes of the u16 code words)."""
+    return jnp.concatenate([x[:, c::4] for c in range(4)], axis=1)
+
+
+def code_words(codes: jax.Array) -> jax.Array:
+    """MXFP4 codes ``u8 [..., K/2]`` -> little-endian ``u16 [..., K/4]`` words (byte 2j low, 2j + 1 high); used
+    inside the kernel on a loaded tile (XLA would copy the whole weight for a bitcast of this kind)."""
+    lo, hi = jnp.split(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), 2, axis=-1)
+    return lo[..., 0].astype(jnp.uint16) | (hi[..., 0].astype(jnp.uint16) << 8)
 
 
 def _scale_factor(scales: jax.Array) -> jax.Array:
@@ -262,7 +293,7 @@ def _scale_factor(scales: jax.Array) -> jax.Array:
 
 
 def _decode(codes: jax.Array, factor: jax.Array, dtype) -> jax.Array:
-    """4-bit E2M1 codes (low 4 bits of ``i32 [tn, tkh]``; higher bits ignored) x ``factor f32 [tn, tkh]``.
+    """4-bit E2M1 codes (low 4 bits of ``i32 [tn, tq]``; higher bits ignored) x ``factor f32 [tn, tq]``.
 
     The 3 magnitude bits go to f16 bits 9..11 (exponent low bits + top mantissa bit) and the sign to bit 15:
     the f16 value is ``E2M1 * 2^-14`` exactly, subnormals (+-0.5) included, so no select is needed.
@@ -272,78 +303,52 @@ def _decode(codes: jax.Array, factor: jax.Array, dtype) -> jax.Array:
     return (v * factor).astype(dtype)
 
 
-# MXFP4 decode. bf16 activations on the GPU: inline PTX (prmt / shl / lop3 / mul.rn.bf16x2, 2 elements per
-# instruction): per half-word the magnitude bits go to 6..8 and the sign to 15 (the bf16 of E2M1 * 2^-126, +-0.5 a
-# subnormal), then x 2^126 and x 2^(s-127); exact for every E8M0 scale (0 -> 2^-127 as a bf16 subnormal, 255 -> NaN).
-# Static cost 6.0 SASS instructions per decoded element (Triton 3.9, sm_90); on the H200 it streamed w1 fastest of
-# five decodes measured side by side (benchmarks/RESULTS.md). f32 activations, and the interpreter (no inline PTX
-# there), use the f32 decode (:func:`_decode`: exact for s in 0..240 on the GPU, 2..240 on XLA:CPU, which flushes the
-# f32 subnormals of s <= 1). Scales are broadcast from [tn, tkh/16] to [tn, tkh] with broadcast_to + reshape, which
-# Triton lowers to a register layout (no smem).
-_BF16_NAN = 0x7FC0
-
-
-def _broadcast_groups(v: jax.Array, tkh: int) -> jax.Array:
-    """``[tn, tkh/16]`` (one value per 32 elements = 16 packed bytes) -> ``[tn, tkh]``."""
+def _broadcast_groups(v: jax.Array, tq: int) -> jax.Array:
+    """``[tn, tq/8]`` (one value per 32 K elements = 8 code words) -> ``[tn, tq]``: a register layout, no smem."""
     tn, ts = v.shape
-    return jnp.broadcast_to(v[:, :, None], (tn, ts, 16)).reshape(tn, tkh)
+    return jnp.broadcast_to(v[:, :, None], (tn, ts, 8)).reshape(tn, tq)
 
 
-def _bf16_from_bits(bits: jax.Array) -> jax.Array:
-    """``i32`` holding bf16 bits in the low 16 -> bf16."""
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
+def _scale_bits(s: jax.Array) -> jax.Array:
+    """E8M0 ``i32`` -> bf16 bits (``i32``) of ``2^(s - 1 - XSHIFT)``, saturated to +inf above EXACT_SCALES[1]."""
+    return (jnp.minimum(s, EXACT_SCALES[1] + 1) + (126 - XSHIFT)) << 7
 
 
-def _scale_bf16_bits(s: jax.Array) -> jax.Array:
-    """E8M0 ``i32`` -> bf16 bits (``i32``) of ``2^(s - 127)``: 0 -> 2^-127 (bf16 subnormal 0x0040), 255 -> NaN."""
-    bits = jnp.where(s == 0, 0x0040, s << 7)
-    return jnp.where(s == 255, _BF16_NAN, bits)
-
-
-def _mxfp4_asm(high: bool) -> str:
-    """Inline PTX for one nibble of 4 packed bytes: ``$2`` = bytes b0..b3 (b0 lowest), ``$3``/``$4`` = bf16x2 scales
-    of elements (0, 1) / (2, 3); ``$0``/``$1`` = bf16x2 values of the low (or high) nibbles of bytes (0, 1) / (2, 3).
-
-    prmt spreads bytes (0, 1), then (2, 3), into the two 16-bit halves; per half the magnitude bits go to 6..8 and
-    the sign to 15 (the bf16 of E2M1 * 2^-126, +-0.5 a subnormal), then x 2^126 and x the scale, two elements per
-    ``mul.rn.bf16x2`` (sm_90). Four integer ops + two multiplies per two elements.
-    """
-    mag, sign = (2, 8) if high else (6, 12)
-    lines = ["{", ".reg .b32 t, u, v, c;", "mov.b32 c, 0x7E807E80;"]
-    for out, sel, scale in (("$0", "0x4140", "$3"), ("$1", "0x4342", "$4")):
-        lines += [f"prmt.b32 t, $2, 0, {sel};",
-                  f"shl.b32 u, t, {mag};", "and.b32 u, u, 0x01C001C0;",
-                  f"shl.b32 v, t, {sign};", "lop3.b32 u, v, 0x80008000, u, 0xEA;",
-                  "mul.rn.bf16x2 u, u, c;", f"mul.rn.bf16x2 {out}, u, {scale};"]
+def _mxfp4_asm(cls: int) -> str:
+    """Inline PTX for nibble class ``cls`` of two code words: ``$1`` = words w0 (bits 0..15) and w1 (16..31), ``$2``
+    = bf16x2 ``2^(s - 1 - XSHIFT)``; ``$0`` = bf16x2 (w0's nibble, w1's nibble) * 2^-XSHIFT, exact (see above)."""
+    lines = ["{", ".reg .b32 u;"]
+    src = "$1"
+    if cls >= 2:  # nibbles 2, 3: the high byte of each half moved down
+        lines.append("shr.b32 u, $1, 8;")
+        src = "u"
+    mask, mult = ("0x00F000F0", "0x104") if cls % 2 else ("0x000F000F", "0x1040")  # shifts 2 + 8, or 6 + 12
+    lines += [f"and.b32 u, {src}, {mask};", f"mul.lo.u32 u, u, {mult};", "and.b32 u, u, 0x81C081C0;",
+              "mul.rn.bf16x2 $0, u, $2;"]
     return "\n".join([*lines, "}"])
 
 
-def _decode_asm(codes_u8: jax.Array, s: jax.Array, tkh: int):
-    """``(lo, hi)`` bf16 ``[tn, tkh]`` from the ``u8`` tile via :func:`_mxfp4_asm`."""
-    sf = _bf16_from_bits(_broadcast_groups(_scale_bf16_bits(s), tkh))
-    out = jax.ShapeDtypeStruct(codes_u8.shape, jnp.bfloat16)
-    # One result per asm block: this JAX's Pallas lowering of elementwise_inline_asm returns a single value.
-    return tuple(pltriton.elementwise_inline_asm(_mxfp4_asm(high), args=[codes_u8, sf], constraints="=r,=r,r,r,r",
-                                                 pack=4, result_shape_dtypes=[out])[0]
-                 for high in (False, True))
-
-
-def _decode_tile(codes_u8: jax.Array, scales_u8: jax.Array, dtype, interpret: bool):
-    """``(lo, hi)`` in ``dtype`` ``[tn, tkh]`` (even / odd K columns) of one packed tile (see the comment above)."""
-    tkh = codes_u8.shape[1]
+def _decode_tile(words: jax.Array, scales_u8: jax.Array, dtype, interpret: bool) -> list[jax.Array]:
+    """The four nibble classes, each ``[tn, tq]`` in ``dtype``, of a ``u16 [tn, tq]`` code-word tile and its
+    ``u8 [tn, tq/8]`` scales: times 2^-XSHIFT with bf16 on the GPU (inline PTX), exact values otherwise."""
+    tq = words.shape[1]
     s = scales_u8.astype(jnp.int32) & 0xFF
     if jnp.dtype(dtype) == jnp.bfloat16 and not interpret:
-        return _decode_asm(codes_u8, s, tkh)
-    codes = codes_u8.astype(jnp.int32)
-    f = _broadcast_groups(_scale_factor(s), tkh)
-    return _decode(codes, f, dtype), _decode(codes >> 4, f, dtype)
+        sf = jax.lax.bitcast_convert_type(_broadcast_groups(_scale_bits(s), tq).astype(jnp.int16), jnp.bfloat16)
+        out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
+        # one result per asm block: this JAX's Pallas lowering of elementwise_inline_asm returns a single value
+        return [pltriton.elementwise_inline_asm(_mxfp4_asm(c), args=[words, sf], constraints="=r,r,r", pack=2,
+                                                result_shape_dtypes=[out])[0] for c in range(4)]
+    w = words.astype(jnp.int32)
+    f = _broadcast_groups(_scale_factor(s), tq)
+    return [_decode(w >> (4 * c), f, dtype) for c in range(4)]
 
 
 def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, x_ref, *refs,
-                      tm: int, tkh: int, tn: int, kh: int, num_groups: int, n_rhs: int, epilogue, interpret: bool,
+                      tm: int, tq: int, tn: int, kq: int, num_groups: int, n_rhs: int, epilogue, interpret: bool,
                       stacked: bool):
     """``refs = (codes_1, scales_1[, codes_2, scales_2], out)``, with ``stacked`` weights ``[L, E, ...]`` read at
-    layer ``layer_ref[0]``; x is in even|odd column order."""
+    layer ``layer_ref[0]``; x is in :func:`columns_mod4` order (times 2^XSHIFT on the bf16 PTX path)."""
     w_refs, out_ref = refs[:2 * n_rhs], refs[2 * n_rhs]
     t = pl.program_id(1)
     j = pl.program_id(0)
@@ -354,21 +359,20 @@ def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, x_ref, *r
         n0 = pl.multiple_of(j * tn, tn)
         gw = jnp.minimum(g, num_groups - 1)
         at = (layer_ref[0], gw) if stacked else (gw,)
-        ts = tkh // 16  # scales per K step (one per 32 elements = 16 packed bytes)
+        ts = tq // 8  # scales per K step (one per 32 elements = 8 code words)
+        dims = (((1,), (1,)), ((), ()))  # W [tn, tq] . x [tm, tq] -> [tn, tm]
 
         def body(kk, accs):
-            k0 = pl.multiple_of(kk * tkh, tkh)
-            a_lo = pltriton.load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, tkh)], mask=smask[:, None], other=0.0)
-            a_hi = pltriton.load(x_ref.at[pl.ds(r0, tm), pl.ds(kh + k0, tkh)], mask=smask[:, None], other=0.0)
+            k0 = pl.multiple_of(kk * tq, tq)
+            xs = [pltriton.load(x_ref.at[pl.ds(r0, tm), pl.ds(c * kq + k0, tq)], mask=smask[:, None], other=0.0)
+                  for c in range(4)]
             out = []
             for r in range(n_rhs):
-                codes = w_refs[2 * r][(*at, pl.ds(n0, tn), pl.ds(k0, tkh))]
+                words = code_words(w_refs[2 * r][(*at, pl.ds(n0, tn), pl.ds(2 * k0, 2 * tq))])
                 sc = w_refs[2 * r + 1][(*at, pl.ds(n0, tn), pl.ds(kk * ts, ts))]
-                lo, hi = _decode_tile(codes, sc, a_lo.dtype, interpret)  # even / odd K columns
-                acc = accs[r] + jax.lax.dot_general(a_lo, lo, (((1,), (1,)), ((), ())),
-                                                    preferred_element_type=jnp.float32)
-                acc = acc + jax.lax.dot_general(a_hi, hi, (((1,), (1,)), ((), ())),
-                                                preferred_element_type=jnp.float32)
+                acc = accs[r]
+                for wc, xc in zip(_decode_tile(words, sc, xs[0].dtype, interpret), xs, strict=True):
+                    acc = acc + jax.lax.dot_general(wc, xc, dims, preferred_element_type=jnp.float32)
                 out.append(acc)
             return tuple(out)
 
@@ -378,14 +382,36 @@ def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, x_ref, *r
         # H200); the virtual trailing group (rows past sum(group_sizes)) streams no weights and stores zeros.
         @pl.when(g < num_groups)
         def _real_group():
-            accs = tuple(jnp.zeros((tm, tn), jnp.float32) for _ in range(n_rhs))
-            accs = jax.lax.fori_loop(0, kh // tkh, body, accs)
+            accs = tuple(jnp.zeros((tn, tm), jnp.float32) for _ in range(n_rhs))
+            accs = jax.lax.fori_loop(0, kq // tq, body, accs)
             val = epilogue(*accs) if epilogue is not None else accs[0]
-            pltriton.store(dst, val.astype(out_ref.dtype), mask=smask[:, None])
+            pltriton.store(dst, val.T.astype(out_ref.dtype), mask=smask[:, None])
 
         @pl.when(g >= num_groups)
         def _virtual_group():
             pltriton.store(dst, jnp.zeros((tm, tn), out_ref.dtype), mask=smask[:, None])
+
+
+MXFP4_TILES = {8: (128, 64, 4, 3), 16: (64, 64, 4, 3)}
+""":func:`gmm_mxfp4`'s tiles ``(tq, tn, num_warps, num_stages)`` by token rows per tile (8, or 16 and more); tq
+counts u16 code words (4 K elements each) per K step. An 8-row product is an mma.sync m16n8k16 (A = the decoded
+weights in registers); 16+ rows make Triton take wgmma, whose register operand stays live for the whole K step,
+so the step is halved there (128 words with 16 rows took ~195 registers and streamed slower, benchmarks/RESULTS.md).
+"""
+
+
+def mxfp4_rows_tile(m: int, e: int) -> int:
+    """Token rows per tile for ``m`` rows over ``e`` experts: twice the mean rows per expert as a power of two in
+    [8, 32], so that most experts' rows fit one tile (each extra tile decodes and streams the expert's weights
+    again). 32 at most: a 64-row tile takes 113 KB of shared memory (one program per SM)."""
+    want = 2 * -(-m // max(e, 1))
+    return int(min(32, max(8, 1 << (want - 1).bit_length())))
+
+
+def mxfp4_tiles(m: int, e: int) -> tuple[int, int, int, int, int]:
+    """``(tm, tq, tn, num_warps, num_stages)`` of :func:`gmm_mxfp4` for ``m`` rows over ``e`` experts."""
+    tm = mxfp4_rows_tile(m, e)
+    return (tm, *MXFP4_TILES[min(tm, 16)])
 
 
 def gmm_mxfp4(
@@ -404,13 +430,16 @@ def gmm_mxfp4(
     Args:
       x: ``[M, K]`` bf16/f32 activations sorted by expert (natural column order).
       weights: one ``(codes u8 [E, N, K/2], scales u8 [E, N, K/32])`` pair (HF layout, as stored in the
-        checkpoint: no transpose, no dequantized copy), or two with ``epilogue(acc1, acc2) -> f32``.
+        checkpoint: no transpose, no dequantized copy), or two with ``epilogue(acc1, acc2) -> f32`` (elementwise).
       group_sizes: ``[E] i32``; experts with no rows are not read.
-      tiles: ``(tm, tkh, tn, num_warps, num_stages)``; tkh counts packed bytes (K/2) per step, a multiple of 16.
+      tiles: ``(tm, tq, tn, num_warps, num_stages)`` (default :func:`mxfp4_tiles`); tm a power of two >= 8; tq
+        counts u16 code words (4 K elements) per step, a multiple of 8 (16 or more when compiled).
       layer: i32 scalar: every codes/scales array is a stack ``[L, E, ...]`` read in place at that layer
         (clamped into ``[0, L)``).
     Returns:
       ``[M, N]`` in ``out_dtype`` (default ``x.dtype``); rows past ``sum(group_sizes)`` are 0. Forward only.
+      With bf16 ``x`` compiled for the GPU, exact products for E8M0 scales in ``EXACT_SCALES`` and ``|x| <
+      2^(128 - XSHIFT)`` (see the comment above :data:`XSHIFT`).
     """
     if not 1 <= len(weights) <= 2 or (len(weights) == 2) != (epilogue is not None):
         raise ValueError("gpu.gmm_mxfp4: pass one weight, or two weights with an epilogue")
@@ -426,16 +455,18 @@ def gmm_mxfp4(
                              f"[(L,) E, N, {k // 32}], got {codes.shape} / {scales.shape} (first codes {codes0.shape})")
     if 2 * kh != k or k % 32:
         raise ValueError(f"gpu.gmm_mxfp4: x has K={k} but codes {codes0.shape} imply K={2 * kh} (K % 32 == 0)")
-    tm, tkh, tn, warps, stages = tiles or MXFP4_TILES
-    tkh, tn = min(tkh, kh), min(tn, n)
-    if kh % tkh or tkh % 16 or n % tn:
-        raise ValueError(f"gpu.gmm_mxfp4: K/2={kh}, N={n} must be multiples of tkh={tkh} (a multiple of 16), "
-                         f"tn={tn}")
-    xe = even_odd_columns(x)
+    tm, tq, tn, warps, stages = tiles or mxfp4_tiles(m, e)
+    kq = k // 4
+    tq, tn = min(tq, kq), min(tn, n)
+    if kq % tq or tq % 8 or n % tn:
+        raise ValueError(f"gpu.gmm_mxfp4: K/4={kq}, N={n} must be multiples of tq={tq} (a multiple of 8), tn={tn}")
+    xe = columns_mod4(x)
+    if x.dtype == jnp.bfloat16 and not interpret:  # the PTX decode's weights carry 2^-XSHIFT
+        xe = xe * jnp.asarray(2.0**XSHIFT, xe.dtype)
     # The interpreter clamps out-of-range slices instead of masking them: give it tm spare rows.
     xe = jnp.pad(xe, ((0, tm), (0, 0))) if interpret else xe
     gid, row0, ends, num = make_tile_table(group_sizes.astype(jnp.int32), m, tm)
-    kernel = functools.partial(_gmm_mxfp4_kernel, tm=tm, tkh=tkh, tn=tn, kh=kh, num_groups=e,
+    kernel = functools.partial(_gmm_mxfp4_kernel, tm=tm, tq=tq, tn=tn, kq=kq, num_groups=e,
                                n_rhs=len(weights), epilogue=epilogue, interpret=interpret, stacked=layer is not None)
     out = forward_only(pl.pallas_call(
         kernel,
