@@ -278,11 +278,13 @@ def _gpu_case(name, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_chunk_on_gpu(case, dtype):
-    """``implementation="auto"`` on the GPU takes ``triton`` (fp32 at K=128 too: the launch fits shared memory);
-    outputs and gradients within 1e-4 / 1e-3 (fp32) or 2e-2 (bf16) of the fp32 reference, with the default
-    launch and with wide-warp / 32-block knobs on both kernels."""
+    """``implementation="auto"`` on packed sequences on the GPU takes ``triton`` (``mosaic_gpu`` takes no packed
+    sequences; fp32 at K=128 too: the launch fits shared memory); outputs and gradients within 1e-4 / 1e-3 (fp32)
+    or 2e-2 (bf16) of the fp32 reference, with the default launch and with wide-warp / 32-block knobs on both
+    kernels."""
     args, seg, cts = _gpu_case(case, dtype)
-    sel = kda.ops.CHUNK.select("auto", kda.ops.make_call(args[0], args[2], 64, -5.0, False, None), record=False)
+    call = kda.ops.make_call(args[0], args[2], 64, -5.0, False, None, packed=True)
+    sel = kda.ops.CHUNK.select("auto", call, record=False)
     assert sel.backend == "triton", sel.describe()
     want = reference_outputs_and_grads(args, seg, 64, cts)
     tol = (1e-4, 1e-3) if dtype == jnp.float32 else (2e-2, 2e-2)
