@@ -7,10 +7,10 @@ Split as the forward, per chunk ``c`` with the per-chunk tensors ``qg, kd, wn = 
 outputs of :mod:`.mosaic_gpu_intra`), ``S_c`` the state entering the chunk, ``dS'_c`` the cotangent of the state
 leaving it:
 
-1. Per-chunk tensors and the states: :func:`intra_f32` (plain JAX, fp32, factored decay on 16-token tiles; its VJP
-   is kept for step 4), the state sweep ``V~ = X' v + (-W) S``, ``S' = diag(e^{G_C}) S + kd^T V~`` (``lax.scan``).
-2. The reverse state pass on Mosaic GPU (:func:`.mosaic_gpu_bwd_state.state_grad_pass`): ``dS'_c``, ``dV~``,
-   the initial state's cotangent.
+1. The per-chunk tensors: :func:`intra_f32` (plain JAX, fp32, factored decay on 16-token tiles; its VJP is kept
+   for step 4), stored bf16 for the two passes.
+2. The two sequential passes on Mosaic GPU (:mod:`.mosaic_gpu_bwd_state`): the forward sweep (``S_c`` and
+   ``V~ = X' v + (-W) S``, bf16) and the reverse pass (``dS'_c`` bf16, ``dV~``, the initial state's cotangent).
 3. The per-chunk cotangents of the step-1 tensors (plain JAX, fp32): ``d qg = dO S^T``, ``d wn = dV~ S^T``,
    ``d kd = V~ dS'^T``, ``d decay = rowsum(S * dS')``, ``d aqk = tril(dO V~^T)``, ``d x = tril(dV~ v^T)``, and
    ``dv = X'^T dV~``.
@@ -28,7 +28,7 @@ from jax import lax
 
 from pallas_kernels.kda import mosaic_gpu
 from pallas_kernels.kda import reference as ref
-from pallas_kernels.kda.mosaic_gpu_bwd_state import state_grad_pass
+from pallas_kernels.kda.mosaic_gpu_bwd_state import state_grad_pass, state_sweep
 from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, SUB, interpret_params
 
 HP = lax.Precision.HIGHEST
@@ -69,19 +69,6 @@ def intra_f32(q, k, g, beta, *, scale: float):
     return qc * jnp.exp(G) * scale, kc * jnp.exp(g_last - G), wn, x, aqk, jnp.exp(g_last[..., 0, :])
 
 
-def _states(kd, wn, x, decay, vc, h0):
-    """Forward sweep: ``(S entering each chunk [B, H, n, K, V], V~ [B, H, n, 64, V])``, fp32."""
-
-    def step(s, xs):
-        kd_c, wn_c, x_c, dec, v_c = xs
-        vt = _ein("bhij,bhjv->bhiv", x_c, v_c) + _ein("bhik,bhkv->bhiv", wn_c, s)
-        return dec[..., None] * s + _ein("bhik,bhiv->bhkv", kd_c, vt), (s, vt)
-
-    xs = tuple(jnp.moveaxis(t, 2, 0) for t in (kd, wn, x, decay, vc))
-    _, (s, vt) = lax.scan(step, h0, xs)
-    return jnp.moveaxis(s, 0, 2), jnp.moveaxis(vt, 0, 2)
-
-
 def chunk_kda_bwd(q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
                   chunk_size: int = CHUNK, interpret=False, v_split: int | None = None):
     """Gradients of :func:`.mosaic_gpu.chunk_kda_fwd` (module docstring). Inputs as the forward, ``do [B, T, H,
@@ -108,18 +95,17 @@ def chunk_kda_bwd(q, k, v, g, beta, scale: float, initial_state=None, segment_id
     dht_t = jnp.zeros((B, H, K, K), F32) if dht is None else jnp.swapaxes(dht.astype(F32), -1, -2)
 
     parts, intra_vjp = jax.vjp(lambda *a: intra_f32(*a, scale=float(scale)), qf, kf, gf, bf)
-    qg, kd, wn, x, aqk, decay = parts
-    vc = _chunks(vf, n)
-    s, vt = _states(kd, wn, x, decay, vc, h0)
-
+    qg, kd, wn, x, aqk, decay = (*(_tokens(t).astype(BF16) for t in parts[:5]), parts[5])
     interpret = interpret_params(interpret)
     if v_split is None:
         v_split = mosaic_gpu.default_v_split(B, H, mosaic_gpu.DEFAULT_SMS if interpret is not None else None)
-    tok16 = lambda t: _tokens(t).astype(BF16)
-    dvt, dh_t, dh0_t = state_grad_pass(tok16(qg), tok16(kd), tok16(wn), tok16(aqk), decay, do_p, dht_t,
-                                       v_split=v_split, interpret=interpret)
+    vt, h_t, _ = state_sweep(kd, wn, x, padt(v.astype(BF16)), decay, jnp.swapaxes(h0, -1, -2), v_split=v_split,
+                             interpret=interpret)
+    dvt, dh_t, dh0_t = state_grad_pass(qg, kd, wn, aqk, decay, do_p, dht_t, v_split=v_split, interpret=interpret)
 
-    dvt, doc = _chunks(dvt.astype(F32), n), _chunks(do_p.astype(F32), n)
+    vc, vt, dvt, doc = (_chunks(t.astype(F32), n) for t in (vf, vt, dvt, do_p))
+    x = parts[3]
+    s = jnp.swapaxes(h_t.astype(F32), -1, -2)  # [B, H, n, K, V]: the state entering each chunk
     dh = jnp.swapaxes(dh_t.astype(F32), -1, -2)  # [B, H, n, K, V]: cotangent of the state leaving each chunk
     causal = jnp.tril(jnp.ones((CHUNK, CHUNK), bool))
     cts = (_ein("bhnjv,bhnkv->bhnjk", doc, s), _ein("bhnjv,bhnkv->bhnjk", vt, dh),
