@@ -27,17 +27,21 @@ def lower_for_sm90(fn, *args) -> tuple[str, list[int]]:
     return text, int_indices
 
 
-def lower_state_grad_pass(v_split: int) -> tuple[int, bool, list[int]]:
-    """``(mosaic_gpu custom calls, wgmma present, integer indices of every copy)`` of the KDA reverse state pass
-    (:func:`pallas_kernels.kda.mosaic_gpu_bwd_state.state_grad_pass`) at two sequences of three heads, 256 tokens."""
+def lower_sweep(v_split: int, reverse: bool) -> tuple[int, bool, list[int]]:
+    """``(mosaic_gpu custom calls, wgmma present, integer indices of every copy)`` of a KDA backward sweep
+    (:mod:`pallas_kernels.kda.mosaic_gpu_bwd_state`: ``state_grad_pass`` when ``reverse``, else ``state_sweep``) at
+    two sequences of three heads, 256 tokens."""
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from pallas_kernels.kda.mosaic_gpu_bwd_state import state_grad_pass  # noqa: PLC0415
+    from pallas_kernels.kda.mosaic_gpu_bwd_state import state_grad_pass, state_sweep  # noqa: PLC0415
 
     B, Tp, H = 2, 256, 3
     s = jax.ShapeDtypeStruct
     tok = lambda d: s((B, Tp, H, d), jnp.bfloat16)
-    args = (tok(128), tok(128), tok(128), tok(64), s((B, H, Tp // 64, 128), jnp.float32), tok(128),
-            s((B, H, 128, 128), jnp.float32))
-    text, ints = lower_for_sm90(lambda *a: state_grad_pass(*a, v_split=v_split), *args)
+    decay, end = s((B, H, Tp // 64, 128), jnp.float32), s((B, H, 128, 128), jnp.float32)
+    if reverse:  # qg, kd, wn, aqk, decay, do, dht_t
+        fn, args = state_grad_pass, (tok(128), tok(128), tok(128), tok(64), decay, tok(128), end)
+    else:  # kd, wn, x, v, decay, h0_t
+        fn, args = state_sweep, (tok(128), tok(128), tok(64), tok(128), decay, end)
+    text, ints = lower_for_sm90(lambda *a: fn(*a, v_split=v_split), *args)
     return text.count("custom_call @mosaic_gpu"), "wgmma.mma_async" in text, ints

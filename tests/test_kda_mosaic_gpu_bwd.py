@@ -16,9 +16,14 @@ import pytest
 
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.mosaic_gpu_bwd import chunk_kda_bwd
-from pallas_kernels.kda.mosaic_gpu_bwd_state import state_grad_pass, state_grad_pass_reference
+from pallas_kernels.kda.mosaic_gpu_bwd_state import (
+    state_grad_pass,
+    state_grad_pass_reference,
+    state_sweep,
+    state_sweep_reference,
+)
 from pallas_kernels.kda.mosaic_gpu_common import interpret_params
-from tests._mosaic_gpu_lowering import lower_state_grad_pass
+from tests._mosaic_gpu_lowering import lower_sweep
 from tests.test_kda_mosaic_gpu import _hopper, _inputs, _rel
 
 JAX_0112_PYTHON = os.environ.get("K3_JAX_0112_PYTHON", "/work/venv-0112/bin/python")
@@ -68,28 +73,38 @@ def _state_pass_inputs(B, Tp, H):
     return tok(ks[0], 128), tok(ks[1], 128), tok(ks[2], 128), aqk, decay, tok(ks[5], 128), dht
 
 
-def test_interpreter_state_pass_matches_its_reference():
-    """The reverse pass alone, one state warpgroup per CTA (``v_split=2``), two sequences of one head, three
-    chunks: ``dV~``, the per-chunk cotangents ``dh`` and ``dh0`` against the fp32 scan."""
-    args = _state_pass_inputs(2, 192, 1)
-    got = state_grad_pass(*args, v_split=2, interpret=interpret_params(True))
-    want = state_grad_pass_reference(*args)
-    for name, a, b in zip(("dv", "dh", "dh0"), got, want, strict=True):
+def _sweeps(args, v_split: int, interpret=None):
+    """Both sweeps on the :func:`_state_pass_inputs` (``aqk`` also standing in for ``x``, ``do`` for ``v``) and their
+    references: ``{name: (got, want)}``."""
+    qg, kd, wn, aqk, decay, do, dht = args
+    fwd = state_sweep(kd, wn, aqk, do, decay, dht, v_split=v_split, interpret=interpret)
+    rev = state_grad_pass(*args, v_split=v_split, interpret=interpret)
+    names = ("vt", "h", "ht", "dv", "dh", "dh0")
+    want = (*state_sweep_reference(kd, wn, aqk, do, decay, dht), *state_grad_pass_reference(*args))
+    return dict(zip(names, zip((*fwd, *rev), want, strict=True), strict=True))
+
+
+def test_interpreter_sweeps_match_their_references():
+    """Both sequential passes alone with one state warpgroup per CTA (``v_split=2``; the gradient test runs two),
+    two sequences of one head, three chunks: every output (token tensor, per-chunk states, end state) against the
+    fp32 scans."""
+    for name, (a, b) in _sweeps(_state_pass_inputs(2, 192, 1), 2, interpret_params(True)).items():
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert _rel(a, b) < 1e-2, name
 
 
+@pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("v_split", [1, 2])
-def test_state_pass_lowers_with_wgmma_and_one_integer_index_per_copy(v_split):
-    """The reverse pass lowers for sm_90 on this CPU host, every copy between device and shared memory addressed
+def test_sweeps_lower_with_wgmma_and_one_integer_index_per_copy(v_split, reverse):
+    """Each sweep lowers for sm_90 on this CPU host, every copy between device and shared memory addressed
     with at most one integer index (the addressing that the interpreter does not exercise and the H200 got wrong
     at ``B > 1`` with several, tests/test_kda_mosaic_gpu.py)."""
-    calls, wgmma, int_indices = lower_state_grad_pass(v_split)
+    calls, wgmma, int_indices = lower_sweep(v_split, reverse)
     assert calls == 1 and wgmma
     assert len(int_indices) >= 8 and max(int_indices) == 1, int_indices
 
 
-def test_state_pass_lowers_under_jax_0112():
+def test_sweeps_lower_under_jax_0112():
     """The same lowering under jax 0.11.2 (the H200's JAX; CI installs the newest 0.12)."""
     if not os.path.exists(JAX_0112_PYTHON):
         pytest.skip(f"no jax 0.11.2 environment at {JAX_0112_PYTHON} (K3_JAX_0112_PYTHON)")
@@ -98,9 +113,10 @@ def test_state_pass_lowers_under_jax_0112():
         import sys, jax
         sys.path.insert(0, {os.path.dirname(here)!r})
         assert jax.__version__ == "0.11.2", jax.__version__
-        from tests._mosaic_gpu_lowering import lower_state_grad_pass
-        calls, wgmma, ints = lower_state_grad_pass(1)
-        assert calls == 1 and wgmma and max(ints) == 1, (calls, wgmma, ints)
+        from tests._mosaic_gpu_lowering import lower_sweep
+        for reverse in (False, True):
+            calls, wgmma, ints = lower_sweep(1, reverse)
+            assert calls == 1 and wgmma and max(ints) == 1, (reverse, calls, wgmma, ints)
         print("ok", jax.__version__)
     """)
     out = subprocess.run([JAX_0112_PYTHON, "-c", script], capture_output=True, text=True, timeout=300,
@@ -135,10 +151,8 @@ def test_gpu_gradients_match_the_reference_vjp(B, T, H, v_split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("v_split", [1, 2])
-def test_gpu_state_pass_matches_its_reference(v_split):
+def test_gpu_sweeps_match_their_references(v_split):
     if not _hopper():
         pytest.skip("needs an sm_90+ GPU")
-    args = _state_pass_inputs(2, 256, 3)
-    got = state_grad_pass(*args, v_split=v_split)
-    for name, a, b in zip(("dv", "dh", "dh0"), got, state_grad_pass_reference(*args), strict=True):
+    for name, (a, b) in _sweeps(_state_pass_inputs(2, 256, 3), v_split).items():
         assert _rel(a, b) < 1e-2, name
