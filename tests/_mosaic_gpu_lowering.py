@@ -27,21 +27,20 @@ def lower_for_sm90(fn, *args) -> tuple[str, list[int]]:
     return text, int_indices
 
 
-def lower_sweep(v_split: int, reverse: bool) -> tuple[int, bool, list[int]]:
-    """``(mosaic_gpu custom calls, wgmma present, integer indices of every copy)`` of a KDA backward sweep
-    (:mod:`pallas_kernels.kda.mosaic_gpu_bwd_state`: ``state_grad_pass`` when ``reverse``, else ``state_sweep``) at
-    two sequences of three heads, 256 tokens."""
+def lower_backward(v_split: int) -> tuple[int, bool, list[int]]:
+    """``(mosaic_gpu custom calls, wgmma present, integer indices of every copy)`` of the KDA chunk backward
+    (:func:`pallas_kernels.kda.mosaic_gpu_bwd.chunk_kda_bwd`: its two sweeps and its per-chunk products) at two
+    sequences of three heads, 200 tokens."""
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from pallas_kernels.kda.mosaic_gpu_bwd_state import state_grad_pass, state_sweep  # noqa: PLC0415
+    from pallas_kernels.kda.mosaic_gpu_bwd import chunk_kda_bwd  # noqa: PLC0415
 
-    B, Tp, H = 2, 256, 3
+    B, T, H = 2, 200, 3
     s = jax.ShapeDtypeStruct
-    tok = lambda d: s((B, Tp, H, d), jnp.bfloat16)
-    decay, end = s((B, H, Tp // 64, 128), jnp.float32), s((B, H, 128, 128), jnp.float32)
-    if reverse:  # qg, kd, wn, aqk, decay, do, dht_t
-        fn, args = state_grad_pass, (tok(128), tok(128), tok(128), tok(64), decay, tok(128), end)
-    else:  # kd, wn, x, v, decay, h0_t
-        fn, args = state_sweep, (tok(128), tok(128), tok(64), tok(128), decay, end)
-    text, ints = lower_for_sm90(lambda *a: fn(*a, v_split=v_split), *args)
+    tok = s((B, T, H, 128), jnp.bfloat16)
+    args = (tok, tok, tok, s((B, T, H, 128), jnp.float32), s((B, T, H), jnp.float32),
+            s((B, H, 128, 128), jnp.float32), tok, s((B, H, 128, 128), jnp.float32))
+    text, ints = lower_for_sm90(
+        lambda q, k, v, g, beta, h0, do, dht: chunk_kda_bwd(q, k, v, g, beta, 128**-0.5, h0, do=do, dht=dht,
+                                                            v_split=v_split), *args)
     return text.count("custom_call @mosaic_gpu"), "wgmma.mma_async" in text, ints

@@ -1,7 +1,7 @@
-"""KDA chunk backward around the Mosaic GPU reverse state pass (:mod:`pallas_kernels.kda.mosaic_gpu_bwd`): gradients
-in the Mosaic GPU interpreter against the VJP of the fp32 reference, the state pass against its reference, its
-lowering for sm_90 from this CPU host (one integer index per copy, wgmma; under this JAX and under jax 0.11.2, the
-H200's, when that environment is present), and on a GPU (``-m gpu``)."""
+"""KDA chunk backward with Mosaic GPU kernels (:mod:`pallas_kernels.kda.mosaic_gpu_bwd`): gradients in the Mosaic
+GPU interpreter against the VJP of the fp32 reference, the kernels' lowering for sm_90 from this CPU host (one integer index per copy, wgmma; under this JAX and under jax 0.11.2, the
+H200's, when that environment is present), and on a GPU (``-m gpu``: also the two sweeps alone against their
+references)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ from pallas_kernels.kda.mosaic_gpu_bwd_state import (
     state_sweep,
     state_sweep_reference,
 )
-from pallas_kernels.kda.mosaic_gpu_common import interpret_params
-from tests._mosaic_gpu_lowering import lower_sweep
+from tests._mosaic_gpu_lowering import lower_backward
 from tests.test_kda_mosaic_gpu import _hopper, _inputs, _rel
 
 JAX_0112_PYTHON = os.environ.get("K3_JAX_0112_PYTHON", "/work/venv-0112/bin/python")
@@ -84,27 +83,17 @@ def _sweeps(args, v_split: int, interpret=None):
     return dict(zip(names, zip((*fwd, *rev), want, strict=True), strict=True))
 
 
-def test_interpreter_sweeps_match_their_references():
-    """Both sequential passes alone with one state warpgroup per CTA (``v_split=2``; the gradient test runs two),
-    two sequences of one head, three chunks: every output (token tensor, per-chunk states, end state) against the
-    fp32 scans."""
-    for name, (a, b) in _sweeps(_state_pass_inputs(2, 192, 1), 2, interpret_params(True)).items():
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert _rel(a, b) < 1e-2, name
-
-
-@pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("v_split", [1, 2])
-def test_sweeps_lower_with_wgmma_and_one_integer_index_per_copy(v_split, reverse):
-    """Each sweep lowers for sm_90 on this CPU host, every copy between device and shared memory addressed
-    with at most one integer index (the addressing that the interpreter does not exercise and the H200 got wrong
-    at ``B > 1`` with several, tests/test_kda_mosaic_gpu.py)."""
-    calls, wgmma, int_indices = lower_sweep(v_split, reverse)
-    assert calls == 1 and wgmma
-    assert len(int_indices) >= 8 and max(int_indices) == 1, int_indices
+def test_backward_lowers_with_wgmma_and_one_integer_index_per_copy(v_split):
+    """The backward's three kernels (two sweeps, the per-chunk products) lower for sm_90 on this CPU host, every
+    copy between device and shared memory addressed with at most one integer index (the addressing that the
+    interpreter does not exercise and the H200 got wrong at ``B > 1`` with several, tests/test_kda_mosaic_gpu.py)."""
+    calls, wgmma, int_indices = lower_backward(v_split)
+    assert calls == 3 and wgmma
+    assert len(int_indices) >= 30 and max(int_indices) == 1, int_indices
 
 
-def test_sweeps_lower_under_jax_0112():
+def test_backward_lowers_under_jax_0112():
     """The same lowering under jax 0.11.2 (the H200's JAX; CI installs the newest 0.12)."""
     if not os.path.exists(JAX_0112_PYTHON):
         pytest.skip(f"no jax 0.11.2 environment at {JAX_0112_PYTHON} (K3_JAX_0112_PYTHON)")
@@ -113,10 +102,9 @@ def test_sweeps_lower_under_jax_0112():
         import sys, jax
         sys.path.insert(0, {os.path.dirname(here)!r})
         assert jax.__version__ == "0.11.2", jax.__version__
-        from tests._mosaic_gpu_lowering import lower_sweep
-        for reverse in (False, True):
-            calls, wgmma, ints = lower_sweep(1, reverse)
-            assert calls == 1 and wgmma and max(ints) == 1, (reverse, calls, wgmma, ints)
+        from tests._mosaic_gpu_lowering import lower_backward
+        calls, wgmma, ints = lower_backward(1)
+        assert calls == 3 and wgmma and max(ints) == 1, (calls, wgmma, ints)
         print("ok", jax.__version__)
     """)
     out = subprocess.run([JAX_0112_PYTHON, "-c", script], capture_output=True, text=True, timeout=300,

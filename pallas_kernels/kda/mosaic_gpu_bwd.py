@@ -11,13 +11,14 @@ leaving it:
    for step 4), stored bf16 for the two passes.
 2. The two sequential passes on Mosaic GPU (:mod:`.mosaic_gpu_bwd_state`): the forward sweep (``S_c`` and
    ``V~ = X' v + (-W) S``, bf16) and the reverse pass (``dS'_c`` bf16, ``dV~``, the initial state's cotangent).
-3. The per-chunk cotangents of the step-1 tensors (plain JAX, fp32): ``d qg = dO S^T``, ``d wn = dV~ S^T``,
-   ``d kd = V~ dS'^T``, ``d decay = rowsum(S * dS')``, ``d aqk = tril(dO V~^T)``, ``d x = tril(dV~ v^T)``, and
-   ``dv = X'^T dV~``.
+3. The per-chunk cotangents of the step-1 tensors on Mosaic GPU (:mod:`.mosaic_gpu_bwd_chunk`, all chunks in
+   parallel): ``d qg = dO S^T``, ``d wn = dV~ S^T``, ``d kd = V~ dS'^T``, ``d decay = rowsum(S * dS')``,
+   ``d aqk = tril(dO V~^T)``, ``d x = tril(dV~ v^T)``, and ``dv = X'^T dV~``.
 4. ``dq, dk, dg, dbeta`` by the VJP of :func:`intra_f32` at those cotangents.
 
-Steps 1, 3 and 4 are plain JAX for now (the Mosaic GPU per-chunk backward kernel is still to be written); this
-module is not selected by the registry (:mod:`.ops` takes the Triton backward behind the Mosaic GPU forward).
+Steps 1 and 4 are plain JAX for now (the Mosaic GPU kernel for the per-chunk forward and its VJP - through the
+inverse and the factored decay products - is still to be written); this module is not selected by the registry
+(:mod:`.ops` takes the Triton backward behind the Mosaic GPU forward).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jax import lax
 
 from pallas_kernels.kda import mosaic_gpu
 from pallas_kernels.kda import reference as ref
+from pallas_kernels.kda.mosaic_gpu_bwd_chunk import chunk_state_cotangents
 from pallas_kernels.kda.mosaic_gpu_bwd_state import state_grad_pass, state_sweep
 from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, SUB, interpret_params
 
@@ -88,7 +90,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale: float, initial_state=None, segment_id
         raise ValueError(f"{name}: dht must be [B, H, K, V]={(B, H, K, K)}, got {dht.shape}")
     pad = (-T) % CHUNK
     padt = lambda x: x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    qf, kf, vf, gf, bf = (padt(x.astype(F32)) for x in (q, k, v, g, beta))
+    qf, kf, gf, bf = (padt(x.astype(F32)) for x in (q, k, g, beta))
     do_p = padt(do.astype(BF16))
     n = qf.shape[1] // CHUNK
     h0 = jnp.zeros((B, H, K, K), F32) if initial_state is None else initial_state.astype(F32)
@@ -99,20 +101,12 @@ def chunk_kda_bwd(q, k, v, g, beta, scale: float, initial_state=None, segment_id
     interpret = interpret_params(interpret)
     if v_split is None:
         v_split = mosaic_gpu.default_v_split(B, H, mosaic_gpu.DEFAULT_SMS if interpret is not None else None)
-    vt, h_t, _ = state_sweep(kd, wn, x, padt(v.astype(BF16)), decay, jnp.swapaxes(h0, -1, -2), v_split=v_split,
-                             interpret=interpret)
+    v16 = padt(v.astype(BF16))
+    vt, h_t, _ = state_sweep(kd, wn, x, v16, decay, jnp.swapaxes(h0, -1, -2), v_split=v_split, interpret=interpret)
     dvt, dh_t, dh0_t = state_grad_pass(qg, kd, wn, aqk, decay, do_p, dht_t, v_split=v_split, interpret=interpret)
-
-    vc, vt, dvt, doc = (_chunks(t.astype(F32), n) for t in (vf, vt, dvt, do_p))
-    x = parts[3]
-    s = jnp.swapaxes(h_t.astype(F32), -1, -2)  # [B, H, n, K, V]: the state entering each chunk
-    dh = jnp.swapaxes(dh_t.astype(F32), -1, -2)  # [B, H, n, K, V]: cotangent of the state leaving each chunk
-    causal = jnp.tril(jnp.ones((CHUNK, CHUNK), bool))
-    cts = (_ein("bhnjv,bhnkv->bhnjk", doc, s), _ein("bhnjv,bhnkv->bhnjk", vt, dh),
-           _ein("bhnjv,bhnkv->bhnjk", dvt, s), jnp.where(causal, _ein("bhniv,bhnjv->bhnij", dvt, vc), 0.0),
-           jnp.where(causal, _ein("bhniv,bhnjv->bhnij", doc, vt), 0.0), jnp.sum(s * dh, axis=-1))
-    dq, dk, dg, dbeta = intra_vjp(cts)
-    dv = _tokens(_ein("bhnij,bhniv->bhnjv", x, dvt))
+    d_qg, d_kd, d_wn, d_x, d_aqk, d_decay, dv = chunk_state_cotangents(h_t, dh_t, vt, dvt, do_p, v16, x,
+                                                                       interpret=interpret)
+    dq, dk, dg, dbeta = intra_vjp((*(_chunks(t, n) for t in (d_qg, d_kd, d_wn, d_x, d_aqk)), d_decay))
     cut = lambda t, like: t[:, :T].astype(like.dtype)
     return (cut(dq, q), cut(dk, k), cut(dv, v), cut(dg, g), cut(dbeta, beta),
             jnp.swapaxes(dh0_t, -1, -2))
