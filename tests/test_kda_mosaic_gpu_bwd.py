@@ -1,7 +1,7 @@
 """KDA chunk backward with Mosaic GPU kernels (:mod:`pallas_kernels.kda.mosaic_gpu_bwd`): gradients in the Mosaic
-GPU interpreter against the VJP of the fp32 reference, the kernels' lowering for sm_90 from this CPU host (one integer index per copy, wgmma; under this JAX and under jax 0.11.2, the
-H200's, when that environment is present), and on a GPU (``-m gpu``: also the two sweeps alone against their
-references)."""
+GPU interpreter against the VJP of the fp32 reference, the kernels' lowering for sm_90 from this CPU host (one
+integer index per copy, wgmma; under this JAX and under jax 0.11.2, the H200's, when that environment is present),
+and on a GPU (``-m gpu``: also the two sweeps alone against their references)."""
 
 from __future__ import annotations
 
