@@ -8,13 +8,14 @@ glo``), ``A_kk`` (factored decay on 16-token tiles; ``w = k e^{m - G}`` its colu
 
 1. (all of K) ``dX' = tril(Dx - Dwn Ek^T)``; ``dbeta += colsum(X * dX')``; ``dX = dX' diag(beta)``;
    ``dL = -strict(X^T dX X^T)``; ``dbeta += rowsum(dL * A_kk)``; ``dA_kk = diag(beta) dL``.
-2. (per half of K) the decay products differentiated on the tiles: for column tile ``b`` with reference point
-   ``m_b`` (``G`` before the tile), rows ``R_x = sum_b e^{G - m_b} (dA_x[:, b] w_b)`` (``x`` = ``k`` with ``dA_kk``,
-   ``q scale`` with ``dA_qk``) and columns ``C = e^{m - G} sum_b rows_b(dA_kk^T (k e^{G - m_b}) + dA_qk^T (q scale
-   e^{G - m_b}))``; ``dEk = -X'^T Dwn``; then ``dq = Dqg e^G scale + scale R_q``, ``dk = Dkd e^{G_C - G} + dEk e^G
-   + R_k + C``, ``dG = Dqg qg - Dkd kd + dEk Ek + k R_k + q scale R_q - k C``, ``dG_C = colsum(Dkd kd) + Ddecay
-   e^{G_C}`` and ``dg = suffix-sum(dG) + dG_C`` (a product with a ``[64, 64]`` 0/1 selector, ``dG`` split in two bf16
-   terms).
+2. (per half of K) the decay products differentiated on the tiles. Column tile ``b`` with reference point ``m_b``
+   (``G`` before the tile): rows ``R_x = sum_b e^{G - m_b} (dA_x[:, b] w_b)`` (``x`` = ``k`` with ``dA_kk``,
+   ``q scale`` with ``dA_qk``; as ``[64, 64] x [64, 64]`` products with the other tiles' columns of ``dA_x``
+   zeroed: wgmma contracts at least 64), columns ``C = e^{m - G} sum_b rows_b(dA_kk^T (k e^{G - m_b}) + dA_qk^T
+   (q scale e^{G - m_b}))``; ``dEk = -X'^T Dwn``. Then ``dq = Dqg e^G scale + scale R_q``, ``dk = Dkd e^{G_C - G}
+   + dEk e^G + R_k + C``, ``dG = Dqg qg - Dkd kd + dEk Ek + k R_k + q scale R_q - k C``, ``dG_C = colsum(Dkd kd)
+   + Ddecay e^{G_C}`` and ``dg = suffix-sum(dG) + dG_C`` (a product with a ``[64, 64]`` 0/1 selector, ``dG`` split
+   in two bf16 terms).
 
 Precision: the diagonal of ``dA_qk`` is taken out of the products and applied in fp32 (its two sides of ``dG``
 cancel exactly); each side of ``dG`` from the decay products is formed with the same bf16-rounded factors
@@ -142,11 +143,14 @@ def _half(s: _Smem, h: int, stage, scale: float):
     kf, qf = intra._load(s.k, cols), intra._load(s.q, cols) * scale
     r_k = r_q = dg_r = c_raw = None
     add = lambda acc, x: x if acc is None else acc + x
+    wg = plgpu.Layout.WGMMA
+    dakk, daqk = (plgpu.layout_cast(ref.T[...], wg) for ref in (s.dakk_t, s.daqk_t))  # dA_kk, dA_qk [64, 64] bf16
+    c64 = _iota(1)
+    w_h = s.w.at[:, cols]
     for b, e_b in enumerate(row_factors):
-        tile = slice(SUB * b, SUB * (b + 1))
-        w_b = s.w.at[tile, cols]
-        acc_k, acc_q = _run(lambda ak, aq, tile=tile, w_b=w_b: (plgpu.wgmma(ak, s.dakk_t.at[tile].T, w_b),
-                                                                 plgpu.wgmma(aq, s.daqk_t.at[tile].T, w_b)),
+        in_b = (c64 >= SUB * b) & (c64 < SUB * (b + 1))  # the columns of tile b (wgmma contracts 64 at least)
+        a_k, a_q = (jnp.where(in_b, a, jnp.zeros_like(a)) for a in (dakk, daqk))
+        acc_k, acc_q = _run(lambda ak, aq, a_k=a_k, a_q=a_q: (mma(ak, a_k, w_h, stage), mma(aq, a_q, w_h, stage)),
                             (CHUNK, HALF), (CHUNK, HALF))
         xk, xq = (kf * e_b).astype(BF16), (qf * e_b).astype(BF16)
         r_k, r_q = add(r_k, e_b * acc_k), add(r_q, e_b * acc_q)
