@@ -29,8 +29,8 @@ def lower_for_sm90(fn, *args) -> tuple[str, list[int]]:
 
 def lower_backward(v_split: int) -> tuple[int, bool, list[int]]:
     """``(mosaic_gpu custom calls, wgmma present, integer indices of every copy)`` of the KDA chunk backward
-    (:func:`pallas_kernels.kda.mosaic_gpu_bwd.chunk_kda_bwd`: its two sweeps and its per-chunk products) at two
-    sequences of three heads, 200 tokens."""
+    (:func:`pallas_kernels.kda.mosaic_gpu_bwd.chunk_kda_bwd`: its five kernels) at two sequences of three heads,
+    200 tokens."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     from pallas_kernels.kda.mosaic_gpu_bwd import chunk_kda_bwd  # noqa: PLC0415

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.kda import reference as ref
-from pallas_kernels.kda.mosaic_gpu_bwd import chunk_kda_bwd
+from pallas_kernels.kda.mosaic_gpu_bwd import chunk_kda_bwd, transpose_chunks
+from pallas_kernels.kda.mosaic_gpu_bwd_intra import chunk_intra_grads, chunk_intra_grads_reference
 from pallas_kernels.kda.mosaic_gpu_bwd_state import (
     state_grad_pass,
     state_grad_pass_reference,
@@ -48,9 +49,10 @@ def _reference_grads(q, k, v, g, beta, h0, do, dht):
 
 
 def test_interpreter_gradients_match_the_reference_vjp():
-    """Two sequences of three heads, T = 130 (three chunks, the last padded), an initial state and a final-state
-    cotangent; the reverse pass with two state warpgroups per CTA (``v_split=1``, the K3 shape's). Every gradient,
-    the initial state's included, within bf16-operand error of the fp32 reference's VJP."""
+    """All five kernels in the interpreter at two sequences of three heads, T = 130 (three chunks, the last padded),
+    with an initial state and a final-state cotangent; the sweeps with two state warpgroups per CTA (``v_split=1``,
+    the K3 shape's). Every gradient, the initial state's included, within bf16-operand error of the fp32
+    reference's VJP (``dg`` too: the per-chunk VJP's cancelling terms, module docstring of ``mosaic_gpu_bwd_intra``)."""
     B, T, H = 2, 130, 3
     q, k, v, g, beta, h0 = _inputs(B, T, H, seed=2)
     do, dht = _cotangents(B, T, H)
@@ -83,18 +85,19 @@ def _sweeps(args, v_split: int, interpret=None):
     return dict(zip(names, zip((*fwd, *rev), want, strict=True), strict=True))
 
 
-@pytest.mark.parametrize("v_split", [1, 2])
-def test_backward_lowers_with_wgmma_and_one_integer_index_per_copy(v_split):
-    """The backward's three kernels (two sweeps, the per-chunk products) lower for sm_90 on this CPU host, every
+def test_backward_lowers_with_wgmma_and_one_integer_index_per_copy():
+    """The backward's five kernels (the forward's per-chunk kernel, two sweeps, the per-chunk products, the
+    per-chunk VJP) lower for sm_90 on this CPU host, every
     copy between device and shared memory addressed with at most one integer index (the addressing that the
     interpreter does not exercise and the H200 got wrong at ``B > 1`` with several, tests/test_kda_mosaic_gpu.py)."""
-    calls, wgmma, int_indices = lower_backward(v_split)
-    assert calls == 3 and wgmma
-    assert len(int_indices) >= 30 and max(int_indices) == 1, int_indices
+    calls, wgmma, int_indices = lower_backward(1)
+    assert calls == 5 and wgmma
+    assert len(int_indices) >= 55 and max(int_indices) == 1, int_indices
 
 
 def test_backward_lowers_under_jax_0112():
-    """The same lowering under jax 0.11.2 (the H200's JAX; CI installs the newest 0.12)."""
+    """The same lowering under jax 0.11.2 (the H200's JAX; CI installs the newest 0.12), with the sweeps' other
+    V split (one state warpgroup per CTA)."""
     if not os.path.exists(JAX_0112_PYTHON):
         pytest.skip(f"no jax 0.11.2 environment at {JAX_0112_PYTHON} (K3_JAX_0112_PYTHON)")
     here = os.path.dirname(os.path.abspath(__file__))
@@ -103,8 +106,8 @@ def test_backward_lowers_under_jax_0112():
         sys.path.insert(0, {os.path.dirname(here)!r})
         assert jax.__version__ == "0.11.2", jax.__version__
         from tests._mosaic_gpu_lowering import lower_backward
-        calls, wgmma, ints = lower_backward(1)
-        assert calls == 3 and wgmma and max(ints) == 1, (calls, wgmma, ints)
+        calls, wgmma, ints = lower_backward(2)
+        assert calls == 5 and wgmma and max(ints) == 1, (calls, wgmma, ints)
         print("ok", jax.__version__)
     """)
     out = subprocess.run([JAX_0112_PYTHON, "-c", script], capture_output=True, text=True, timeout=300,
@@ -143,4 +146,23 @@ def test_gpu_sweeps_match_their_references(v_split):
     if not _hopper():
         pytest.skip("needs an sm_90+ GPU")
     for name, (a, b) in _sweeps(_state_pass_inputs(2, 256, 3), v_split).items():
+        assert _rel(a, b) < 1e-2, name
+
+
+@pytest.mark.gpu
+def test_gpu_per_chunk_vjp_matches_its_reference():
+    if not _hopper():
+        pytest.skip("needs an sm_90+ GPU")
+    B, Tp, H = 2, 256, 3
+    q, k, _, g, beta, _ = _inputs(B, Tp, H, seed=5)
+    ks = jax.random.split(jax.random.PRNGKey(6), 6)
+    tok = lambda key, d: (0.1 * jax.random.normal(key, (B, Tp, H, d), jnp.float32)).astype(jnp.bfloat16)
+    lower = jnp.tril(jnp.ones((64, 64), bool))[:, None, :]
+    tril = lambda t: jnp.where(lower, t.reshape(B, Tp // 64, 64, H, 64), 0).reshape(t.shape)
+    cts = (tok(ks[0], 128), tok(ks[1], 128), tok(ks[2], 128), tril(tok(ks[3], 64)),
+           transpose_chunks(tril(tok(ks[4], 64))), 0.1 * jax.random.normal(ks[5], (B, H, Tp // 64, 128)))
+    beta_t = jnp.swapaxes(beta, 1, 2)
+    got = chunk_intra_grads(q, k, g, beta_t, *cts, scale=128**-0.5)
+    want = chunk_intra_grads_reference(q, k, g, beta_t, *cts, scale=128**-0.5)
+    for name, a, b in zip(("dq", "dk", "dg", "dbeta"), got, want, strict=True):
         assert _rel(a, b) < 1e-2, name
