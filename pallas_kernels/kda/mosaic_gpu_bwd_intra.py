@@ -137,8 +137,6 @@ def _half(s: _Smem, h: int, stage, scale: float):
     e_g = jnp.exp(g)
     kdf = jnp.exp(intra._prefix(s, intra._selector("last"), cols, stage))
     col_factor = jnp.exp(intra._prefix(s, intra._selector("col"), cols, stage))
-    row_factors = [jnp.exp(jnp.minimum(intra._prefix(s, intra._selector("row", b), cols, stage), 0.0))
-                   for b in range(TILES)]
     g_last = jnp.sum(jnp.where(r64 == CHUNK - 1, g, 0.0), axis=0)
     kf, qf = intra._load(s.k, cols), intra._load(s.q, cols) * scale
     r_k = r_q = dg_r = c_raw = None
@@ -147,7 +145,8 @@ def _half(s: _Smem, h: int, stage, scale: float):
     dakk, daqk = (plgpu.layout_cast(ref.T[...], wg) for ref in (s.dakk_t, s.daqk_t))  # dA_kk, dA_qk [64, 64] bf16
     c64 = _iota(1)
     w_h = s.w.at[:, cols]
-    for b, e_b in enumerate(row_factors):
+    for b in range(TILES):
+        e_b = jnp.exp(jnp.minimum(intra._prefix(s, intra._selector("row", b), cols, stage), 0.0))
         in_b = (c64 >= SUB * b) & (c64 < SUB * (b + 1))  # the columns of tile b (wgmma contracts 64 at least)
         a_k, a_q = (jnp.where(in_b, a, jnp.zeros_like(a)) for a in (dakk, daqk))
         acc_k, acc_q = _run(lambda ak, aq, a_k=a_k, a_q=a_q: (mma(ak, a_k, w_h, stage), mma(aq, a_q, w_h, stage)),
