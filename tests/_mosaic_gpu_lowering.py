@@ -1,0 +1,46 @@
+"""Lowering of Mosaic GPU kernels for sm_90 on a host without a GPU, with the integer indices of every copy between
+device and shared memory recorded (imports only JAX: also run under the H200's jax 0.11.2, which has no pytest)."""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import launch_context
+
+
+def lower_for_sm90(fn, *args) -> tuple[str, list[int]]:
+    """``(StableHLO text of jit(fn) lowered for CUDA, integer indices of each async copy's device-memory slice)``;
+    ``args``: arrays or ``jax.ShapeDtypeStruct``."""
+    int_indices = []
+    copy = launch_context.LaunchContext.async_copy
+
+    def counting(self, *, gmem_slice=(), **kw):
+        index = gmem_slice if isinstance(gmem_slice, tuple) else (gmem_slice,)
+        int_indices.append(sum(not isinstance(i, slice | mgpu.DynamicSlice) for i in index))
+        return copy(self, gmem_slice=gmem_slice, **kw)
+
+    launch_context.LaunchContext.async_copy = counting
+    try:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        launch_context.LaunchContext.async_copy = copy
+    return text, int_indices
+
+
+def lower_backward(v_split: int) -> tuple[int, bool, list[int]]:
+    """``(mosaic_gpu custom calls, wgmma present, integer indices of every copy)`` of the KDA chunk backward
+    (:func:`pallas_kernels.kda.mosaic_gpu_bwd.chunk_kda_bwd`: its five kernels) at two sequences of three heads,
+    200 tokens."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from pallas_kernels.kda.mosaic_gpu_bwd import chunk_kda_bwd  # noqa: PLC0415
+
+    B, T, H = 2, 200, 3
+    s = jax.ShapeDtypeStruct
+    tok = s((B, T, H, 128), jnp.bfloat16)
+    args = (tok, tok, tok, s((B, T, H, 128), jnp.float32), s((B, T, H), jnp.float32),
+            s((B, H, 128, 128), jnp.float32), tok, s((B, H, 128, 128), jnp.float32))
+    text, ints = lower_for_sm90(
+        lambda q, k, v, g, beta, h0, do, dht: chunk_kda_bwd(q, k, v, g, beta, 128**-0.5, h0, do=do, dht=dht,
+                                                            v_split=v_split), *args)
+    return text.count("custom_call @mosaic_gpu"), "wgmma.mma_async" in text, ints
