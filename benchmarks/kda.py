@@ -6,7 +6,9 @@ Prints one JSON line on stdout (progress goes to stderr). Times are milliseconds
 repeats, after warm-up); ``speed_vs_fla`` = fla time / our time (>= 1 means we are faster). The ``ours_*`` keys
 are the first of ``--impls``; every implementation also gets ``<impl>_fwd_ms``, ``<impl>_fwdbwd_ms``,
 ``<impl>_vs_fla_rel_err`` (outputs) and ``<impl>_grads_vs_fla_rel_err`` (dq, dk, dv, dg, dbeta on the same
-inputs and output cotangent as fla's).
+inputs and output cotangent as fla's). ``--impls`` also takes ``mosaic_gpu+bwd``: the Mosaic GPU forward with the
+backward of ``pallas_kernels.kda.mosaic_gpu_bwd`` (which the registry does not select yet) in place of the Triton
+backward, so one run times forward + backward of both against fla.
 
     python benchmarks/kda.py                       # the issue-4 shapes + decode
     python benchmarks/kda.py --shapes 1x8192x96 --no-reference --configs 64:4:1,32:4:1,64:4:2:4:1:4,64:4:2:8:2:8:32
@@ -77,14 +79,42 @@ def gpu_kwargs(cfg):
     return dict(zip(GPU_CFG_KEYS[: len(cfg)], cfg, strict=True))
 
 
+MOSAIC_BWD = "mosaic_gpu+bwd"
+"""``--impls`` name of the Mosaic GPU forward with :mod:`pallas_kernels.kda.mosaic_gpu_bwd`'s backward."""
+
+
+def mosaic_with_mosaic_bwd(K):
+    """``f(q, k, v, g, beta) -> (o, final_state)``: the Mosaic GPU forward, its VJP by ``mosaic_gpu_bwd``."""
+    from pallas_kernels.kda import mosaic_gpu, mosaic_gpu_bwd  # noqa: PLC0415  (the Mosaic GPU toolchain)
+
+    scale = K**-0.5
+
+    @jax.custom_vjp
+    def f(q, k, v, g, beta):
+        return mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, scale)
+
+    def f_fwd(q, k, v, g, beta):
+        return f(q, k, v, g, beta), (q, k, v, g, beta)
+
+    def f_bwd(res, cts):
+        do, dht = cts
+        return mosaic_gpu_bwd.chunk_kda_bwd(*res, scale, do=do.astype(jnp.bfloat16), dht=dht)[:5]
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
 def jax_fns(impl, K, gpu_cfg=None):
+    chunk = mosaic_with_mosaic_bwd(K) if impl == MOSAIC_BWD else (
+        lambda *a: ops.chunk_kda(*a, output_final_state=True, implementation=impl))
+
     def fwd(q, k, v, g, beta):
         if impl == "triton" and gpu_cfg is not None:
             return kgpu.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, None, None, 64, **gpu_kwargs(gpu_cfg))
-        return ops.chunk_kda(q, k, v, g, beta, output_final_state=True, implementation=impl)
+        return chunk(q, k, v, g, beta)
 
     def loss(q, k, v, g, beta, do):
-        o, _ = ops.chunk_kda(q, k, v, g, beta, output_final_state=True, implementation=impl)
+        o, _ = chunk(q, k, v, g, beta)
         return jnp.sum(o.astype(jnp.float32) * do)
 
     # value_and_grad, not grad: with grad alone the forward kernels' output is unused and the forward is dropped
@@ -287,7 +317,7 @@ def main():
                    + ":".join(GPU_CFG_KEYS) + " (state kernel, then the A / solve / W-U kernels; trailing ones "
                    "left out = defaults of gpu.chunk_kda_fwd); the fastest on the first shape is used for the rest")
     p.add_argument("--impls", default="triton,mosaic_gpu",
-                   help="comma list of ops.CHUNK backends to time; the first fills the ours_* keys")
+                   help="comma list of ops.CHUNK backends (or mosaic_gpu+bwd) to time; the first fills the ours_* keys")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--no-bwd", action="store_true")

@@ -5,8 +5,9 @@ the call, an explicit name that cannot run raises with the reason):
 
 * :data:`CHUNK` (``chunk_kda``, training / prefill): ``mosaic_tpu`` (:mod:`.tpu`, :mod:`.tpu_bwd`), ``triton``
   (:mod:`.gpu`, :mod:`.gpu_bwd`), ``mosaic_gpu`` (:mod:`.mosaic_gpu`: the sm_90 forward as a per-chunk kernel and
-  a state pass; its backward :mod:`.mosaic_gpu_bwd`, five Mosaic GPU kernels), ``xla`` (:mod:`.reference`, the
-  chunked UT/WY form).
+  a state pass; its backward is the Triton kernels' while JAX ships them, else the reference VJP;
+  :mod:`.mosaic_gpu_bwd`, a backward with Mosaic GPU sweeps and per-chunk products whose per-chunk forward and its
+  VJP are still plain JAX, is not selected), ``xla`` (:mod:`.reference`, the chunked UT/WY form).
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``xla``.
 
 Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`; it beats the Triton forward on
@@ -23,8 +24,8 @@ lower-bounded log-decay ``g >= -5`` per token; a call promises ``g >= gate_bound
 ``gate_bound < -5`` or None leaves only ``xla`` (exact for any ``g <= 0``).
 
 Gradients: the kernel forwards sit inside ``jax.custom_vjp`` (only the inputs are saved); ``backward="auto"`` /
-``"kernel"`` = the backend's backward kernels (for ``mosaic_gpu``: :mod:`.mosaic_gpu_bwd`, which needs no Triton),
-``"xla"`` = the VJP of the recomputed chunked reference.
+``"kernel"`` = the backend's backward kernels (for ``mosaic_gpu``: the Triton backward kernels; ``"auto"`` takes
+the reference VJP when JAX no longer ships Triton), ``"xla"`` = the VJP of the recomputed chunked reference.
 The decode kernels are forward-only.
 """
 
@@ -147,8 +148,8 @@ XLA = Backend("xla", "pure-JAX reference (any g <= 0, any dtype and head dims)",
 CHUNK = Registry("kda.chunk", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU chunk forward + backward kernels", _tpu_chunk),
     Backend("mosaic_gpu", "Pallas Mosaic GPU chunk forward (sm_90 wgmma + TMA: a per-chunk kernel over all chunks, "
-            "then a warp-specialised state pass); backward: five Mosaic GPU kernels (per-chunk recompute, the two "
-            "state sweeps, the per-chunk state products, the per-chunk VJP)", _mosaic_gpu_chunk),
+            "then a warp-specialised state pass); backward: the Triton kernels while shipped, else the reference "
+            "VJP", _mosaic_gpu_chunk),
     Backend("triton", "Pallas Triton chunk forward (5 kernels) + backward (9 kernels)", _triton_chunk),
     XLA,
 ), ALIASES)
@@ -198,15 +199,14 @@ def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backwa
         q, k, v, g, beta, h0, seg = res
         do, dht = cts
         if backward == "kernel":
-            if impl == "mosaic_gpu":
-                from pallas_kernels.kda import mosaic_gpu_bwd as bwd_mod  # noqa: PLC0415
-            elif impl == "triton":
+            if impl in ("triton", "mosaic_gpu"):
                 from pallas_kernels.kda import gpu_bwd as bwd_mod  # noqa: PLC0415
             else:
                 from pallas_kernels.kda import tpu_bwd as bwd_mod  # noqa: PLC0415
 
             grads = bwd_mod.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
-                                          dht.astype(jnp.float32), chunk_size, interpret=interpret)
+                                          dht.astype(jnp.float32), chunk_size,
+                                          interpret=bool(interpret) if impl == "mosaic_gpu" else interpret)
             return (*grads, None)
 
         def fwd(q, k, v, g, beta, h0):
@@ -244,9 +244,16 @@ def _interpret_params(impl: str, interpret):
     return interpret
 
 
-def _backward_for(backward: str) -> str:
-    """``"kernel"`` or ``"xla"`` for ``backward`` (one of :data:`BACKWARDS`) on a kernel backend."""
-    return "kernel" if backward == "auto" else backward
+def _backward_for(impl: str, backward: str) -> str:
+    """``"kernel"`` or ``"xla"`` for ``backward`` (one of :data:`BACKWARDS`) on kernel backend ``impl``."""
+    if impl != "mosaic_gpu":
+        return "kernel" if backward == "auto" else backward
+    if backward == "auto":
+        return "kernel" if registry.TRITON_SHIPPED else "xla"
+    if backward == "kernel" and not registry.TRITON_SHIPPED:
+        raise ValueError("chunk_kda: backward='kernel' on mosaic_gpu needs the Triton backward kernels, which this "
+                         "JAX no longer ships; use backward='auto' or 'xla'")
+    return backward
 
 
 def chunk_kda(
@@ -297,7 +304,7 @@ def chunk_kda(
         scale = K**-0.5
     h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     fn = _kernel_chunk_fn(impl, float(scale), int(chunk_size), _interpret_params(impl, interpret),
-                          _backward_for(backward))
+                          _backward_for(impl, backward))
     o, ht = fn(q, k, v, g, beta, h0, segment_ids)
     return o, (ht if output_final_state else None)
 
