@@ -6,8 +6,8 @@ the call, an explicit name that cannot run raises with the reason):
 * :data:`CHUNK` (``chunk_kda``, training / prefill): ``mosaic_tpu`` (:mod:`.tpu`, :mod:`.tpu_bwd`), ``triton``
   (:mod:`.gpu`, :mod:`.gpu_bwd`), ``mosaic_gpu`` (:mod:`.mosaic_gpu`: the sm_90 forward as a per-chunk kernel and
   a state pass; its backward is the Triton kernels' while JAX ships them, else the reference VJP;
-  :mod:`.mosaic_gpu_bwd`, a backward with Mosaic GPU sweeps and per-chunk products whose per-chunk forward and its
-  VJP are still plain JAX, is not selected), ``xla`` (:mod:`.reference`, the chunked UT/WY form).
+  :mod:`.mosaic_gpu_bwd`, a backward in five Mosaic GPU kernels, is not selected until it has run on a GPU;
+  ``benchmarks/kda.py --impls mosaic_gpu+bwd`` times it), ``xla`` (:mod:`.reference`, the chunked UT/WY form).
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``xla``.
 
 Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`; it beats the Triton forward on
