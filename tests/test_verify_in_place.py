@@ -2,7 +2,7 @@
 against the scanned form (each repeat's cache entry scanned in, the new entries stacked out), which the model still
 runs under a multi-device mesh: the speculative verify pass (``record_position_states``: logits, draft features,
 KDA state/conv traces, the entry left as it came in) and a cached prefill piece (logits, states, conv tails,
-latents). CPU, k3-tiny widths, fp32, both layer kinds in a repeated segment and single-repeat segments."""
+latents). CPU, k3-tiny widths, fp32, both layer kinds in a segment of two repeats."""
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +21,10 @@ LENGTHS = [9, 5, 0]
 
 @pytest.fixture(scope="module")
 def setup():
-    # k3-tiny's widths: a dense KDA layer (a single-repeat segment), then [KDA, MLA] x 2 (one segment of two repeats)
-    cfg = load_config("configs/k3-tiny.json").replace(dtype="float32", num_hidden_layers=5, kda_layers=(0, 1, 3),
-                                                      mla_layers=(2, 4), first_k_dense_replace=1)
-    plan = [(s.period, s.repeats) for s in layer_plan(cfg)]
-    assert (2, 2) in plan and len(plan) > 1, plan
+    # k3-tiny's widths, four MoE layers [KDA, MLA] x 2: one scanned segment of two repeats
+    cfg = load_config("configs/k3-tiny.json").replace(dtype="float32", num_hidden_layers=4, kda_layers=(0, 2),
+                                                      mla_layers=(1, 3), first_k_dense_replace=0)
+    assert [(s.period, s.repeats) for s in layer_plan(cfg)] == [(2, 2)]
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), random_params(cfg, seed=5))
     rs = np.random.RandomState(1)
     # a running batch: random states, conv tails and latents, rows at different lengths (one empty)
