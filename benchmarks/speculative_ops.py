@@ -9,7 +9,8 @@ times its length (``while`` bodies once): ``pallas_call`` s by kernel name (each
 fuse), the other primitives (an upper bound on the fused kernels XLA makes of them), and both by module
 (``by_module``: the target's forward, the draft's layers, ``""`` for the round's own bookkeeping). Prints one JSON
 line per program. A count, not a timing: the device call (``benchmarks/speculative_h200.sh``, ``--profile``) says
-what the kernels cost.
+what the kernels cost, and ``benchmarks/speculative_aot.py`` the bytes XLA moves for a round and a step (compiled
+for a TPU chip on this host).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
                  cache_index: jax.Array | None = None,
                  stacked_experts: dict | None = None,
                  page_table: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
-        """``cache_index``: with a decode cache, ``cache`` is the segment's stacked entry ``[R, ...]`` and this
+        """``cache_index``: with a cache, ``cache`` is the segment's stacked entry ``[R, ...]`` and this
         layer reads and writes its repeat ``cache_index`` in place (see :class:`LayerGroup`);
         ``page_table`` (a paged cache): the MLA layers' page table ``[B, max_pages]``
         (:mod:`k3_jax.layers.paged_latent`);
@@ -152,17 +152,23 @@ def _add_to_slot(sources: jax.Array, slot: jax.Array, value: jax.Array) -> jax.A
     return jax.lax.dynamic_update_index_in_dim(sources, (current + value).astype(sources.dtype), slot, 0)
 
 
+_TRACE_KEYS = ("state_trace", "conv_trace")
+"""Per-call outputs of a KDA cache entry (:func:`k3_jax.layers.kda.record_position_states`), not stacked state."""
+
+
 class LayerGroup(nn.Module):
     """``period`` consecutive layers (one scan step of a :class:`Segment`), named ``layer_{j}``.
 
     ``in_place=False``: ``cache`` is this repeat's entries (scanned in, the new ones scanned out).
-    ``in_place=True`` (one-token decode): the carry is ``(sources, stacked)`` with ``stacked`` the whole
-    segment's cache ``[R, ...]``; each layer updates its repeat inside it (KDA states through the decode
-    kernel's state pool, conv tails and latents by dynamic-update-slice), so the donated cache buffers are
-    updated in place and no per-repeat cache slice is copied in or stacked out. Returns ``((sources, stacked),
-    None)`` then. ``experts`` (broadcast, in place only): ``{layer_{j}: stacked routed-expert weights}`` of the
-    segment's MoE layers (:func:`k3_jax.layers.moe.stacked_routed_experts`), read by the expert kernel at this
-    repeat instead of the scan step's weight slice.
+    ``in_place=True`` (any cached call on one device): the carry is ``(sources, stacked)`` with ``stacked`` the
+    whole segment's cache ``[R, ...]``; each layer updates its repeat inside it (one-token KDA states through the
+    decode kernel's state pool, other states, conv tails and the ``T`` new latents by dynamic-update-slice), so
+    the donated cache buffers are updated in place and no per-repeat cache slice is copied in or stacked out.
+    Returns ``((sources, stacked), traces)`` then: ``traces`` (scanned out, ``[R, ...]`` per leaf) holds the
+    ``state_trace``/``conv_trace`` of the KDA layers under :func:`k3_jax.layers.kda.record_position_states`
+    (``{layer_{j}: {...}}``), else None. ``experts`` (broadcast, in place only): ``{layer_{j}: stacked
+    routed-expert weights}`` of the segment's MoE layers (:func:`k3_jax.layers.moe.stacked_routed_experts`), read
+    by the expert kernel at this repeat instead of the scan step's weight slice.
     """
 
     cfg: K3Config
@@ -178,13 +184,17 @@ class LayerGroup(nn.Module):
             sources, stacked = sources
         new_cache: dict | None = None if cache is None else {}
         layer_cls = _maybe_remat(DecoderLayer, self.cfg)
+        traces: dict = {}
         for j, kind in enumerate(self.segment.kinds):
             layer = self.segment.start + repeat * self.segment.period + j
             if stacked is not None:
                 sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
                     sources, layer, segment_ids, stacked[f"layer_{j}"], lengths, repeat,
                     (experts or {}).get(f"layer_{j}"), page_table)
-                stacked = {**stacked, f"layer_{j}": entry}
+                trace = {name: entry[name] for name in _TRACE_KEYS if name in entry}
+                if trace:
+                    traces[f"layer_{j}"] = trace
+                stacked = {**stacked, f"layer_{j}": {n: v for n, v in entry.items() if n not in trace}}
                 continue
             entry = None if cache is None else cache[f"layer_{j}"]
             sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
@@ -192,7 +202,7 @@ class LayerGroup(nn.Module):
             if new_cache is not None:
                 new_cache[f"layer_{j}"] = entry
         if stacked is not None:
-            return (sources, stacked), None
+            return (sources, stacked), traces or None
         return sources, new_cache
 
 
@@ -227,8 +237,8 @@ class K3Model(nn.Module):
         lengths = None if cache is None else cache["lengths"]
         page_table = None if cache is None else cache.get("page_table")  # paged MLA pools (k3_jax.layers.paged_latent)
 
-        # one-token decode on one device: the stacked cache rides in the scan carry and is updated in place
-        in_place = cache is not None and t == 1 and active_mesh_size() == 1
+        # a cached call on one device: the stacked cache rides in the scan carry and is updated in place
+        in_place = cache is not None and active_mesh_size() == 1
         new_segments = []
         for s, seg in enumerate(layer_plan(cfg)):
             scanned = nn.scan(
@@ -246,8 +256,9 @@ class K3Model(nn.Module):
             seg_cache = None if cache is None else cache["segments"][s]
             if in_place:
                 experts = None if self.is_initializing() else _segment_experts(cfg, self.variables, s, seg)
-                (sources, seg_new), _ = scanned(cfg, seg, in_place=True, name=f"segment_{s}")(
+                (sources, seg_new), traces = scanned(cfg, seg, in_place=True, name=f"segment_{s}")(
                     (sources, seg_cache), jnp.arange(seg.repeats), None, segment_ids, lengths, experts, page_table)
+                seg_new = {name: {**e, **(traces or {}).get(name, {})} for name, e in seg_new.items()}
             else:
                 sources, seg_new = scanned(cfg, seg, name=f"segment_{s}")(
                     sources, jnp.arange(seg.repeats), seg_cache, segment_ids, lengths, None, page_table)

@@ -36,7 +36,9 @@ def record_position_states() -> Iterator[None]:
     call for the ``T`` tokens on a GPU) and adds to its cache entry ``state_trace [B, T, H, K, V]`` f32 (the
     state after each token) and ``conv_trace [B, W-1+T, 3·H·K]`` (the conv inputs: the tail after ``i + 1``
     tokens is ``conv_trace[:, i + 1 : i + W]``), so a caller can keep any prefix of the ``T`` tokens
-    (speculative verification, :mod:`k3_jax.serving.speculative`)."""
+    (speculative verification, :mod:`k3_jax.serving.speculative`). The entry's ``state`` and ``conv`` are then
+    returned as they came in (the state before the ``T`` tokens): the caller builds the kept state from the
+    traces, so the pass writes no state of its own."""
     token = _POSITION_STATES.set(True)
     try:
         yield
@@ -163,10 +165,13 @@ class KimiDeltaAttention(nn.Module):
     """KDA mixer. ``x`` [B, T, D] -> ``y`` [B, T, D] (cfg.dtype), plus the new cache entry when given one.
 
     Cache entry (decode): ``{"state": [B, H, K, V] f32, "conv": [B, W-1, 3·H·K]}`` (q, k, v pre-conv inputs).
-    With ``cache_index`` (one-token decode on one device): ``cache`` is a segment's stacked entry
+    With ``cache_index`` (a cached call on one device): ``cache`` is a segment's stacked entry
     ``{"state": [R, B, H, K, V], "conv": [R, B, W-1, 3·H·K]}`` and repeat ``cache_index`` is read and updated
-    in place (the states as the decode kernel's state pool ``[R·B, H, K, V]``, rows ``cache_index·B + b``);
-    the returned entry is the whole stacked one.
+    in place (one token: the states as the decode kernel's state pool ``[R·B, H, K, V]``, rows
+    ``cache_index·B + b``; ``T > 1``: the repeat's state and conv tail read by dynamic index and the new ones
+    written by dynamic-update-slice); the returned entry is the whole stacked one, plus the un-stacked
+    ``state_trace``/``conv_trace`` of this layer under :func:`record_position_states` (which leave the stacked
+    entry untouched).
     """
 
     cfg: K3Config
@@ -192,8 +197,6 @@ class KimiDeltaAttention(nn.Module):
             return Weight((w, hk), ("conv", "kda_heads"), init, "float32", leaf="kernel", name=name)()
 
         kernels = [conv_kernel(n) for n in ("q_conv1d", "k_conv1d", "v_conv1d")]
-        if cache_index is not None and t != 1:
-            raise ValueError(f"KDA: a stacked cache (cache_index) is the one-token decode step, got T={t}")
         conv_cache = None if cache is None else cache["conv"]
         if cache_index is not None:
             conv_cache = jax.lax.dynamic_index_in_dim(conv_cache, cache_index, 0, keepdims=False)
@@ -232,12 +235,14 @@ class KimiDeltaAttention(nn.Module):
             Linear(h, ("embed", "kda_heads"), cfg, name="b_proj")(x).astype(jnp.float32))
 
         initial_state = None if cache is None else cache["state"]
+        if cache_index is not None and t > 1:  # this repeat's state of the stacked ones
+            initial_state = jax.lax.dynamic_index_in_dim(initial_state, cache_index, 0, keepdims=False)
         kwargs = dict(initial_state=initial_state, output_final_state=cache is not None,
                       segment_ids=segment_ids, platform=cfg.platform)
         if seq_parallel:  # per-shard affine state maps combined by a prefix over `sequence`
             o, final_state = kda_sequence_parallel(q, k, v, g, beta, segment_ids=segment_ids,
                                                    initial_state=initial_state, chunk_size=cfg.kda_chunk_size)
-        elif cache_index is not None:  # decode step on the stacked states, in place (single device)
+        elif cache_index is not None and t == 1:  # decode step on the stacked states, in place (single device)
             r = initial_state.shape[0]
             pool = initial_state.reshape(r * b, *initial_state.shape[2:])
             slots = cache_index.astype(jnp.int32) * b + jnp.arange(b, dtype=jnp.int32)
@@ -249,7 +254,7 @@ class KimiDeltaAttention(nn.Module):
                                                **kwargs)
         elif trace:  # T decode steps in one call, keeping every state (see record_position_states)
             o, state_trace = _states_per_shard(q, k, v, g, beta, initial_state, cfg)
-            final_state = state_trace[:, -1]
+            final_state = None
         else:
             o, final_state = _kernel_per_shard(kda_ops.chunk_kda, q, k, v, g, beta, cfg.kda_implementation,
                                                chunk_size=cfg.kda_chunk_size, gate_bound=cfg.gate_lower_bound,
@@ -261,11 +266,15 @@ class KimiDeltaAttention(nn.Module):
         y = Linear(cfg.hidden_size, ("kda_heads", "embed"), cfg, name="o_proj")(y)
 
         new_cache = None
-        if cache is not None:
+        if trace:  # the entry as it came in (stacked or not), the traces beside it
+            new_cache = {"state": cache["state"], "conv": cache["conv"], "state_trace": state_trace,
+                         "conv_trace": conv_trace}
+        elif cache is not None:
             conv = jnp.concatenate(new_conv, axis=-1).astype(cache["conv"].dtype)
+            state = final_state.astype(jnp.float32)
             if cache_index is not None:
                 conv = jax.lax.dynamic_update_index_in_dim(cache["conv"], conv, cache_index, 0)
-            new_cache = {"state": final_state.astype(jnp.float32), "conv": conv}
-            if trace:
-                new_cache.update(state_trace=state_trace, conv_trace=conv_trace)
+                if t > 1:  # (one token: the kernel updated the stacked states in place)
+                    state = jax.lax.dynamic_update_index_in_dim(cache["state"], state, cache_index, 0)
+            new_cache = {"state": state, "conv": conv}
         return y, new_cache

@@ -305,8 +305,9 @@ class KimiMLAAttention(nn.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, cache: dict | None = None,
                  lengths: jax.Array | None = None, cache_index: jax.Array | None = None,
                  page_table: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
-        """``cache_index``: ``cache`` is a segment's stacked entry ``{"latent": [R, B, S_max, C+Dr]}``; the new
-        token is written into repeat ``cache_index`` in place and the whole stacked entry is returned.
+        """``cache_index``: ``cache`` is a segment's stacked entry ``{"latent": [R, B, S_max, C+Dr]}``; the ``T``
+        new tokens are written into repeat ``cache_index`` at each row's ``lengths`` in place (positions past
+        ``S_max`` clip to the last one) and the whole stacked entry is returned.
         ``page_table [B, max_pages] i32``: ``cache`` is a page pool ``{"pages", "scale"}`` (stacked too with
         ``cache_index``), read and written through the table (:mod:`k3_jax.layers.paged_latent`)."""
         with platform_scope(self.cfg.platform):  # einsum_f32's code path follows cfg.platform when it is set
@@ -359,9 +360,12 @@ class KimiMLAAttention(nn.Module):
             store = cache["latent"]
             new_entries = jnp.concatenate([latent, k_rot], axis=-1).astype(store.dtype)  # [B, T, C+Dr]
             decode_kernel = False
-            if cache_index is not None:  # one token into repeat cache_index of the stacked latents, in place
-                if t != 1:
-                    raise ValueError(f"MLA: a stacked cache (cache_index) is the one-token decode step, got T={t}")
+            if cache_index is not None and t > 1:  # T tokens into repeat cache_index at each row's length, in place
+                pos = lengths[:, None] + jnp.arange(t, dtype=lengths.dtype)[None, :]  # [B, T]
+                stacked = store.at[cache_index, jnp.arange(b)[:, None], pos].set(new_entries, mode="clip")
+                new_cache = {"latent": stacked}
+                store = jax.lax.dynamic_index_in_dim(stacked, cache_index, 0, keepdims=False)
+            elif cache_index is not None:  # one token into repeat cache_index of the stacked latents, in place
                 stacked = store.at[cache_index, jnp.arange(b), lengths].set(new_entries[:, 0], mode="clip")
                 new_cache = {"latent": stacked}
                 q_lat_shape = jax.ShapeDtypeStruct((b, h, c), dt)
@@ -376,7 +380,7 @@ class KimiMLAAttention(nn.Module):
             if decode_kernel:  # the stacked cache read in place at cache_index, up to each row's position
                 o = _kernel_decode_attention(q_nope.astype(dt), q_rot.astype(dt), stacked,
                                              kv_kernel.reshape(c, h, dn + dv), lengths, cache_index, scale)
-            elif (cache_index is None and t >= prefix_attention.MIN_QUERIES
+            elif (t >= prefix_attention.MIN_QUERIES
                     and prefix_attention_backend(cfg, q.astype(dt), dv) == "cudnn"):
                 expand = functools.partial(expand_latent, kv_kernel=kv_kernel, heads=h, nope_dim=dn, dtype=dt,
                                            precision=matmul_precision(cfg))

@@ -10,7 +10,11 @@ One decode round (:func:`speculative_round`, one jitted call for all slots):
 2. **Chain.** ``k - 1`` more one-token draft steps, each fed the draft's own hidden state and its last token.
    The chain's cache writes are dropped (step 1's committed draft cache is returned).
 3. **Verify.** The target runs once over ``[last token, d_1 .. d_k]`` (``T = k + 1``) with the opt-in residual
-   features and KDA position traces (:func:`k3_jax.layers.kda.record_position_states`).
+   features and KDA position traces (:func:`k3_jax.layers.kda.record_position_states`). On one device it runs as
+   the decode step does (:class:`k3_jax.model.LayerGroup`, ``in_place``): the stacked cache rides in the layer
+   scan's carry, the ``k + 1`` latents are written into it at each row's length, the KDA states and conv tails are
+   left untouched (the traces come out as the scan's stacked outputs), and the expert kernel reads the stacked
+   expert weights, so no cache or weight slice is copied per layer.
 4. **Accept** (:func:`speculative_accept`): greedy rows keep drafts while they equal the target's argmax; sampled
    rows keep ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))`` and at the first rejection draw from the
    residual ``max(p_i - q_i, 0)``; after ``n`` accepted drafts the row emits ``d_1 .. d_n`` and one more token
@@ -20,7 +24,8 @@ One decode round (:func:`speculative_round`, one jitted call for all slots):
    compares argmaxes (:func:`greedy_accept`) instead, with the same result.
 5. **Rollback.** The target cache keeps ``n + 1`` of the ``k + 1`` verified tokens per row: MLA latents by setting
    ``lengths`` (entries past it, in the row or in its pages, are masked and overwritten later), KDA by taking
-   the state the verify pass recorded after token ``n`` and the conv tail at that position. Keeping the
+   the state the verify pass recorded after token ``n`` and the conv tail at that position (written over the
+   donated state and conv buffers, which the verify pass left as they were). Keeping the
    per-position states (not restoring the pre-verify state and recomputing the accepted prefix) costs ``k + 1``
    KDA states per row of device memory during the verify call but no second target forward, and rows with
    different acceptance need no per-row-length recompute; the verify pass runs the recurrent form over the
