@@ -27,7 +27,8 @@ from pallas_kernels.kda.mosaic_gpu_common import F32, HEAD_DIM, interpret_params
 BLOCK_V = 64
 """Columns of V per CTA (its state slice is ``[K, BLOCK_V]`` fp32 in shared memory and registers)."""
 ROW_PAD = 32
-"""The per-(sequence, head) pool row index travels as ``[B * H, ROW_PAD]`` i32 (a copy moves a multiple of 128 bytes)."""
+"""The per-(sequence, head) pool row index travels as ``[B * H, ROW_PAD]`` i32 (copies move multiples of 128
+bytes)."""
 
 
 def supports_reason(*, dtype: str, k: int, v: int) -> str | None:
