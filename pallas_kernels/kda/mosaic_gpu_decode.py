@@ -6,7 +6,8 @@ token vectors and the ``[K, block_v]`` fp32 slice of its state, runs the step of
 
 ``S <- diag(exp g) S``, ``S <- S + (beta k) (v - S^T k)^T``, ``o = S^T (scale q)``
 
-and TMA-writes ``o`` and the slice back into the pool buffer, which aliases the input pool. Every copy between
+and TMA-writes ``o`` and the slice back into the pool. The pool enters the kernel as a mutable ref
+(``jax.new_ref``), so the custom call aliases it (in place when the caller donates it). Every copy between
 device and shared memory has at most one integer index: the pool as a ``[P * H * K, V]`` view, the token vectors
 as ``[B * H, D]`` views. The per-token vectors enter as one fp32 ``[B * H * 4, K]`` pack (``scale q``, ``k``,
 ``exp g``, ``beta k``) built by XLA beside the kernel.

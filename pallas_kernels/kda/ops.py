@@ -10,7 +10,8 @@ the call, an explicit name that cannot run raises with the reason):
   ``benchmarks/kda.py --impls mosaic_gpu+bwd`` times it), ``xla`` (:mod:`.reference`, the chunked UT/WY form).
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``mosaic_gpu``
   (:mod:`.mosaic_gpu_decode`, sm_90, K = V = 128; after ``triton`` until an H200 run shows it faster:
-  ``benchmarks/kda.py`` times both), ``xla``.
+  ``benchmarks/kda.py`` times both; speculative verification, :data:`.verify.VERIFY`, has no Mosaic GPU entry),
+  ``xla``.
 
 Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`; it beats the Triton forward on
 the H200 in a same-run comparison, benchmarks/RESULTS.md), then ``triton`` while JAX ships the Pallas Triton
