@@ -72,14 +72,20 @@ def _step_inputs(B, H, P):
     return (*(x[:, 0] for x in tok), pool)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_interpreter_matches_reference_on_slots_out_of_order(dtype):
+@pytest.mark.parametrize("dtype, block_v", [(jnp.bfloat16, None), (jnp.float32, 128)])
+def test_interpreter_matches_reference_on_slots_out_of_order(dtype, block_v):
     """Three sequences of three heads on a pool of five rows, slots out of order: ``o`` and the three rows equal the
-    fp32 reference's, the other two rows are untouched (through :func:`ops.recurrent_kda`, the model's path)."""
+    fp32 reference's, the other two rows are untouched. bf16 through :func:`ops.recurrent_kda` (the model's path,
+    default ``block_v``), fp32 through the kernel's entry with one V tile per CTA."""
     q, k, v, g, beta, pool = _decode_inputs(3, 3, 5, dtype)
     slots = jnp.array([4, 0, 2], jnp.int32)
-    o, new = ops.recurrent_kda(q, k, v, g, beta, None, pool, state_slots=slots, implementation="mosaic_gpu",
-                               interpret=True)
+    if block_v is None:
+        o, new = ops.recurrent_kda(q, k, v, g, beta, None, pool, state_slots=slots, implementation="mosaic_gpu",
+                                   interpret=True)
+    else:
+        o, new = mosaic_gpu_decode.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], 128**-0.5, pool,
+                                               slots, block_v=block_v, interpret=True)
+        o = o[:, None]
     f = lambda x: x.astype(jnp.float32)
     o_ref, ht = ref.recurrent_kda(f(q), f(k), f(v), g, f(beta), None, pool[slots], True)
     assert o.shape == v.shape and o.dtype == dtype
