@@ -237,10 +237,27 @@ def bench_shape(B, T, H, args, gpu_cfg):
     return res
 
 
+def _time_decode(step, a, pool_host, slots, ro, rh, iters: int = 200):
+    """``(us per step, o rel. err vs the reference, state rel. err, the last pool)`` of a jitted decode step that
+    donates its pool."""
+    o, p = step(*a, jnp.asarray(pool_host), slots)
+    err = float(jnp.linalg.norm(o - ro[:, 0].astype(o.dtype)) / jnp.linalg.norm(ro))
+    state_err = float(jnp.linalg.norm(p[slots] - rh) / jnp.linalg.norm(rh))
+    for _ in range(5):
+        o, p = step(*a, p, slots)
+    jax.block_until_ready(p)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        o, p = step(*a, p, slots)
+    jax.block_until_ready(p)
+    return (time.perf_counter() - t0) / iters * 1e6, err, state_err, p
+
+
 def bench_decode(B, H, args):
     """Decode step at ``B`` sequences x ``H`` heads: ours for each ``--decode-configs`` entry
-    (``block_v:num_warps`` of ``gpu.decode_step``; the fastest is reported as ``ours_us``), then fla's
-    ``fused_recurrent_kda`` on the same inputs."""
+    (``block_v:num_warps`` of ``gpu.decode_step``; the fastest is reported as ``ours_us``), the Mosaic GPU decode
+    (``mosaic_gpu_decode.decode_step``) for each ``--mosaic-decode-block-v`` (fastest as ``mosaic_gpu_us``), then
+    fla's ``fused_recurrent_kda`` on the same inputs."""
     K = V = 128
     q, k, v, g, beta = make_inputs(B, 1, H, K, V, seed=3)
     pool = jax.random.normal(jax.random.PRNGKey(5), (B, H, K, V), jnp.float32) * 0.1
@@ -258,18 +275,7 @@ def bench_decode(B, H, args):
             donate_argnums=(5,),
         )
         try:
-            o, p = step(*a, jnp.asarray(pool_host), slots)
-            err = float(jnp.linalg.norm(o - ro[:, 0].astype(o.dtype)) / jnp.linalg.norm(ro))
-            state_err = float(jnp.linalg.norm(p[slots] - rh) / jnp.linalg.norm(rh))
-            iters = 200
-            for _ in range(5):
-                o, p = step(*a, p, slots)
-            jax.block_until_ready(p)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                o, p = step(*a, p, slots)
-            jax.block_until_ready(p)
-            t_us = (time.perf_counter() - t0) / iters * 1e6
+            t_us, err, state_err, p = _time_decode(step, a, pool_host, slots, ro, rh)
             res["configs_us"][cfg] = round(t_us, 1)
             if t_us < res.get("ours_us", float("inf")):
                 res.update(ours_us=t_us, ours_config=cfg, ours_vs_ref_rel_err=err, state_rel_err=state_err,
@@ -283,6 +289,26 @@ def bench_decode(B, H, args):
 
                     res["ours_profile"] = device_op_times(one, *a, top=6, iters=20,
                                                           out_dir=os.path.join(args.profile_dir, f"decode_{cfg}"))
+        except Exception as e:  # noqa: BLE001 - report the config and go on
+            res["configs_us"][cfg] = repr(e)[:200]
+        log("decode", res["configs_us"])
+    for bv in (int(x) for x in args.mosaic_decode_block_v.split(",") if x):
+        from pallas_kernels.kda import mosaic_gpu_decode  # noqa: PLC0415
+
+        cfg = f"mosaic_gpu:{bv}"
+        step = jax.jit(
+            lambda q, k, v, g, b, pool, slots, bv=bv: mosaic_gpu_decode.decode_step(
+                q, k, v, g, b, K**-0.5, pool, slots, block_v=bv),
+            donate_argnums=(5,),
+        )
+        try:
+            t_us, err, state_err, _ = _time_decode(step, a, pool_host, slots, ro, rh)
+            res["configs_us"][cfg] = round(t_us, 1)
+            if t_us < res.get("mosaic_gpu_us", float("inf")):
+                res.update(mosaic_gpu_us=t_us, mosaic_gpu_config=cfg, mosaic_gpu_vs_ref_rel_err=err,
+                           mosaic_gpu_state_rel_err=state_err,
+                           mosaic_gpu_state_TBps=state_bytes / (t_us * 1e-6) / 1e12,
+                           mosaic_gpu_vs_triton=res.get("ours_us", float("nan")) / t_us)
         except Exception as e:  # noqa: BLE001 - report the config and go on
             res["configs_us"][cfg] = repr(e)[:200]
         log("decode", res["configs_us"])
@@ -304,6 +330,8 @@ def bench_decode(B, H, args):
                 )
             res["fla_us"] = t_fla * 1e3
             res["speed_vs_fla"] = t_fla / t_ours
+            if "mosaic_gpu_us" in res:
+                res["mosaic_gpu_vs_fla"] = t_fla / (res["mosaic_gpu_us"] / 1e3)
         except Exception as e:  # noqa: BLE001
             log("fla decode unavailable:", repr(e))
     log(res)
@@ -326,6 +354,8 @@ def main():
     p.add_argument("--fla-shapes", type=int, default=99, help="time fla's chunk_kda on the first N shapes only")
     p.add_argument("--decode-first", action="store_true", help="run the decode comparison before the chunk shapes")
     p.add_argument("--decode-configs", default="64:8", help="comma list of block_v:num_warps for gpu.decode_step")
+    p.add_argument("--mosaic-decode-block-v", default="64,128",
+                   help="comma list of block_v for mosaic_gpu_decode.decode_step (empty: skip it)")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
     p.add_argument("--profile-dir", default=None, help="add per-kernel device times (JAX profiler) of our calls")
     p.add_argument("--plot", default=None, metavar="OUT.png",

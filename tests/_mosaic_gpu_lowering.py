@@ -44,3 +44,20 @@ def lower_backward(v_split: int) -> tuple[int, bool, list[int]]:
         lambda q, k, v, g, beta, h0, do, dht: chunk_kda_bwd(q, k, v, g, beta, 128**-0.5, h0, do=do, dht=dht,
                                                             v_split=v_split), *args)
     return text.count("custom_call @mosaic_gpu"), "wgmma.mma_async" in text, ints
+
+
+def lower_decode(block_v: int) -> tuple[int, bool, list[int]]:
+    """``(mosaic_gpu custom calls, pool aliased, integer indices of every copy)`` of the KDA decode step
+    (:func:`pallas_kernels.kda.mosaic_gpu_decode.decode_step`) lowered for sm_90 at two sequences of three heads
+    on a pool of five rows."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from pallas_kernels.kda import mosaic_gpu_decode  # noqa: PLC0415
+
+    s = jax.ShapeDtypeStruct
+    vec = s((2, 3, 128), jnp.bfloat16)
+    args = (vec, vec, vec, s((2, 3, 128), jnp.float32), s((2, 3), jnp.float32), s((5, 3, 128, 128), jnp.float32),
+            s((2,), jnp.int32))
+    text, ints = lower_for_sm90(
+        lambda q, k, v, g, b, p, sl: mosaic_gpu_decode.decode_step(q, k, v, g, b, 0.1, p, sl, block_v=block_v), *args)
+    return text.count("custom_call @mosaic_gpu"), "output_operand_alias" in text, ints

@@ -8,12 +8,15 @@ the call, an explicit name that cannot run raises with the reason):
   a state pass; its backward is the Triton kernels' while JAX ships them, else the reference VJP;
   :mod:`.mosaic_gpu_bwd`, a backward in five Mosaic GPU kernels, is not selected until it has run on a GPU;
   ``benchmarks/kda.py --impls mosaic_gpu+bwd`` times it), ``xla`` (:mod:`.reference`, the chunked UT/WY form).
-* :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``xla``.
+* :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``mosaic_gpu``
+  (:mod:`.mosaic_gpu_decode`, sm_90, K = V = 128; after ``triton`` until an H200 run shows it faster:
+  ``benchmarks/kda.py`` times both; speculative verification, :data:`.verify.VERIFY`, has no Mosaic GPU entry),
+  ``xla``.
 
 Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`; it beats the Triton forward on
 the H200 in a same-run comparison, benchmarks/RESULTS.md), then ``triton`` while JAX ships the Pallas Triton
 backend (``registry.TRITON_SHIPPED``: every other GPU, and what ``mosaic_gpu`` does not take, e.g. packed
-sequences, fp32 or K != 128), then ``xla``. There is no Mosaic GPU decode kernel.
+sequences, fp32 or K != 128), then ``xla``. The decode table puts ``triton`` ahead of ``mosaic_gpu``.
 
 What a backend checks (``supports``): the target platform (``platform=`` or
 :func:`pallas_kernels.registry.target_platform`: the mesh's devices, else the default device; ``interpret=True``
@@ -144,6 +147,19 @@ def _triton_decode(call: KdaCall) -> str | None:
     return _first(_platform_reason(call, "gpu"), _triton_shipped(), _decode_reason(call), _dtype_reason(call))
 
 
+def _mosaic_gpu_decode(call: KdaCall) -> str | None:
+    if _platform_reason(call, "gpu") is not None:
+        return (f"needs target platform gpu (or cpu with interpret=True: the Mosaic GPU interpreter), target is "
+                f"{call.platform}")
+    cc = call.compute_capability
+    arch = None if call.interpret or (cc is not None and cc >= 9.0) else (
+        f"needs compute capability >= 9.0 (TMA), the target GPU's is {cc or 'unknown'}")
+    from pallas_kernels.kda import mosaic_gpu_decode  # noqa: PLC0415  (imports the Mosaic GPU toolchain)
+
+    _, _, _, k, v = call.shape
+    return _first(arch, _decode_reason(call), mosaic_gpu_decode.supports_reason(dtype=call.dtype, k=k, v=v))
+
+
 XLA = Backend("xla", "pure-JAX reference (any g <= 0, any dtype and head dims)", lambda call: None)
 CHUNK = Registry("kda.chunk", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU chunk forward + backward kernels", _tpu_chunk),
@@ -156,6 +172,7 @@ CHUNK = Registry("kda.chunk", (
 DECODE = Registry("kda.decode", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU decode step on a state pool (in place)", _tpu_decode),
     Backend("triton", "Pallas Triton decode step on a state pool (in place)", _triton_decode),
+    Backend("mosaic_gpu", "Pallas Mosaic GPU decode step on a state pool (sm_90 TMA, in place)", _mosaic_gpu_decode),
     XLA,
 ), ALIASES)
 
@@ -370,6 +387,10 @@ def recurrent_kda(
         from pallas_kernels.kda import tpu  # noqa: PLC0415
 
         o, pool = tpu.decode_step(*args, interpret=interpret)
+    elif impl == "mosaic_gpu":
+        from pallas_kernels.kda import mosaic_gpu_decode  # noqa: PLC0415
+
+        o, pool = mosaic_gpu_decode.decode_step(*args, interpret=interpret)
     else:
         from pallas_kernels.kda import gpu  # noqa: PLC0415
 
