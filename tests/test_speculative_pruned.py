@@ -19,7 +19,7 @@ from k3_jax.draft import (
     target_head,
 )
 from k3_jax.serving.sampling import SamplingParams
-from k3_jax.serving.speculative import SpeculativeEngine
+from k3_jax.serving.speculative import SpeculativeEngine, load_draft
 from k3_jax.training import draft as draft_training
 from tests.test_speculative import MAX_LEN, NEW, _accept_fn, _chi_square_p, _greedy, _prompts, _run, _setup
 
@@ -110,3 +110,25 @@ def test_pruned_losses_over_the_map():
     ce = draft_training.pruned_loss("ce", jnp.asarray(zp, jnp.float32), jnp.asarray(zq, jnp.float32), jnp.asarray(m))
     np.testing.assert_allclose(np.asarray(ce), -np.log(np.take_along_axis(q, pm.argmax(-1)[..., None], -1)[..., 0]),
                                rtol=1e-5)
+
+
+def test_pruned_draft_training_resumes_and_exports_the_map(tmp_path, monkeypatch):
+    from tests.test_speculative import micro_config
+
+    cfg = micro_config(vocab=1024)
+    monkeypatch.setattr(draft_training, "load_config", lambda *a, **k: cfg)
+    common = dict(steps=3, batch_size=2, seq_len=8, ttt_steps=2, save_every=0, warmup_steps=1, lr=1e-2,
+                  head_vocab=16)
+
+    def train(out, **kw):
+        return draft_training.train(draft_training.DraftTrainConfig(out=str(tmp_path / out), **common),
+                                    say=lambda s: None, **kw)
+
+    straight = train("a")
+    first = train("b", stop_at=1)
+    assert first["losses"] + train("b")["losses"] == straight["losses"]  # the map came back from the checkpoint
+    assert np.isfinite(straight["losses"]).all()
+    dcfg, _ = load_draft(straight["draft_dir"], cfg)
+    assert dcfg.head_vocab == 16
+    want = draft_training.corpus_vocab_map(draft_training.DraftTrainConfig(**common), cfg.vocab_size)
+    np.testing.assert_array_equal(load_vocab_map(straight["draft_dir"], dcfg, cfg.vocab_size), want)
