@@ -117,7 +117,7 @@ def test_pruned_draft_training_resumes_and_exports_the_map(tmp_path, monkeypatch
 
     cfg = micro_config(vocab=1024)
     monkeypatch.setattr(draft_training, "load_config", lambda *a, **k: cfg)
-    common = dict(steps=3, batch_size=2, seq_len=8, ttt_steps=2, save_every=0, warmup_steps=1, lr=1e-2,
+    common = dict(steps=2, batch_size=2, seq_len=8, ttt_steps=1, save_every=0, warmup_steps=1, lr=1e-2,
                   head_vocab=16)
 
     def train(out, **kw):
