@@ -229,6 +229,8 @@ def main() -> None:
     p.add_argument("--sample-cases", default="", help="batch:k,... also measured at temperature 1")
     p.add_argument("--pipelined-calls", type=int, default=8)
     p.add_argument("--dtype", default="")
+    p.add_argument("--head-vocab", type=int, default=0,
+                   help="drafts with a pruned head over this many ids (DraftConfig.head_vocab; 0 = the full head)")
     p.add_argument("--page-size", type=int, default=0,
                    help="run the peer and the speculative engines on the paged latent cache with pages of this many "
                         "tokens (0: the contiguous cache)")
@@ -251,7 +253,7 @@ def main() -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
     from k3_jax.config import load_config
-    from k3_jax.draft import DraftConfig, DraftModel, target_head
+    from k3_jax.draft import DraftConfig, DraftModel, head_variables, load_vocab_map, target_head
     from k3_jax.model import K3ForCausalLM
     from k3_jax.serving.engine import Engine
     from k3_jax.serving.speculative import SpeculativeEngine, load_draft
@@ -272,7 +274,10 @@ def main() -> None:
                           routed_expert_hidden_size=32, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                           qk_rope_head_dim=8, v_head_dim=16)
     draft_dirs = dict(item.partition("=")[::2] for item in filter(None, args.drafts.split(",")))
-    dcfg = DraftConfig.default_for(cfg)
+    dcfg = dataclasses.replace(DraftConfig.default_for(cfg), head_vocab=args.head_vocab or None).validate(cfg)
+    # a pruned draft's map: a placeholder until its directory is loaded (the programs depend on its shape only)
+    maps = {name: None if dcfg.head_vocab is None else np.arange(dcfg.head_vocab, dtype=np.int32)
+            for name in draft_dirs or ["random"]}
 
     def random_draft(params, seed: int):
         emb, head = target_head(cfg, params)
@@ -296,6 +301,12 @@ def main() -> None:
     if draft_dirs and not waiting:
         drafts = {name: (dc, uncommitted(dp)) for name, (dc, dp) in
                   ((name, load_draft(path, cfg)) for name, path in draft_dirs.items())}
+        maps = {name: load_vocab_map(draft_dirs[name], dc, cfg.vocab_size) for name, (dc, _) in drafts.items()}
+
+    def draft_variables(name: str) -> dict:
+        """The engine's draft variables of draft ``name`` (its params; a pruned head's map and gathered head)."""
+        return {"params": drafts[name][1],
+                **uncommitted(head_variables(cfg, drafts[name][0], params, maps[name]))}
 
     def pairs(text: str) -> list[tuple[int, int]]:
         return [(int(b), int(k)) for b, k in (c.split(":") for c in filter(None, text.split(",")))]
@@ -341,7 +352,8 @@ def main() -> None:
             e = Engine(cfg, params, max_batch=b, max_len=max_len + kmax, prefill_chunk=chunk, **paged)
         else:
             e = SpeculativeEngine(cfg, params, dp0, dc0, num_draft_tokens=k, max_batch=b,
-                                  max_len=max_len + kmax - k, prefill_chunk=chunk, **paged)
+                                  max_len=max_len + kmax - k, prefill_chunk=chunk,
+                                  vocab_map=maps[next(iter(drafts))], **paged)
         t = time.perf_counter()
         warm(e, case)
         engines[case] = e
@@ -383,6 +395,7 @@ def main() -> None:
             if bad:
                 emit({"note": f"draft {name} differs from the init ({bad}): the warm runs recompile"})
         drafts = {name: (dc, uncommitted(dp)) for name, (dc, dp) in drafts_new.items()}
+        maps = {name: load_vocab_map(draft_dirs[name], dc, cfg.vocab_size) for name, (dc, _) in drafts.items()}
         emit({"weights_ready_at_s": round(elapsed(), 1)})
 
     rows, peers = [], {}
@@ -412,7 +425,7 @@ def main() -> None:
             if k:
                 if e.dcfg != drafts[name][0]:
                     raise ValueError(f"draft {name}: config {drafts[name][0]} differs from the engine's {e.dcfg}")
-                e.draft_variables = {"params": drafts[name][1]}
+                e.draft_variables = draft_variables(name)
             t, c0 = time.perf_counter(), COMPILES[0]
             warm(e, case)
             warm_s, warm_compiles, c0 = time.perf_counter() - t, COMPILES[0] - c0, COMPILES[0]
@@ -432,7 +445,7 @@ def main() -> None:
                 peer = peers[b]
                 div = [peer["margins"][i][common_prefix(a, c)] for i, (a, c) in enumerate(zip(outs, peer["outs"],
                                                                                               strict=True)) if a != c]
-                row.update({"draft": name, "mixer": e.dcfg.mixer,
+                row.update({"draft": name, "mixer": e.dcfg.mixer, "head_vocab": e.dcfg.head_vocab,
                             "peer_decode_tokens_per_s": peer["decode_tokens_per_s"],
                             "speedup_vs_step": round(row["decode_tokens_per_s"] / peer["decode_tokens_per_s"], 3),
                             "speedup_vs_best": round(best / peer["best"], 3),
@@ -492,7 +505,7 @@ def main() -> None:
 
         for (b, k), e in keep.items():
             if k:
-                e.draft_variables = {"params": next(iter(drafts.values()))[1]}
+                e.draft_variables = draft_variables(next(iter(drafts)))
             call, finish = device_loop(e, prompts[b][:b], args.new_tokens)
             try:
                 prof = device_op_times(call, out_dir=f"{args.profile_dir}/b{b}k{k}", iters=4, top=15)

@@ -12,7 +12,10 @@ runs), greedy, the cache donated as the engines donate it:
 * ``verify k=K``: the target's verify pass of a round alone (``[B, K + 1]`` tokens under
   :func:`k3_jax.layers.kda.record_position_states`, the draft features collected);
 * ``round k=K``: :func:`k3_jax.serving.speculative.speculative_round` (draft catch-up and chain, verify,
-  acceptance, rollback; ``DraftConfig.default_for``).
+  acceptance, rollback; ``DraftConfig.default_for``);
+* ``round k=K head=N`` (``--head-vocab N``): the same round with a pruned draft head over ``N`` ids
+  (``DraftConfig.head_vocab``; the gathered ``[D, N]`` head and the ``[N]`` map are inputs, as the engine holds
+  them), after the full-head round of the same ``k``.
 
 Reported: ``bytes_accessed`` and ``flops`` (``compiled.cost_analysis()``), ``over_step`` (bytes over the plain
 step's); ``must_bytes``: what the program's target forward must move (:func:`must_bytes`; for a round, its verify
@@ -59,9 +62,11 @@ def must_bytes(cfg, params, cache, batch: int, tokens: int, prompt_len: int) -> 
 
 
 def compile_programs(target: str, cfg, ks: list[int], batch: int, max_len: int, prompt_len: int, top: int = 8,
-                     hlo_out: str | None = None) -> list[dict]:
+                     hlo_out: str | None = None, head_vocab: int = 0) -> list[dict]:
     """The records of the plain step, then the verify pass and the round for each ``k`` (module docstring);
     ``hlo_out``: write each program's optimised HLO to ``PREFIX.<program>.hlo``."""
+    import dataclasses
+
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -120,6 +125,7 @@ def compile_programs(target: str, cfg, ks: list[int], batch: int, max_len: int, 
                             else (accessed, model_bytes))
         records.append({
             "bench": "speculative_aot", "program": program, "target": target, "batch": batch, "max_len": max_len,
+            "head_vocab": head_vocab if "head=" in program else None,
             "config_layers": [f"{m}+{f}" for m, f in cfg.layer_kinds()],
             "bytes_accessed": accessed, "over_step": round(accessed / step, 3),
             "model_bytes": model_bytes, "model_over_step": round(model_bytes / model_step, 3),
@@ -158,6 +164,19 @@ def compile_programs(target: str, cfg, ks: list[int], batch: int, max_len: int, 
         pend = (jnp.zeros((b, k + 1, nf), cfg.dtype), jnp.zeros((b, k + 1), i32), jnp.ones((b,), i32))
         record(f"round k={k}", round_fn, (2, 3, 5), k + 1, params, dparams, cache,
                init_draft_cache(cfg, dcfg, b, max_len + k + 1), jnp.zeros((b,), i32), pend)
+        if head_vocab:
+            pcfg = dataclasses.replace(dcfg, head_vocab=head_vocab).validate(cfg)
+            pruned = DraftModel(cfg, pcfg)
+            pvars = {**dparams, "vocab_map": jnp.zeros((head_vocab,), i32),
+                     "head": jnp.zeros((cfg.hidden_size, head_vocab), head.dtype)}
+
+            def pruned_round(variables, dvars, cache, dcache, last, pend, k=k, pruned=pruned, pcfg=pcfg):
+                return speculative_round(model, pruned, pcfg, variables, dvars, cache, dcache, last, *pend,
+                                         jnp.ones((b,), bool), jnp.full((b,), k, i32), samp, 0, False)
+
+            record(f"round k={k} head={head_vocab}", pruned_round, (2, 3, 5), k + 1, params, pvars,
+                   init_cache(cfg, b, max_len + k), init_draft_cache(cfg, pcfg, b, max_len + k + 1),
+                   jnp.zeros((b,), i32), pend)
     return records
 
 
@@ -170,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-len", type=int, default=512, help="the plain engine's cache (the round's: + k)")
     ap.add_argument("--prompt-len", type=int, default=256, help="cached tokens per row for must_bytes")
+    ap.add_argument("--head-vocab", type=int, default=0,
+                    help="also compile each round with a pruned draft head over this many ids (0 = only the full head)")
     ap.add_argument("--hlo-out", default=None, help="write each program's optimised HLO to PREFIX.<program>.hlo")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -180,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.layers:
         cfg = layer_config(cfg, args.layers.split(","), None)
     compile_programs(args.target, cfg, [int(k) for k in args.ks.split(",")], args.batch, args.max_len,
-                     args.prompt_len, hlo_out=args.hlo_out)
+                     args.prompt_len, hlo_out=args.hlo_out, head_vocab=args.head_vocab)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ cd "$(dirname "$0")/.."
 : "${CASES:=1:4,4:4,16:6,1:3,1:6,1:2}" "${SAMPLE_CASES:=1:4,4:4,16:6}" "${BLOCK:=8}" "${BLOCK_BATCHES:=1}"
 : "${PROMPT_LEN:=65}" "${NEW_TOKENS:=128}" "${REPEATS:=1}" "${BATCH1_PROMPTS:=2}" "${COMPILE_THREADS:=6}"
 : "${BENCH_RESERVE_S:=5}" "${PROFILE:=1}" "${NICE:=10}" "${BENCH_NICE:=10}"
+# HEAD_VOCAB=N: both drafts get a pruned head over the N most frequent corpus ids (DraftConfig.head_vocab); 0 = full
+: "${HEAD_VOCAB:=0}"
 mkdir -p "$OUT"
 rm -rf "$WORK" && mkdir -p "$WORK"
 start=$(date +%s)
@@ -33,7 +35,7 @@ profile=()
 
 timeout -s KILL "$TOTAL_S" nice -n "$BENCH_NICE" "$PY" benchmarks/speculative.py --config "$CONFIG" \
     --target "$WORK/target" --drafts "lk=$WORK/lk/draft,ce=$WORK/ce/draft" --cases "$CASES" \
-    --sample-cases "$SAMPLE_CASES" \
+    --sample-cases "$SAMPLE_CASES" --head-vocab "$HEAD_VOCAB" \
     --block "$BLOCK" --block-batches "$BLOCK_BATCHES" --prompt-len "$PROMPT_LEN" --new-tokens "$NEW_TOKENS" \
     --batch1-prompts "$BATCH1_PROMPTS" \
     --repeats "$REPEATS" --compile-threads "$COMPILE_THREADS" --compile-cache "$WORK/xla" "${profile[@]}" \
@@ -46,7 +48,7 @@ for loss in lk ce; do
     K3_COMPILATION_CACHE=off timeout -s KILL "$TOTAL_S" nice -n "$NICE" "$PY" -m k3_jax.training.draft \
         --target "$WORK/target" --config "$CONFIG" --wait-for "$WORK/target.done" --out "$WORK/$loss" \
         --loss "$loss" --steps "$DRAFT_STEPS" --batch-size "$DRAFT_BATCH" --seq-len "$DRAFT_SEQ" \
-        --ttt-steps "$DRAFT_TTT" --max-seconds "$DRAFT_MAX_S" --save-every 0 \
+        --ttt-steps "$DRAFT_TTT" --max-seconds "$DRAFT_MAX_S" --save-every 0 --head-vocab "$HEAD_VOCAB" \
         >"$OUT/draft_$loss.log" 2>&1 &
     drafts+=($!)
 done

@@ -8,7 +8,8 @@ The draft sees, per position ``i``, the target's residual stream at a few of its
     x  = fuse(concat(norm(embed(token_{i+1})), norm(f)))           [B, T, 2·D] -> [B, T, D]
     x += mixer(norm(x))          one MLA or KDA layer of the target's shape (own cache)
     x += SituMLP(norm(x))        dense, ``intermediate_size``
-    logits = norm(x) · lm_head   the target's frozen lm_head (and embedding table)
+    logits = norm(x) · lm_head   the target's frozen lm_head (and embedding table), or its rows of a pruned
+                                 vocabulary (``head_vocab``; :func:`pruned_head`)
 
 ``x`` (before the final norm) is the draft's hidden state: chained drafting (and the training-time test unroll)
 feeds it back in place of ``f`` for the next position (``from_draft=True`` skips ``fc``).
@@ -16,6 +17,12 @@ feeds it back in place of ``f`` for the next position (``from_draft=True`` skips
 Parameters are the draft's own (``fc``, ``fuse``, norms, mixer, mlp); the embedding table and the lm_head kernel
 are arguments, taken from the target's parameters with :func:`target_head`. Residual features come from the
 target's opt-in :data:`k3_jax.model.FEATURES` collection (:func:`target_features`).
+
+Pruned head (``DraftConfig.head_vocab = N``): the draft predicts over the ``N`` target ids of a ``vocab_map
+[N]`` i32 (distinct ids in ``[0, V)``, most frequent first; :func:`count_vocab_map`), stored beside the draft
+(:data:`VOCAB_MAP_FILE`). Its head is ``lm_head[:, vocab_map]`` ``[D, N]``, gathered once at load; draft logits
+are ``[B, T, N]`` and index ``j`` stands for target token ``vocab_map[j]``. The draft's distribution over the full
+vocabulary is zero outside the map.
 
 Cache (decode): ``{"lengths": [B] i32, "layer": entry}`` with the KDA or MLA entry of :mod:`k3_jax.cache`
 without the ``repeats`` axis (:func:`init_draft_cache`).
@@ -25,12 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3_jax.config import K3Config
 from k3_jax.layers.common import Linear, RMSNorm, compute_dtype
@@ -41,6 +50,7 @@ from k3_jax.model import FEATURES, layer_plan, lm_head_logits
 
 MIXERS = ("mla", "kda")
 DRAFT_CONFIG_FILE = "draft_config.json"
+VOCAB_MAP_FILE = "vocab_map.npy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +60,14 @@ class DraftConfig:
     ``feature_layers``: target layer indices (0-based, each in ``[0, num_layers)``) whose residual stream is fused,
     in order; ``mixer``: ``"mla"`` (default: its latent cache rolls back by truncating ``lengths``, so drafting
     needs no state trace; one latent row of ``kv_lora + rope`` values per token) or ``"kda"``;
-    ``intermediate_size``: the dense MLP width (0: the target's ``intermediate_size``).
+    ``intermediate_size``: the dense MLP width (0: the target's ``intermediate_size``); ``head_vocab``: ``None``
+    (the full lm_head) or ``N`` in ``[1, V]``: a pruned head over the ``N`` ids of the draft's vocab map.
     """
 
     feature_layers: tuple[int, ...]
     mixer: str = "mla"
     intermediate_size: int = 0
+    head_vocab: int | None = None
 
     @staticmethod
     def default_for(cfg: K3Config, mixer: str = "mla") -> DraftConfig:
@@ -75,6 +87,9 @@ class DraftConfig:
             raise ValueError(f"draft feature_layers {bad} outside the target's layers [0, {cfg.num_hidden_layers})")
         if self.intermediate_size < 0:
             raise ValueError(f"draft intermediate_size must be >= 0, got {self.intermediate_size}")
+        if self.head_vocab is not None and not 1 <= self.head_vocab <= cfg.vocab_size:
+            raise ValueError(f"draft head_vocab must be None or in [1, {cfg.vocab_size}] (the target's vocab_size), "
+                             f"got {self.head_vocab}")
         return self
 
     def mlp_size(self, cfg: K3Config) -> int:
@@ -82,15 +97,16 @@ class DraftConfig:
 
     def to_json(self) -> dict:
         return {"feature_layers": list(self.feature_layers), "mixer": self.mixer,
-                "intermediate_size": self.intermediate_size}
+                "intermediate_size": self.intermediate_size, "head_vocab": self.head_vocab}
 
     @staticmethod
     def from_json(d: dict) -> DraftConfig:
-        unknown = set(d) - {"feature_layers", "mixer", "intermediate_size"}
+        unknown = set(d) - {"feature_layers", "mixer", "intermediate_size", "head_vocab"}
         if unknown:
             raise ValueError(f"draft config has unknown fields {sorted(unknown)}")
+        hv = d.get("head_vocab")
         return DraftConfig(tuple(int(i) for i in d["feature_layers"]), str(d.get("mixer", "mla")),
-                           int(d.get("intermediate_size", 0)))
+                           int(d.get("intermediate_size", 0)), None if hv is None else int(hv))
 
     def save(self, directory: str | Path) -> None:
         path = Path(directory) / DRAFT_CONFIG_FILE
@@ -169,6 +185,85 @@ def init_draft_cache(cfg: K3Config, dcfg: DraftConfig, batch: int, max_len: int,
     else:
         entry = {"latent": jnp.zeros((batch, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype)}
     return {"lengths": jnp.zeros((batch,), jnp.int32), "layer": entry}
+
+
+def count_vocab_map(token_batches: Iterable[np.ndarray], vocab_size: int, n: int) -> np.ndarray:
+    """The ``n`` most frequent ids ``[n]`` i32 over ``token_batches`` (any shape, ids in ``[0, vocab_size)``;
+    ties and unseen ids by ascending id), most frequent first."""
+    counts = np.zeros(vocab_size, np.int64)
+    for t in token_batches:
+        t = np.asarray(t).reshape(-1)
+        if t.size and (t.min() < 0 or t.max() >= vocab_size):
+            raise ValueError(f"corpus token ids outside [0, {vocab_size}) (min {t.min()}, max {t.max()})")
+        counts += np.bincount(t, minlength=vocab_size)
+    return np.argsort(-counts, kind="stable")[:n].astype(np.int32)
+
+
+def check_vocab_map(vocab_map: Any, dcfg: DraftConfig, vocab_size: int, where: str = "vocab_map") -> np.ndarray:
+    """``vocab_map`` as ``[head_vocab]`` i32; ``ValueError`` naming ``where`` and the field when its length is
+    not ``dcfg.head_vocab``, an id lies outside ``[0, vocab_size)`` or an id repeats."""
+    m = np.asarray(vocab_map)
+    if dcfg.head_vocab is None:
+        raise ValueError(f"{where}: the draft config has head_vocab=None (full head) but a vocab map was given")
+    if m.ndim != 1 or m.shape[0] != dcfg.head_vocab or not np.issubdtype(m.dtype, np.integer):
+        raise ValueError(f"{where}: expected [head_vocab={dcfg.head_vocab}] integer ids, got shape {m.shape} "
+                         f"dtype {m.dtype}")
+    if m.min() < 0 or m.max() >= vocab_size:
+        raise ValueError(f"{where}: ids outside [0, {vocab_size}) (min {m.min()}, max {m.max()})")
+    if np.unique(m).size != m.size:
+        raise ValueError(f"{where}: {m.size - np.unique(m).size} repeated ids")
+    return m.astype(np.int32)
+
+
+def save_vocab_map(directory: str | Path, vocab_map: np.ndarray) -> None:
+    """Write ``directory/``:data:`VOCAB_MAP_FILE` (temp file, then rename)."""
+    path = Path(directory) / VOCAB_MAP_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, np.asarray(vocab_map, np.int32))
+    tmp.rename(path)
+
+
+def load_vocab_map(directory: str | Path, dcfg: DraftConfig, vocab_size: int) -> np.ndarray | None:
+    """The draft's vocab map (``None`` for a full head), checked by :func:`check_vocab_map`;
+    ``FileNotFoundError`` when ``head_vocab`` is set and the file is missing."""
+    path = Path(directory) / VOCAB_MAP_FILE
+    if dcfg.head_vocab is None:
+        if path.exists():
+            raise ValueError(f"{path}: the draft config has head_vocab=None (full head) but a vocab map is stored")
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing: the draft config has head_vocab={dcfg.head_vocab}")
+    return check_vocab_map(np.load(path), dcfg, vocab_size, str(path))
+
+
+def pruned_head(lm_head: jax.Array, vocab_map: jax.Array) -> jax.Array:
+    """The draft head ``[D, N]``: the target's ``lm_head [D, V]`` columns of ``vocab_map [N]``."""
+    return jnp.take(lm_head, jnp.asarray(vocab_map), axis=1)
+
+
+def head_variables(cfg: K3Config, dcfg: DraftConfig, target_params: dict, vocab_map: Any) -> dict:
+    """What a pruned-head draft adds to its variables: ``{"vocab_map": [N] i32, "head": [D, N]}`` (gathered
+    once from the target); ``{}`` for a full head."""
+    if dcfg.head_vocab is None:
+        if vocab_map is not None:
+            raise ValueError("vocab_map given for a draft with head_vocab=None (full head)")
+        return {}
+    if vocab_map is None:
+        raise ValueError(f"the draft config has head_vocab={dcfg.head_vocab} but no vocab_map was given")
+    m = check_vocab_map(vocab_map, dcfg, cfg.vocab_size)
+    _, head = target_head(cfg, target_params)
+    return {"vocab_map": jnp.asarray(m), "head": pruned_head(head, m)}
+
+
+def draft_head(cfg: K3Config, target_params: dict, draft_variables: dict) -> tuple[jax.Array, jax.Array,
+                                                                                  jax.Array | None]:
+    """``(embedding [V, D], draft head [D, N or V], vocab_map [N] or None)`` for a draft's variables (with or
+    without :func:`head_variables`' entries)."""
+    emb, head = target_head(cfg, target_params)
+    if "head" in draft_variables:
+        return emb, draft_variables["head"], draft_variables["vocab_map"]
+    return emb, head, None
 
 
 def target_head(cfg: K3Config, target_params: dict) -> tuple[jax.Array, jax.Array]:

@@ -203,13 +203,16 @@ def main(argv: list[str] | None = None) -> int:
                          decode_block=args.decode_block, paged=args.paged or prefix is not None,
                          page_size=args.page_size, prefix_cache=prefix)
     if args.draft:
+        from k3_jax.draft import load_vocab_map
         from k3_jax.serving.speculative import SpeculativeEngine, load_draft
 
         try:
             dcfg, dparams = load_draft(args.draft, cfg)
+            vocab_map = load_vocab_map(args.draft, dcfg, cfg.vocab_size)
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"--draft {args.draft}: {e}") from None
-        engine = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=args.draft_tokens, **engine_kwargs)
+        engine = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=args.draft_tokens,
+                                   vocab_map=vocab_map, **engine_kwargs)
     else:
         engine = Engine(cfg, params, **engine_kwargs)
 

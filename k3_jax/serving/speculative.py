@@ -56,7 +56,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.config import K3Config
-from k3_jax.draft import DraftConfig, DraftModel, init_draft_cache, target_features, target_head, unbox_params
+from k3_jax.draft import (
+    DraftConfig,
+    DraftModel,
+    draft_head,
+    head_variables,
+    init_draft_cache,
+    target_features,
+    unbox_params,
+)
 from k3_jax.layers.kda import record_position_states
 from k3_jax.model import FEATURES, K3ForCausalLM
 from k3_jax.serving import media as media_lib
@@ -207,7 +215,8 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
     k = pend_tok.shape[1] - 1
     b = last_token.shape[0]
     rows = jnp.arange(b)
-    emb, head = target_head(cfg, variables["params"])
+    emb, head, vocab_map = draft_head(cfg, variables["params"], draft_variables)
+    draft_variables = {"params": draft_variables["params"]}
     keys = (jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(samp.seed, samp.step) if sampling
             else None)
 
@@ -215,12 +224,17 @@ def speculative_round(target: K3ForCausalLM, draft: DraftModel, dcfg: DraftConfi
         return sampling_probs(logits, samp.temperature, samp.top_k, samp.top_p)
 
     def draw_draft(logits: jax.Array, i: int) -> tuple[jax.Array | None, jax.Array]:
-        """``(q [B, V] or None when greedy, token [B])`` from the draft's logits ``[B, 1, V]``."""
+        """``(q [B, V] or None when greedy, token [B])`` from the draft's logits ``[B, 1, V or N]``: with a
+        pruned head, index ``j`` is target token ``vocab_map[j]`` and ``q`` is zero outside the map."""
         if not sampling:
-            return None, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            j = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            return None, j if vocab_map is None else vocab_map[j]
         q = probs_of(logits)[:, 0]
         dk = jax.vmap(lambda kk: jax.random.fold_in(jax.random.fold_in(kk, _TAG_DRAFT), i))(keys)
-        return q, _draw(dk, q)
+        j = _draw(dk, q)
+        if vocab_map is None:
+            return q, j
+        return jnp.zeros((b, cfg.vocab_size), q.dtype).at[:, vocab_map].set(q), vocab_map[j]
 
     # 1. catch-up on the pending pairs, first draft from the last real one
     last = jnp.clip(pend_n - 1, 0, k)
@@ -380,7 +394,7 @@ class SpeculativeEngine(Engine):
     """
 
     def __init__(self, cfg: K3Config, params: Any, draft_params: Any, draft_config: DraftConfig,
-                 num_draft_tokens: int = 4, max_len: int = 512, **kwargs: Any):
+                 num_draft_tokens: int = 4, max_len: int = 512, vocab_map: Any = None, **kwargs: Any):
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.dcfg = draft_config.validate(cfg)
@@ -396,6 +410,7 @@ class SpeculativeEngine(Engine):
                         jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.dtype))
             self.draft_variables = shard_variables(self.draft, abstract, self.draft_variables, self.mesh,
                                                    self.sharding_preset)
+        self.draft_variables.update(head_variables(cfg, self.dcfg, self.variables["params"], vocab_map))
         self._dcache_len = self.max_len + num_draft_tokens + 1
         self.dcache = self._place(init_draft_cache(cfg, self.dcfg, self.max_batch, self._dcache_len,
                                                    self._cache_dtype))
@@ -425,9 +440,9 @@ class SpeculativeEngine(Engine):
 
         def draft_prefill(dvars, variables, dcache, slot, feats, tokens):
             """The draft consumes prompt pairs ``feats [1, T, F]`` / ``tokens [1, T]`` into row ``slot``."""
-            emb, head = target_head(cfg, variables["params"])
+            emb, head, _ = draft_head(cfg, variables["params"], dvars)
             row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, 0), dcache)
-            _, _, row = draft.apply(dvars, feats, tokens, emb, head, cache=row)
+            _, _, row = draft.apply({"params": dvars["params"]}, feats, tokens, emb, head, cache=row)
             return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, 0),
                                 dcache, row)
 
@@ -644,7 +659,8 @@ class SpeculativeEngine(Engine):
 
 def load_draft(directory: str, cfg: K3Config) -> tuple[DraftConfig, Any]:
     """``(DraftConfig, params)`` of a draft directory written by ``python -m k3_jax.training.draft``
-    (``draft_config.json`` + the orbax ``params`` of the draft)."""
+    (``draft_config.json`` + the orbax ``params`` of the draft). A pruned-head draft's vocab map:
+    :func:`k3_jax.draft.load_vocab_map`."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     dcfg = DraftConfig.load(directory).validate(cfg)

@@ -8,6 +8,15 @@ Loss per position (``--loss``): ``lk`` (default) ``-log Σ_x min(p(x), q(x))``, 
 speculative sampling accepts the draft's token; ``kl`` ``KL(p || q)``; ``ce`` cross-entropy against the target's
 argmax token. ``p``, ``q``: target / draft softmax at temperature 1.
 
+Pruned head (``--head-vocab N``): the vocab map is the ``N`` most frequent ids of the training shards (token
+counts over every shard; :func:`k3_jax.draft.count_vocab_map`), computed once, kept in the training state
+(``state["vocab_map"]``: checkpointed, so a resume uses the same map) and exported beside the draft. ``q`` lives on
+the map (zero elsewhere). ``lk`` uses the target's unnormalised mass inside the map, ``Σ_{x∈map} min(p(x), q(x))``:
+exactly the acceptance probability of a pruned draft (tokens outside the map are never accepted, and the loss
+rewards no mass there). ``kl`` and ``ce`` use ``p`` renormalised on the map (``KL(p|map || q)``; the target's
+argmax among the mapped ids): ``q`` cannot put mass outside the map, so the unrenormalised KL / CE would be
+infinite whenever the target does.
+
 Training-time test (``--ttt-steps S``): step 1 runs the draft over the sequence of (target feature at ``t``,
 token ``t + 1``) pairs and predicts token ``t + 2`` (label: the target's distribution at ``t + 1``); step ``j > 1``
 feeds the draft's own step ``j - 1`` hidden states with token ``t + j`` and predicts token ``t + j + 1`` (label at
@@ -61,11 +70,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3_jax.config import K3Config, load_config
-from k3_jax.draft import DraftConfig, DraftModel, target_features, target_head
+from k3_jax.draft import (
+    DraftConfig,
+    DraftModel,
+    check_vocab_map,
+    count_vocab_map,
+    pruned_head,
+    save_vocab_map,
+    target_features,
+    target_head,
+)
 from k3_jax.model import FEATURES, K3ForCausalLM
 from k3_jax.serving.engine import shard_variables
 from k3_jax.training.checkpoint import Checkpointer
-from k3_jax.training.data import DataConfig, DataIterator, make_dataset
+from k3_jax.training.data import TOKENS_FILE, DataConfig, DataIterator, load_token_shard, make_dataset
 from k3_jax.training.resume import RUN_CONFIG_FORMAT, resume
 from sharding import rules
 from sharding.mesh import make_mesh
@@ -94,13 +112,28 @@ def ce_loss(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(lq, jnp.argmax(p_logits, axis=-1)[..., None], axis=-1)[..., 0]
 
 
-def draft_loss(kind: str, p_logits: jax.Array, q_logits: jax.Array, mask: jax.Array) -> jax.Array:
-    """Masked mean of the per-position loss ``kind`` (one of :data:`LOSSES`)."""
+def pruned_loss(kind: str, p_logits: jax.Array, q_logits: jax.Array, vocab_map: jax.Array) -> jax.Array:
+    """Per-position loss ``kind`` of a pruned draft: target ``p_logits [..., V]``, draft ``q_logits [..., N]``
+    over the ids ``vocab_map [N]`` (module docstring: ``lk`` on the unnormalised target mass inside the map,
+    ``kl`` / ``ce`` on the target renormalised there)."""
+    p_in = jnp.take(p_logits.astype(jnp.float32), vocab_map, axis=-1)
+    if kind != "lk":
+        return {"kl": kl_loss, "ce": ce_loss}[kind](p_in, q_logits)
+    p = jnp.exp(p_in - jax.nn.logsumexp(p_logits.astype(jnp.float32), axis=-1, keepdims=True))
+    q = jax.nn.softmax(q_logits.astype(jnp.float32), axis=-1)
+    return -jnp.log(jnp.maximum(jnp.sum(jnp.minimum(p, q), axis=-1), 1e-30))
+
+
+def draft_loss(kind: str, p_logits: jax.Array, q_logits: jax.Array, mask: jax.Array,
+               vocab_map: jax.Array | None = None) -> jax.Array:
+    """Masked mean of the per-position loss ``kind`` (one of :data:`LOSSES`); with ``vocab_map`` the draft's
+    logits are over the map (:func:`pruned_loss`)."""
     fn = {"lk": lk_loss, "kl": kl_loss, "ce": ce_loss}.get(kind)
     if fn is None:
         raise ValueError(f"draft loss must be one of {LOSSES}, got {kind!r}")
     m = mask.astype(jnp.float32)
-    return jnp.sum(fn(p_logits, q_logits) * m) / jnp.maximum(jnp.sum(m), 1.0)
+    per = fn(p_logits, q_logits) if vocab_map is None else pruned_loss(kind, p_logits, q_logits, vocab_map)
+    return jnp.sum(per * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -115,6 +148,7 @@ class DraftTrainConfig:
     mixer: str = "mla"
     feature_layers: tuple[int, ...] = ()  # () = DraftConfig.default_for(target)
     intermediate_size: int = 0
+    head_vocab: int = 0  # > 0: a pruned head over the N most frequent corpus ids (module doc); 0 = the full head
     loss: str = "lk"
     ttt_steps: int = 3
     steps: int = 200
@@ -137,6 +171,8 @@ class DraftTrainConfig:
         for name in ("ttt_steps", "steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.head_vocab < 0:
+            raise ValueError(f"--head-vocab must be >= 0 (0: the full head), got {self.head_vocab}")
         if self.max_seconds < 0:
             raise ValueError(f"--max-seconds must be >= 0 (0: no limit), got {self.max_seconds}")
         if self.ttt_steps >= self.seq_len:
@@ -219,9 +255,11 @@ def _tuples(d: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ step
 def unrolled_loss(draft: DraftModel, dcfg: DraftConfig, cfg: K3Config, kind: str, ttt_steps: int,
                   draft_params: Any, target_logits: jax.Array, feats: jax.Array, tokens: jax.Array,
-                  segment_ids: jax.Array, emb: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array]:
+                  segment_ids: jax.Array, emb: jax.Array, head: jax.Array,
+                  vocab_map: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``(loss, per-step losses [ttt_steps])`` of the training-time-test unroll over rows ``tokens [B, S]``
-    with the target's ``target_logits [B, S, V]`` and ``feats [B, S, F]`` (module docstring)."""
+    with the target's ``target_logits [B, S, V]`` and ``feats [B, S, F]`` (module docstring); ``head`` is the
+    draft's (``[D, N]`` gathered for ``vocab_map [N]`` when pruned)."""
     s = tokens.shape[1]
     losses = []
     inputs, from_draft = feats[:, :-1], False
@@ -231,7 +269,7 @@ def unrolled_loss(draft: DraftModel, dcfg: DraftConfig, cfg: K3Config, kind: str
         logits, hidden, _ = draft.apply({"params": draft_params}, inputs[:, :n], tokens[:, j:], emb, head,
                                         from_draft=from_draft, segment_ids=seg)
         mask = (segment_ids[:, :n] == segment_ids[:, j:]) & (segment_ids[:, j:] > 0)
-        losses.append(draft_loss(kind, target_logits[:, j:], logits, mask))
+        losses.append(draft_loss(kind, target_logits[:, j:], logits, mask, vocab_map))
         inputs, from_draft = hidden, True
     per_step = jnp.stack(losses)
     return jnp.mean(per_step), per_step
@@ -263,7 +301,10 @@ def _place_state(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, state:
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_state = jax.tree.map(lambda x: x if x.sharding.num_devices > 1 else jax.device_put(x, replicated),
                              make_optimizer(dtc).init(params))
-    return {"step": jax.device_put(state["step"], replicated), "params": params, "opt_state": opt_state}
+    placed = {"step": jax.device_put(state["step"], replicated), "params": params, "opt_state": opt_state}
+    if "vocab_map" in state:
+        placed["vocab_map"] = jax.device_put(state["vocab_map"], replicated)
+    return placed
 
 
 def _step_function(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig):
@@ -275,12 +316,18 @@ def _step_function(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig):
         logits = jax.lax.stop_gradient(logits)
         feats = jax.lax.stop_gradient(target_features(cfg, dcfg, collected))
         emb, head = target_head(cfg, target_params)
+        vocab_map = state.get("vocab_map")
+        if vocab_map is not None:
+            head = pruned_head(head, vocab_map)
         (loss, per_step), grads = jax.value_and_grad(
             lambda p: unrolled_loss(draft, dcfg, cfg, dtc.loss, dtc.ttt_steps, p, logits, feats, tokens,
-                                    segment_ids, emb, head), has_aux=True)(state["params"])
+                                    segment_ids, emb, head, vocab_map), has_aux=True)(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, loss, per_step
+        new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if vocab_map is not None:
+            new["vocab_map"] = vocab_map
+        return new, loss, per_step
 
     return step
 
@@ -294,7 +341,14 @@ def make_optimizer(dtc: DraftTrainConfig) -> optax.GradientTransformation:
 def draft_config_of(cfg: K3Config, dtc: DraftTrainConfig) -> DraftConfig:
     base = DraftConfig.default_for(cfg, dtc.mixer)
     layers = tuple(dtc.feature_layers) or base.feature_layers
-    return DraftConfig(layers, dtc.mixer, dtc.intermediate_size).validate(cfg)
+    return DraftConfig(layers, dtc.mixer, dtc.intermediate_size, dtc.head_vocab or None).validate(cfg)
+
+
+def corpus_vocab_map(dtc: DraftTrainConfig, vocab_size: int) -> np.ndarray:
+    """The ``dtc.head_vocab`` most frequent ids over every token shard of ``dtc.data`` (the bundled corpus when
+    empty)."""
+    paths = [Path(p) for p in dtc.data] or [TOKENS_FILE]
+    return count_vocab_map((load_token_shard(p)[0] for p in paths), vocab_size, dtc.head_vocab)
 
 
 @functools.lru_cache(maxsize=4)
@@ -302,13 +356,20 @@ def _draft_init(cfg: K3Config, dcfg: DraftConfig):
     return jax.jit(DraftModel(cfg, dcfg).init)
 
 
-def init_state(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, target_params: Any) -> dict:
+def init_state(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, target_params: Any,
+               vocab_map: np.ndarray | None = None) -> dict:
+    """Step 0: fresh draft params and optimizer state (and ``vocab_map [N]`` i32 for a pruned head)."""
     emb, head = target_head(cfg, target_params)
     nf = cfg.hidden_size * len(dcfg.feature_layers)
     variables = _draft_init(cfg, dcfg)(jax.random.PRNGKey(dtc.seed), jnp.zeros((1, 2, nf), cfg.dtype),
                                        jnp.zeros((1, 2), jnp.int32), emb, head)
     params = nn.unbox(variables)["params"]
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": make_optimizer(dtc).init(params)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": make_optimizer(dtc).init(params)}
+    if dcfg.head_vocab is not None:
+        if vocab_map is None:
+            raise ValueError(f"head_vocab={dcfg.head_vocab}: init_state needs the vocab_map")
+        state["vocab_map"] = jnp.asarray(check_vocab_map(vocab_map, dcfg, cfg.vocab_size))
+    return state
 
 
 def run_config(cfg: K3Config, dtc: DraftTrainConfig) -> dict:
@@ -331,7 +392,9 @@ def _precompile_and_wait(dtc: DraftTrainConfig, say) -> K3Config:
     target = _uncommitted(_random_target(cfg, dtc.seed + 1))
     tokens = jnp.zeros((dtc.batch_size, dtc.seq_len + 1), jnp.int32)
     step_fn = _compiled_step(cfg, dcfg, _step_options(dtc))
-    jax.block_until_ready(step_fn(init_state(cfg, dcfg, dtc, target), target, tokens, jnp.ones_like(tokens)))
+    shapes_only = None if dcfg.head_vocab is None else np.arange(dcfg.head_vocab, dtype=np.int32)
+    jax.block_until_ready(step_fn(init_state(cfg, dcfg, dtc, target, shapes_only), target, tokens,
+                                  jnp.ones_like(tokens)))
     say(f"draft step compiled on a random target ({time.perf_counter() - t0:.1f}s); waiting for {dtc.wait_for}")
     waited = time.perf_counter()
     while not Path(dtc.wait_for).exists():
@@ -342,8 +405,9 @@ def _precompile_and_wait(dtc: DraftTrainConfig, say) -> K3Config:
     return cfg
 
 
-def export_draft(directory: Path, dcfg: DraftConfig, params: Any) -> Path:
-    """Write ``directory/{draft_config.json, params}`` (built under a temp name, renamed when complete)."""
+def export_draft(directory: Path, dcfg: DraftConfig, params: Any, vocab_map: Any = None) -> Path:
+    """Write ``directory/{draft_config.json, params}`` and, for a pruned head, ``vocab_map.npy`` (built under a
+    temp name, renamed when complete)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     directory = directory.absolute()
@@ -352,6 +416,8 @@ def export_draft(directory: Path, dcfg: DraftConfig, params: Any) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     dcfg.save(tmp)
+    if dcfg.head_vocab is not None:
+        save_vocab_map(tmp, check_vocab_map(np.asarray(jax.device_get(vocab_map)), dcfg, np.iinfo(np.int32).max))
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(tmp / "params", jax.device_get(params))
     ckptr.wait_until_finished()
@@ -386,7 +452,11 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
                                               eos_id=cfg.eos_token_id or 2)))
     ckpt = Checkpointer(out / "checkpoints", keep=2, save_every=dtc.save_every, async_save=False)
     ckpt.run_config = run_config(cfg, dtc)
-    state = init_state(cfg, dcfg, dtc, target_params)
+    vocab_map = None
+    if dcfg.head_vocab is not None:
+        vocab_map = corpus_vocab_map(dtc, cfg.vocab_size)
+        say(f"pruned head: the {dcfg.head_vocab} most frequent of {cfg.vocab_size} ids")
+    state = init_state(cfg, dcfg, dtc, target_params, vocab_map)
     if mesh is not None:
         state = _place_state(cfg, dcfg, dtc, state, mesh)
     start = 0
@@ -429,7 +499,7 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
             ckpt.close()
             return {"losses": read_losses(), "step": step, "draft_dir": None}
     ckpt.close()
-    draft_dir = export_draft(out / "draft", dcfg, state["params"])
+    draft_dir = export_draft(out / "draft", dcfg, state["params"], state.get("vocab_map"))
     say(f"draft written to {draft_dir} (serve with: python serve.py ... --draft {draft_dir})")
     return {"losses": read_losses(), "step": int(state["step"]), "draft_dir": str(draft_dir)}
 
