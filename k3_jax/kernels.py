@@ -54,7 +54,7 @@ class Choice:
 def _choose(layer: str, reg: Registry, requested: str, call: Any) -> Choice:
     try:
         sel = reg.select(requested, call, record=False)
-    except KernelUnavailable as e:
+    except (KernelUnavailable, ValueError) as e:  # ValueError: a name this op's registry does not have
         return Choice(layer, reg.op, call.platform, requested, None, error=str(e))
     return Choice(layer, reg.op, call.platform, requested, sel.backend, sel.passed_over)
 
@@ -81,15 +81,16 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
     out: list[Choice] = []
     for p in platforms:
+        cc = compute_capability if compute_capability is not None else (
+            attention.visible_gpu_compute_capability() if p == "gpu" else None)
         if has_kda:
-            chunk = kda_ops.KdaCall(p, dt, (batch, seq_len, h, dk, dk), cfg.kda_chunk_size, cfg.gate_lower_bound)
+            chunk = kda_ops.KdaCall(p, dt, (batch, seq_len, h, dk, dk), cfg.kda_chunk_size, cfg.gate_lower_bound,
+                                    compute_capability=cc)
             out.append(_choose("kda (train/prefill)", kda_ops.CHUNK, cfg.kda_implementation, chunk))
             decode = dataclasses.replace(chunk, shape=(batch, 1, h, dk, dk))
             out.append(_choose("kda (decode)", kda_ops.DECODE, cfg.kda_implementation, decode))
             verify = dataclasses.replace(chunk, shape=(batch, 5, h, dk, dk))  # k + 1 = 5 verified tokens
             out.append(_choose("kda (spec. verify)", kda_verify.VERIFY, cfg.kda_implementation, verify))
-        cc = compute_capability if compute_capability is not None else (
-            attention.visible_gpu_compute_capability() if p == "gpu" else None)
         if has_mla:
             call = attention.AttentionCall(p, dt, (batch, seq_len, cfg.num_attention_heads, cfg.q_head_dim,
                                                    cfg.v_head_dim), True, cc)

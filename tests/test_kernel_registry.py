@@ -145,6 +145,10 @@ def test_explain_per_layer_kind_and_platform():
     refused = explain(cfg.replace(mla_attention_implementation="cudnn"), "cpu")
     assert [c.error for c in refused if c.layer == "mla (train/prefill)"][0].startswith("mla.attention")
     assert "-> xla" in rows[0].line() and "passed over" in rows[0].line()
+    # a name one KDA registry lacks (VERIFY has no mosaic_gpu) is an error line, not a crash of explain
+    named = {c.layer: c for c in explain(cfg.replace(kda_implementation="mosaic_gpu"), "gpu", compute_capability=9.0)}
+    assert named["kda (spec. verify)"].backend is None and "kda.verify" in named["kda (spec. verify)"].error
+    assert "ERROR" in named["kda (spec. verify)"].line()
 
 
 def test_attention_choice_in_the_layer_raises_off_gpu():
