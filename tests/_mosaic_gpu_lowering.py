@@ -3,9 +3,27 @@ device and shared memory recorded (imports only JAX: also run under the H200's j
 
 from __future__ import annotations
 
+import os
+import subprocess
+import textwrap
+
 import jax
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import launch_context
+
+JAX_0112_PYTHON = os.environ.get("K3_JAX_0112_PYTHON", "/work/venv-0112/bin/python")
+"""A Python with jax 0.11.2 (the H200's JAX) for the second lowering tests; they skip where it is absent."""
+
+
+def run_under_jax_0112(body: str) -> subprocess.CompletedProcess:
+    """Run ``body`` (Python source; it may import ``tests._mosaic_gpu_lowering``) under :data:`JAX_0112_PYTHON` on
+    CPU after asserting that Python's JAX is 0.11.2; it prints ``ok 0.11.2`` when ``body`` finishes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = (f"import sys, jax\nsys.path.insert(0, {root!r})\n"
+              f"assert jax.__version__ == '0.11.2', jax.__version__\n"
+              f"{textwrap.dedent(body)}\nprint('ok', jax.__version__)\n")
+    return subprocess.run([JAX_0112_PYTHON, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 def lower_for_sm90(fn, *args) -> tuple[str, list[int]]:

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic import gpu as mgpu
 
 from pallas_kernels import registry
 from pallas_kernels.kda import mosaic_gpu, ops
@@ -16,6 +15,7 @@ from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.mosaic_gpu_common import interpret_params
 from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks, intra_chunks_reference
 from pallas_kernels.registry import KernelUnavailable
+from tests._mosaic_gpu_lowering import lower_for_sm90
 
 K3 = (1, 8192, 96, 128, 128)  # B, T, H, K, V
 
@@ -150,27 +150,15 @@ def test_default_v_split_keeps_the_state_pass_in_one_wave(batch, heads, want):
     assert mosaic_gpu.default_v_split(batch, heads, sms=132) == want
 
 
-def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host(monkeypatch):
+def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host():
     """Both kernels lower for sm_90 at two sequences of three heads, every copy between device and shared memory
     addressed with at most one integer index (the token tensors as ``[B * Tp, H, D]`` views, the rest flattened
     likewise): the addressing checked on the H200 at ``B > 1``. The first split kernels indexed ``[b, rows, h]``
     (and ``[b, h, c]``), right in the interpreter (which indexes the refs directly) and wrong on the H200 at
     ``B = 2, H = 3`` (benchmarks/ARCHIVE.md, 2026-12-02, s22-kda3)."""
-    from jax.experimental.mosaic.gpu import launch_context
-
-    int_indices = []
-    copy = launch_context.LaunchContext.async_copy
-
-    def counting(self, *, gmem_slice=(), **kw):
-        index = gmem_slice if isinstance(gmem_slice, tuple) else (gmem_slice,)
-        int_indices.append(sum(not isinstance(i, slice | mgpu.DynamicSlice) for i in index))
-        return copy(self, gmem_slice=gmem_slice, **kw)
-
-    monkeypatch.setattr(launch_context.LaunchContext, "async_copy", counting)
     s = jax.ShapeDtypeStruct
     args = (*(s((2, 200, 3, 128), jnp.bfloat16),) * 3, s((2, 200, 3, 128), jnp.float32), s((2, 200, 3), jnp.float32))
-    text = jax.jit(lambda *a: mosaic_gpu.chunk_kda_fwd(*a, 128**-0.5, v_split=1)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text, int_indices = lower_for_sm90(lambda *a: mosaic_gpu.chunk_kda_fwd(*a, 128**-0.5, v_split=1), *args)
     assert text.count("custom_call @mosaic_gpu") == 2
     assert "wgmma.mma_async" in text
     assert len(int_indices) >= 20 and max(int_indices) == 1, int_indices

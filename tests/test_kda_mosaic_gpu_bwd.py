@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +21,8 @@ from pallas_kernels.kda.mosaic_gpu_bwd_state import (
     state_sweep,
     state_sweep_reference,
 )
-from tests._mosaic_gpu_lowering import lower_backward
+from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_backward, run_under_jax_0112
 from tests.test_kda_mosaic_gpu import _hopper, _inputs, _rel
-
-JAX_0112_PYTHON = os.environ.get("K3_JAX_0112_PYTHON", "/work/venv-0112/bin/python")
-"""A Python with jax 0.11.2 (the H200's JAX) for the second lowering test; skipped where it is absent."""
 
 
 def _cotangents(B, T, H):
@@ -100,18 +95,11 @@ def test_backward_lowers_under_jax_0112():
     V split (one state warpgroup per CTA)."""
     if not os.path.exists(JAX_0112_PYTHON):
         pytest.skip(f"no jax 0.11.2 environment at {JAX_0112_PYTHON} (K3_JAX_0112_PYTHON)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = textwrap.dedent(f"""
-        import sys, jax
-        sys.path.insert(0, {os.path.dirname(here)!r})
-        assert jax.__version__ == "0.11.2", jax.__version__
+    out = run_under_jax_0112("""
         from tests._mosaic_gpu_lowering import lower_backward
         calls, wgmma, ints = lower_backward(2)
         assert calls == 5 and wgmma and max(ints) == 1, (calls, wgmma, ints)
-        print("ok", jax.__version__)
     """)
-    out = subprocess.run([JAX_0112_PYTHON, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0 and "ok 0.11.2" in out.stdout, out.stderr[-3000:]
 
 

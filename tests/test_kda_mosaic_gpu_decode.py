@@ -5,8 +5,6 @@ and the Triton decode's outputs on a GPU (``-m gpu``)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +15,8 @@ from pallas_kernels import registry
 from pallas_kernels.kda import mosaic_gpu_decode, ops
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.registry import KernelUnavailable
-from tests._mosaic_gpu_lowering import lower_decode
+from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_decode, run_under_jax_0112
 from tests.test_kda_mosaic_gpu import _hopper, _rel
-
-JAX_0112_PYTHON = os.environ.get("K3_JAX_0112_PYTHON", "/work/venv-0112/bin/python")
-"""A Python with jax 0.11.2 (the H200's JAX) for the second lowering test; skipped where it is absent."""
 
 
 def _call(platform="gpu", cc=9.0, dtype="bfloat16", shape=(64, 1, 96, 128, 128), interpret=False):
@@ -115,18 +110,11 @@ def test_lowers_to_one_mosaic_gpu_kernel_with_the_pool_aliased():
 def test_lowers_under_jax_0112():
     if not os.path.exists(JAX_0112_PYTHON):
         pytest.skip(f"no jax 0.11.2 environment at {JAX_0112_PYTHON} (K3_JAX_0112_PYTHON)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = textwrap.dedent(f"""
-        import sys, jax
-        sys.path.insert(0, {os.path.dirname(here)!r})
-        assert jax.__version__ == "0.11.2", jax.__version__
+    out = run_under_jax_0112("""
         from tests._mosaic_gpu_lowering import lower_decode
         calls, aliased, ints = lower_decode(128)
         assert calls == 1 and aliased and len(ints) == 6 and max(ints) == 1, (calls, aliased, ints)
-        print("ok", jax.__version__)
     """)
-    out = subprocess.run([JAX_0112_PYTHON, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0 and "ok 0.11.2" in out.stdout, out.stderr[-3000:]
 
 
