@@ -134,7 +134,10 @@ def select(implementation: str, q_lat, pages, table, platform: str | None = None
                                                          interpret)).backend
 
 
-def _check(q_lat, q_rot, pages, page_scale, table, pos, layer, name: str) -> None:
+def _check(q_lat, q_rot, pages, page_scale, table, pos, layer, name: str, fp8_pages: bool = True) -> None:
+    """Shapes of a paged decode call agree (``fp8_pages=False``: a kernel that reads float32/bfloat16 pages only)."""
+    if not fp8_pages and page_scale is not None:
+        raise ValueError(f"{name} reads float32/bfloat16 pages: page_scale must be None")
     want = 3 if layer is None else 4
     if pages.ndim != want:
         raise ValueError(f"{name}: pages must be [{'R, ' if layer is not None else ''}P, S, C + Dr] ({want} dims"
@@ -315,9 +318,7 @@ def paged_attention_tpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, pa
     """:func:`paged_attention_xla` as a Pallas Mosaic TPU kernel (forward only): the same arguments and result;
     ``page_scale`` must be None (no FP8 pages). ``pages`` is read in place (a stack at ``layer``, clamped into
     ``[0, R)``), one page per grid step, each row only up to its visited pages (:func:`visited_pages`)."""
-    _check(q_lat, q_rot, pages, page_scale, table, pos, layer, "paged_attention_tpu")
-    if page_scale is not None:
-        raise ValueError("paged_attention_tpu reads float32/bfloat16 pages: page_scale must be None")
+    _check(q_lat, q_rot, pages, page_scale, table, pos, layer, "paged_attention_tpu", fp8_pages=False)
     b, t, h, c = q_lat.shape
     s_len, width = pages.shape[-2], pages.shape[-1]
     dr = width - c
@@ -420,9 +421,7 @@ def paged_attention_triton(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array,
     row's programs finish early) one page at a time through the table (pages read in place, a stacked pool at
     ``layer``), with an online softmax for its ``HEAD_BLOCK`` query rows, and writes its partial (max,
     denominator, fp32 output); the splits are merged by log-sum-exp outside the kernel."""
-    _check(q_lat, q_rot, pages, page_scale, table, pos, layer, "paged_attention_triton")
-    if page_scale is not None:
-        raise ValueError("paged_attention_triton reads float32/bfloat16 pages: page_scale must be None")
+    _check(q_lat, q_rot, pages, page_scale, table, pos, layer, "paged_attention_triton", fp8_pages=False)
     b, t, h, c = q_lat.shape
     s_len, width = pages.shape[-2], pages.shape[-1]
     dr = width - c
