@@ -13,9 +13,10 @@
 #   MOE       (off unless MOE=1) benchmarks/moe.py --parts decode in the new tree with $MOE_ARGS (its tile sweeps,
 #             expert FFN, routed steps), then in the old tree with $MOE_OLD_ARGS (MOE_OLD=0 skips it).
 #   TESTS     the new tree's GPU tests: the files in $TESTS (default: the small decode ops and sampling).
-#   RELEASE_LAYERS  second wave (after the first, for the GPU's memory): the release's KDA and MLA layers
-#             (configs/k3.json, 896 MXFP4 experts top-16, vocabulary 1,024, prompt 1,024) at $RELEASE_CASES
-#             (default batch 64 and 1) in the new tree, the KDA layer profiled at each batch.
+#   RELEASE_LAYERS  second wave (after the first, for the GPU's memory; RELEASE_LAYERS=wave1: in the first, when
+#             the first wave's processes leave room): the release's KDA and MLA layers (configs/k3.json, 896 MXFP4
+#             experts top-16, vocabulary 1,024, prompt 1,024) at $RELEASE_CASES (default batch 64 and 1) in the
+#             new tree, the KDA layer profiled at each batch.
 # $EXTRA, if set, is evaluated in the first wave (e.g. `run name tree args...`: one more decode.py process).
 # Outputs under $OUT, written as they run (a call cut short still returns what finished): runs.jsonl (every
 # decode.py JSON line), moe_new.jsonl / moe_old.jsonl, gpu_tests.txt, stderr.txt (each process's last lines),
@@ -67,13 +68,17 @@ fi
   locked gpu_tests.txt "$NEW" "${TESTS_T:-60}" python3 -m pytest -q -p no:cacheprovider -n "${TESTS_N:-4}" \
     ${TESTS:-tests/test_decode_small_ops.py tests/test_sampling.py}
 ) &
+release() {  # the release's KDA and MLA layers in the new tree
+  local rel="--config configs/k3.json --vocab 1024 --experts mxfp4 --cases ${RELEASE_CASES:-64:1024:8,1:1024:8}"
+  run new_rel_kda "$NEW" $rel --layers kda $PROFILE --profile-dir "$PROF/new_rel_kda"
+  run new_rel_mla "$NEW" $rel --layers mla
+}
+if [ "${RELEASE_LAYERS:-1}" = wave1 ]; then release; fi
 if [ -n "${EXTRA:-}" ]; then eval "$EXTRA"; fi
 wait
 
 if [ "${RELEASE_LAYERS:-1}" = 1 ]; then
-  REL="--config configs/k3.json --vocab 1024 --experts mxfp4 --cases ${RELEASE_CASES:-64:1024:8,1:1024:8}"
-  run new_rel_kda "$NEW" $REL --layers kda $PROFILE --profile-dir "$PROF/new_rel_kda"
-  run new_rel_mla "$NEW" $REL --layers mla
+  release
   wait
 fi
 
