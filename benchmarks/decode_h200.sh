@@ -12,7 +12,8 @@
 #   MXFP4     k3-slice, MXFP4 experts: batch 64 and 1 (prompt 128), both trees, the new tree's batch 64 profiled.
 #   MOE       (off unless MOE=1) benchmarks/moe.py --parts decode in the new tree with $MOE_ARGS (its tile sweeps,
 #             expert FFN, routed steps), then in the old tree with $MOE_OLD_ARGS (MOE_OLD=0 skips it).
-#   TESTS     the new tree's GPU tests: the files in $TESTS (default: the small decode ops and sampling).
+#   TESTS     the new tree's GPU tests: the files in $TESTS (default: the small decode ops and sampling; TESTS=0:
+#             none).
 #   RELEASE_LAYERS  second wave (after the first, for the GPU's memory; RELEASE_LAYERS=wave1: in the first, when
 #             the first wave's processes leave room): the release's KDA and MLA layers (configs/k3.json, 896 MXFP4
 #             experts top-16, vocabulary 1,024, prompt 1,024) at $RELEASE_CASES (default batch 64 and 1) in the
@@ -65,8 +66,10 @@ fi
       locked moe_old.jsonl "$OLD" "${MOE_T:-60}" python3 benchmarks/moe.py --parts decode ${MOE_OLD_ARGS:-}
     fi
   fi
-  locked gpu_tests.txt "$NEW" "${TESTS_T:-60}" python3 -m pytest -q -p no:cacheprovider -n "${TESTS_N:-4}" \
-    ${TESTS:-tests/test_decode_small_ops.py tests/test_sampling.py}
+  if [ "${TESTS:-}" != 0 ]; then
+    locked gpu_tests.txt "$NEW" "${TESTS_T:-60}" python3 -m pytest -q -p no:cacheprovider -n "${TESTS_N:-4}" \
+      ${TESTS:-tests/test_decode_small_ops.py tests/test_sampling.py}
+  fi
 ) &
 release() {  # the release's KDA and MLA layers in the new tree
   local rel="--config configs/k3.json --vocab 1024 --experts mxfp4 --cases ${RELEASE_CASES:-64:1024:8,1:1024:8}"
@@ -85,7 +88,7 @@ fi
 cat /dev/null "$RUNS"/old_*.jsonl "$RUNS"/new*.jsonl >"$OUT/runs.jsonl"
 for f in "$RUNS"/*.err; do echo "== $f"; tail -n 4 "$f"; done >"$OUT/stderr.txt"
 (cd "$PROF" && find . -name 'perfetto_trace.json.gz' | tar czf "$OUT/traces.tgz" -T -)
-tail -n 2 "$OUT/gpu_tests.txt"
+[ -f "$OUT/gpu_tests.txt" ] && tail -n 2 "$OUT/gpu_tests.txt"
 python3 - "$OUT/runs.jsonl" "$OUT"/moe_*.jsonl <<'PY'
 import json, sys
 for path in sys.argv[2:]:

@@ -201,7 +201,7 @@ def _decode_case(a, e: int, rows: int, report, budget: Budget) -> None:
     out_ours = None
     try:
         out_ours, tm = timeit(ours, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
-        report("ours_ffn", case, tm, ffn_bytes, tiles=[list(gpu.mxfp4_tiles(m, e, 2)), list(gpu.mxfp4_tiles(m, e, 1))])
+        report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.mxfp4_tiles(m, e)))
     except Exception as exc:  # noqa: BLE001
         err_line(part, "ours_ffn", exc, case=case)
     try:
@@ -255,7 +255,7 @@ def part_decode(a, budget: Budget) -> None:
                                                                            interpret=a.interpret))
             _, tm = timeit(f, z, ids, wts, experts, iters=a.decode_iters, budget=budget)
             report("ours_dispatch_ffn_combine", name, tm, nbytes, live_experts=live,
-                   tiles=[list(gpu.mxfp4_tiles(t * k, e, 2)), list(gpu.mxfp4_tiles(t * k, e, 1))])
+                   tiles=list(gpu.mxfp4_tiles(t * k, e)))
             del experts
         except Exception as exc:  # noqa: BLE001
             err_line(part, "ours_dispatch_ffn_combine", exc, case=name)

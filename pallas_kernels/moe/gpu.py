@@ -392,15 +392,14 @@ def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, x_ref, *r
             pltriton.store(dst, jnp.zeros((tm, tn), out_ref.dtype), mask=smask[:, None])
 
 
-MXFP4_TILES = {(8, 1): (128, 64, 4, 3), (8, 2): (64, 64, 4, 3), (16, 1): (64, 64, 4, 2), (16, 2): (64, 64, 4, 2)}
-""":func:`gmm_mxfp4`'s tiles ``(tq, tn, num_warps, num_stages)`` by (token rows per tile: 8, or 16 and more; weights
-per program: 1, or 2 for w1/w3 with the SiTU-GLU epilogue); tq counts u16 code words (4 K elements) per K step.
-An 8-row product is an mma.sync m16n8k16 (A = the decoded weights in registers); 16+ rows make Triton take wgmma,
-whose register operand stays live for the whole K step, so the step is halved there (128 words with 16 rows took
-~195 registers and streamed slower, benchmarks/RESULTS.md). Each pipeline stage holds the code tiles of every weight
-and the four x column classes in shared memory, and the kernel streams faster the more programs share an SM
-(shared memory, not registers, bounds that at 3 stages): two weights take the 64-word step with 8 rows, and 16+
-rows take 2 stages (the fused kernel at 32 rows: 50 KB instead of 84 KB, 4 programs per SM instead of 2).
+MXFP4_TILES = {8: (128, 64, 4, 3), 16: (64, 64, 4, 3)}
+""":func:`gmm_mxfp4`'s tiles ``(tq, tn, num_warps, num_stages)`` by token rows per tile (8, or 16 and more); tq
+counts u16 code words (4 K elements each) per K step. An 8-row product is an mma.sync m16n8k16 (A = the decoded
+weights in registers); 16+ rows make Triton take wgmma, whose register operand stays live for the whole K step,
+so the step is halved there (128 words with 16 rows took ~195 registers and streamed slower, benchmarks/RESULTS.md).
+Shared memory, not registers, bounds the programs per SM at 3 stages (the fused w1/w3 kernel at 32 rows: 84 KB, two
+per SM), yet 2 stages (four per SM) and, for the fused kernel at 8 rows, the 64-word step streamed slower inside the
+decode step (benchmarks/RESULTS.md): the decode's integer work, rather than the loads in flight, looks the bound.
 """
 
 
@@ -412,13 +411,10 @@ def mxfp4_rows_tile(m: int, e: int) -> int:
     return int(min(32, max(8, 1 << (want - 1).bit_length())))
 
 
-def mxfp4_tiles(m: int, e: int, n_rhs: int = 1) -> tuple[int, int, int, int, int]:
-    """``(tm, tq, tn, num_warps, num_stages)`` of :func:`gmm_mxfp4` for ``m`` rows over ``e`` experts and
-    ``n_rhs`` weights (1, or 2 with an epilogue)."""
-    if n_rhs not in (1, 2):
-        raise ValueError(f"gpu.mxfp4_tiles: n_rhs must be 1 or 2, got {n_rhs}")
+def mxfp4_tiles(m: int, e: int) -> tuple[int, int, int, int, int]:
+    """``(tm, tq, tn, num_warps, num_stages)`` of :func:`gmm_mxfp4` for ``m`` rows over ``e`` experts."""
     tm = mxfp4_rows_tile(m, e)
-    return (tm, *MXFP4_TILES[(min(tm, 16), n_rhs)])
+    return (tm, *MXFP4_TILES[min(tm, 16)])
 
 
 def gmm_mxfp4(
@@ -462,7 +458,7 @@ def gmm_mxfp4(
                              f"[(L,) E, N, {k // 32}], got {codes.shape} / {scales.shape} (first codes {codes0.shape})")
     if 2 * kh != k or k % 32:
         raise ValueError(f"gpu.gmm_mxfp4: x has K={k} but codes {codes0.shape} imply K={2 * kh} (K % 32 == 0)")
-    tm, tq, tn, warps, stages = tiles or mxfp4_tiles(m, e, len(weights))
+    tm, tq, tn, warps, stages = tiles or mxfp4_tiles(m, e)
     kq = k // 4
     tq, tn = min(tq, kq), min(tn, n)
     if kq % tq or tq % 8 or n % tn:
