@@ -2,11 +2,12 @@
 
 Parts (``--parts``, in this order; each under its own wall-clock budget, one JSON line per measurement, flushed):
 
-- ``decode``: MXFP4 experts (packed E2M1 codes + E8M0 scales, HF layout) with <= 8 rows per expert. Measures an
+- ``decode``: MXFP4 experts (packed E2M1 codes + E8M0 scales, HF layout) with few rows per expert. Measures an
   HBM copy (read + write bytes / s) first, then ``pallas_kernels.moe`` with ``implementation="triton"``
-  (Triton kernels decoding the codes in registers) on 64 local experts x 8 rows: one w1 grouped matmul swept over
-  tiles (``--mx-tiles`` ``tm,tq,tn,warps,stages``) and the fused w1/w3 + SiTU-GLU kernel over ``--mx-glu-tiles``
-  (each checked against the f32 XLA reference, ``rel_err_vs_ref``), then with the kernels' own tiles
+  (Triton kernels decoding the codes in registers) on each ``--decode-cases`` case (``ExR``: E local experts x R
+  rows; default 64 x 8): one w1 grouped matmul swept over tiles (``--mx-tiles`` ``tm,tq,tn,warps,stages``) and
+  the fused w1/w3 + SiTU-GLU kernel over ``--mx-glu-tiles``, each tile only where its row tile suits the case
+  (``R/2 < tm <= 2R``) and checked against the f32 XLA reference (``rel_err_vs_ref``), then with the kernels' own tiles
   (``gpu.mxfp4_tiles``): the expert FFN (fused w1/w3 + SiTU-GLU, then w2), the reference (dequantize to bf16 +
   ``jax.lax.ragged_dot``) on the same, and routed decode steps (``--routing`` ``tokens:topk:experts``, uniform
   random top-k: dispatch + FFN + combine; K3's 64 tokens top-16 of 896 and k3-slice's 64 tokens top-4 of 16).
@@ -151,26 +152,10 @@ def mx_bytes(w: dict[str, jax.Array], live_experts: int) -> int:
     return (w["weight_packed"].size + w["weight_scale"].size) // e * live_experts
 
 
-def part_decode(a, budget: Budget) -> None:
-    lat, inter = a.lat, a.inter
-    part = "decode"
-    try:  # HBM bandwidth: read + write of a 2 GiB f32 array
-        buf = jnp.ones((2**29,), jnp.float32)
-        _, tm = timeit(jax.jit(lambda v: v * 2.0), buf, iters=20, budget=budget)
-        hbm = 2 * buf.nbytes / (tm["ms"] * 1e-3) / 1e9
-        emit({"part": part, "peer": "hbm_copy", "bytes": 2 * buf.nbytes, **tm, "gbps": round(hbm, 1)})
-        del buf
-    except Exception as exc:  # noqa: BLE001
-        err_line(part, "hbm_copy", exc)
-        hbm = float("nan")
-
-    def report(peer, case, tm, nbytes, **kw):
-        gbps = nbytes / (tm["ms"] * 1e-3) / 1e9
-        emit({"part": part, "case": case, "peer": peer, **tm, "weight_bytes": nbytes, "gbps": round(gbps, 1),
-              "pct_hbm": round(100 * gbps / hbm, 1), **kw})
-
-    # Case 1: 64 local experts x 8 rows.
-    e, rows = a.e, a.decode_rows
+def _decode_case(a, e: int, rows: int, report, budget: Budget) -> None:
+    """``e`` local experts x ``rows`` rows each: the w1 and fused w1/w3 sweeps (the tiles whose row tile suits the
+    case, ``rows / 2 < tm <= 2 * rows``), then the expert FFN with the kernels' own tiles, and the reference."""
+    lat, inter, part = a.lat, a.inter, "decode"
     m = e * rows
     ks = jax.random.split(jax.random.key(1), 4)
     x = jax.random.normal(ks[0], (m, lat), jnp.bfloat16)
@@ -197,6 +182,8 @@ def part_decode(a, budget: Budget) -> None:
     for peer, cfgs, nbytes, want, call in sweeps:
         for cfg in filter(None, cfgs.split(";")):
             tiles = tuple(int(v) for v in cfg.split(","))
+            if not rows / 2 < tiles[0] <= 2 * rows:
+                continue
             try:
                 f = jax.jit(functools.partial(call, t=tiles))
                 out, tm = timeit(f, x, w1, w3, gs, iters=a.decode_iters, budget=budget)
@@ -224,7 +211,30 @@ def part_decode(a, budget: Budget) -> None:
     except Exception as exc:  # noqa: BLE001
         err_line(part, "reference_ffn", exc, case=case)
     del x, w1, w3, w2, out_ours
-    gc.collect()
+
+
+def part_decode(a, budget: Budget) -> None:
+    lat, inter = a.lat, a.inter
+    part = "decode"
+    try:  # HBM bandwidth: read + write of a 2 GiB f32 array
+        buf = jnp.ones((2**29,), jnp.float32)
+        _, tm = timeit(jax.jit(lambda v: v * 2.0), buf, iters=20, budget=budget)
+        hbm = 2 * buf.nbytes / (tm["ms"] * 1e-3) / 1e9
+        emit({"part": part, "peer": "hbm_copy", "bytes": 2 * buf.nbytes, **tm, "gbps": round(hbm, 1)})
+        del buf
+    except Exception as exc:  # noqa: BLE001
+        err_line(part, "hbm_copy", exc)
+        hbm = float("nan")
+
+    def report(peer, case, tm, nbytes, **kw):
+        gbps = nbytes / (tm["ms"] * 1e-3) / 1e9
+        emit({"part": part, "case": case, "peer": peer, **tm, "weight_bytes": nbytes, "gbps": round(gbps, 1),
+              "pct_hbm": round(100 * gbps / hbm, 1), **kw})
+
+    for spec in filter(None, a.decode_cases.split(",")):
+        e, rows = (int(v) for v in spec.split("x"))
+        _decode_case(a, e, rows, report, budget)
+        gc.collect()
 
     # Routed decode steps: T tokens x top-k of E experts, full dispatch + FFN + combine.
     for n_case, spec in enumerate(filter(None, a.routing.split(","))):
@@ -380,7 +390,8 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=3072, help="expert hidden width I")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--decode-iters", type=int, default=50)
-    ap.add_argument("--decode-rows", type=int, default=8, help="rows per local expert (decode case 1)")
+    ap.add_argument("--decode-cases", default="64x8",
+                    help="'EXR,...': MXFP4 decode cases of E local experts x R rows each (tile sweeps, expert FFN)")
     ap.add_argument("--routing", default="64:16:896,64:4:16",
                     help="'tokens:topk:experts,...' routed decode steps (K3's, k3-slice's)")
     ap.add_argument("--mx-tiles", default=MX_TILES,

@@ -397,6 +397,9 @@ MXFP4_TILES = {8: (128, 64, 4, 3), 16: (64, 64, 4, 3)}
 counts u16 code words (4 K elements each) per K step. An 8-row product is an mma.sync m16n8k16 (A = the decoded
 weights in registers); 16+ rows make Triton take wgmma, whose register operand stays live for the whole K step,
 so the step is halved there (128 words with 16 rows took ~195 registers and streamed slower, benchmarks/RESULTS.md).
+Shared memory, not registers, bounds the programs per SM at 3 stages (the fused w1/w3 kernel at 32 rows: 84 KB, two
+per SM), yet 2 stages (four per SM) and, for the fused kernel at 8 rows, the 64-word step streamed slower inside the
+decode step (benchmarks/RESULTS.md): the decode's integer work, rather than the loads in flight, looks the bound.
 """
 
 
