@@ -21,7 +21,7 @@ from tests._jaxpr_walk import iter_eqns
 from tests.test_speculative_kda_verify import _decode_steps, _inputs
 
 
-@pytest.mark.parametrize("dtype, shape", [(jnp.float32, (2, 3, 2, 128, 128)), (jnp.bfloat16, (1, 4, 16, 32, 128))],
+@pytest.mark.parametrize("dtype, shape", [(jnp.float32, (2, 3, 2, 128, 128)), (jnp.bfloat16, (1, 3, 16, 32, 128))],
                          ids=["fp32-K128", "bf16-H16"])
 def test_kernel_equals_decode_kernel_steps_and_reference_interpret(dtype, shape):
     """Outputs and the state after every token equal T steps of the Mosaic TPU decode kernel (the same per-token
@@ -115,3 +115,4 @@ def test_aot_compile_k3_shapes(topology):
     floor = (1 + T) * states + sum(a.size * a.dtype.itemsize for a in args[:5]) + B * T * H * V * 2  # + o
     assert floor <= cost["bytes accessed"] < 1.01 * floor, (cost["bytes accessed"], floor)
     assert compiled.memory_analysis().temp_size_in_bytes < states // 8
+
