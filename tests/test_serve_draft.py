@@ -61,6 +61,7 @@ def _argv(config, *extra: str) -> list[str]:
 def test_cli_and_http_server_with_a_draft_give_the_plain_greedy_text(dirs, monkeypatch):
     pytest.importorskip("fastapi")
     pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
     from tests.serving_common import running_server
 
     config, draft = dirs
