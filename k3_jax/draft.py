@@ -298,13 +298,35 @@ def target_features(cfg: K3Config, dcfg: DraftConfig, collected: dict) -> jax.Ar
     return jnp.concatenate(parts, axis=-1)
 
 
-def draft_param_count(cfg: K3Config, dcfg: DraftConfig) -> int:
-    """Parameters the draft adds (the embedding and lm_head are the target's)."""
+def draft_param_shapes(cfg: K3Config, dcfg: DraftConfig) -> dict:
+    """The draft's ``params`` tree of ``jax.ShapeDtypeStruct`` (nothing computed; the embedding and lm_head are the
+    target's, not in it)."""
     shapes = jax.eval_shape(lambda: DraftModel(cfg, dcfg).init(
         jax.random.PRNGKey(0), jnp.zeros((1, 1, cfg.hidden_size * len(dcfg.feature_layers))),
         jnp.zeros((1, 1), jnp.int32), jnp.zeros((cfg.vocab_size, cfg.hidden_size)),
         jnp.zeros((cfg.hidden_size, cfg.vocab_size))))
-    return sum(int(x.size) for x in jax.tree.leaves(nn.unbox(shapes)))
+    return unbox_params(shapes)
+
+
+def draft_param_count(cfg: K3Config, dcfg: DraftConfig) -> int:
+    """Parameters the draft adds (the embedding and lm_head are the target's)."""
+    return sum(int(x.size) for x in jax.tree.leaves(draft_param_shapes(cfg, dcfg)))
+
+
+def check_draft_params(cfg: K3Config, dcfg: DraftConfig, params: Any, where: str = "draft params") -> None:
+    """ValueError naming ``where`` and every parameter missing, unexpected or of another shape than the draft of
+    ``(cfg, dcfg)`` has (e.g. a draft trained for another target), instead of a shape error in the first round."""
+    want = {jax.tree_util.keystr(k): tuple(x.shape)
+            for k, x in jax.tree_util.tree_leaves_with_path(draft_param_shapes(cfg, dcfg))}
+    got = {jax.tree_util.keystr(k): tuple(np.shape(x)) for k, x in jax.tree_util.tree_leaves_with_path(
+        unbox_params(params))}
+    problems = [f"{k}: missing (expected shape {want[k]})" for k in want if k not in got]
+    problems += [f"{k}: unexpected (shape {got[k]})" for k in got if k not in want]
+    problems += [f"{k}: expected shape {want[k]}, got {got[k]}" for k in want if k in got and got[k] != want[k]]
+    if problems:
+        raise ValueError(f"{where}: not a draft for this target (hidden_size {cfg.hidden_size}, draft mixer "
+                         f"{dcfg.mixer!r}, feature_layers {list(dcfg.feature_layers)}): " + "; ".join(problems[:6])
+                         + (f"; ... {len(problems) - 6} more" if len(problems) > 6 else ""))
 
 
 def unbox_params(variables: Any) -> Any:

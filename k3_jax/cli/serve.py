@@ -156,6 +156,20 @@ def _sharded_target(cfg, mesh, preset: str):
                         param_shardings(boxed, mesh, preset))
 
 
+def _check_draft_dir(directory: str) -> None:
+    """Refuse a ``--draft`` directory without a readable draft config or params before the target is loaded (which
+    may take minutes); whether the draft fits the target is checked once the target's config is known."""
+    from k3_jax.draft import DraftConfig
+
+    try:
+        DraftConfig.load(directory)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"--draft {directory}: {e}") from None
+    if not (Path(directory) / "params").is_dir():
+        raise SystemExit(f"--draft {directory}: no params/ directory (expected the orbax params the draft trainer "
+                         "exports beside draft_config.json)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.prompt is None and args.port is None:
@@ -186,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         from sharding.mesh import make_mesh
 
         mesh = make_mesh(args.mesh)
+    if args.draft:
+        _check_draft_dir(args.draft)
     cfg, params, tok, name = load_model(args, mesh)
     eos = (tok.eos_id,) if tok.eos_id is not None else ()
     prefix = None
@@ -203,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                          decode_block=args.decode_block, paged=args.paged or prefix is not None,
                          page_size=args.page_size, prefix_cache=prefix)
     if args.draft:
-        from k3_jax.draft import load_vocab_map
+        from k3_jax.draft import check_draft_params, load_vocab_map
         from k3_jax.serving.speculative import SpeculativeEngine, load_draft
 
         try:
             dcfg, dparams = load_draft(args.draft, cfg)
+            check_draft_params(cfg, dcfg, dparams, "params/")
             vocab_map = load_vocab_map(args.draft, dcfg, cfg.vocab_size)
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"--draft {args.draft}: {e}") from None

@@ -178,21 +178,30 @@ def _row_to_col(row, n: int):
     return jnp.sum(jnp.where(r == c, row, 0.0), axis=1, keepdims=True)
 
 
+def decode_update(s, q, k, v, g, beta, scale: float):
+    """One token's recurrent KDA update of one head inside a Mosaic TPU kernel (the decode step's arithmetic, shared
+    by :func:`decode_step` and the verify kernel, :mod:`pallas_kernels.kda.verify_tpu`).
+
+    ``s [K, V]`` f32 state; ``q, k, g [1, K]``, ``v [1, V]``, ``beta [1, 1]`` (any float dtype, computed in f32).
+    Returns ``(o [1, V] f32, s' [K, V] f32)``: ``s' = diag(e^g) s + (beta k)^T (v - k diag(e^g) s)``,
+    ``o = scale q s'``.
+    """
+    f32 = jnp.float32
+    K = s.shape[0]
+    k = k.astype(f32)
+    s = s * _row_to_col(jnp.exp(g.astype(f32)), K)
+    pred = jax.lax.dot_general(k, s, NN, precision=HIGHEST, preferred_element_type=f32)  # [1, V]
+    s = s + _row_to_col(beta.astype(f32) * k, K) * (v.astype(f32) - pred)
+    o = jax.lax.dot_general(q.astype(f32) * scale, s, NN, precision=HIGHEST, preferred_element_type=f32)
+    return o, s
+
+
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref, *, scale):
     del slots_ref  # used by the index maps only
-    f32 = jnp.float32
-    hb, K = q_ref.shape
-    for h in range(hb):
+    for h in range(q_ref.shape[0]):
         one = pl.ds(h, 1)
-        s = pool_in_ref[h]  # [K, V] f32
-        q = q_ref[one, :].astype(f32) * scale  # [1, K]
-        k = k_ref[one, :].astype(f32)
-        v = v_ref[one, :].astype(f32)  # [1, V]
-        b = beta_ref[one, :].astype(f32)  # [1, 1]
-        s = s * _row_to_col(jnp.exp(g_ref[one, :].astype(f32)), K)
-        pred = jax.lax.dot_general(k, s, NN, precision=HIGHEST, preferred_element_type=f32)  # [1, V]
-        s = s + _row_to_col(b * k, K) * (v - pred)
-        o = jax.lax.dot_general(q, s, NN, precision=HIGHEST, preferred_element_type=f32)
+        o, s = decode_update(pool_in_ref[h], q_ref[one, :], k_ref[one, :], v_ref[one, :], g_ref[one, :],
+                             beta_ref[one, :], scale)
         o_ref[one, :] = o.astype(o_ref.dtype)
         pool_out_ref[h] = s
 

@@ -8,7 +8,10 @@ arithmetic per token is that of the one-token decode step (:data:`pallas_kernels
 
 :data:`VERIFY` is the op's registry (``cfg.kda_implementation`` names its backend, as for the decode step):
 
-* ``mosaic_tpu``: the Mosaic TPU decode step (:func:`pallas_kernels.kda.tpu.decode_step`) once per token.
+* ``mosaic_tpu``: one Pallas Mosaic TPU kernel for all ``T`` tokens (:mod:`pallas_kernels.kda.verify_tpu`), grid
+  ``(B, H / hb)``: a program keeps its heads' ``[K, V]`` fp32 states in VMEM across the tokens and writes the output
+  and the state after every token; each token's update is the TPU decode kernel's
+  (:func:`pallas_kernels.kda.tpu.decode_update`). Refused when its blocks do not fit the scoped VMEM (long ``T``).
 * ``triton``: one Pallas Triton kernel for all ``T`` tokens, grid ``(B, H, V / BV)``: a program keeps its
   ``[K, BV]`` fp32 state slice in registers across the tokens (a static loop over ``T``) and writes the output
   and the state slice after every token; each token's update is the decode kernel's
@@ -44,11 +47,15 @@ def _triton_verify(call: ops.KdaCall) -> str | None:
 
 
 def _tpu_verify(call: ops.KdaCall) -> str | None:
-    return ops._first(ops._platform_reason(call, "tpu"), ops._dtype_reason(call))
+    from pallas_kernels.kda import verify_tpu  # noqa: PLC0415  (imports the Mosaic TPU toolchain)
+
+    _, t, h, k, v = call.shape
+    return ops._first(ops._platform_reason(call, "tpu"), ops._dtype_reason(call),
+                      verify_tpu.supports_reason(t, h, k, v, call.dtype))
 
 
 VERIFY = Registry("kda.verify", (
-    Backend("mosaic_tpu", "the Mosaic TPU decode step once per token", _tpu_verify),
+    Backend("mosaic_tpu", "one Pallas Mosaic TPU kernel over the T tokens, writing the state after each", _tpu_verify),
     Backend("triton", "one Pallas Triton kernel over the T tokens, writing the state after each", _triton_verify),
     ops.XLA,
 ), ops.ALIASES)
@@ -117,21 +124,17 @@ def recurrent_kda_states(q, k, v, g, beta, initial_state, scale: float | None = 
     if initial_state is None:
         raise ValueError("recurrent_kda_states: initial_state [B, H, K, V] is required")
     ref._check_inputs(q, k, v, g, beta, initial_state, None, "recurrent_kda_states")
-    B, T, H, K = q.shape
+    K = q.shape[-1]
     scale = K**-0.5 if scale is None else float(scale)
     impl = VERIFY.select(implementation, ops.make_call(q, v, 64, None, interpret, platform)).backend
     if impl == "triton":
         return triton_states(q, k, v, g, beta, scale, initial_state, interpret=interpret)
     if impl == "mosaic_tpu":
-        from pallas_kernels.kda import tpu  # noqa: PLC0415
+        from pallas_kernels.kda import verify_tpu  # noqa: PLC0415
 
-        slots = jnp.arange(B, dtype=jnp.int32)
+        return verify_tpu.verify_states(q, k, v, g, beta, scale, initial_state, interpret=interpret)
 
-        def step(q, k, v, g, beta, s):
-            o, s = tpu.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], scale, s, slots,
-                                   interpret=interpret)
-            return o[:, None], s
-    else:
-        def step(q, k, v, g, beta, s):
-            return ref.recurrent_kda(q, k, v, g, beta, scale, s, True)
+    def step(q, k, v, g, beta, s):
+        return ref.recurrent_kda(q, k, v, g, beta, scale, s, True)
+
     return _per_token(step, q, k, v, g, beta, initial_state)
