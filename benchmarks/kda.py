@@ -207,6 +207,11 @@ def bench_shape(B, T, H, args, gpu_cfg):
         for suffix in ("compile_s", "fwd_ms", "fwdbwd_ms", "fwd_profile", "fwdbwd_profile"):
             if n == 0 and f"{impl}_{suffix}" in res:
                 res[f"ours_{suffix}"] = res[f"{impl}_{suffix}"]
+    first = impls[0] if impls else None
+    for impl in impls[1:]:  # every implementation's gradients against the first's, on the same inputs
+        if outs[impl][1] is not None and outs[first][1] is not None:
+            res[f"{impl}_grads_vs_{first}_rel_err"] = {
+                name: rel_err(a, b) for name, a, b in zip(GRAD_NAMES, outs[impl][1], outs[first][1], strict=True)}
     if not args.no_reference:
         rfwd, rgrad = jax_fns("reference", K)
         o_ref = rfwd(*inputs)[0]
