@@ -162,10 +162,10 @@ def _side(s: _Smem, cols: slice, stage, side: str, scale: float, acc_c):
 
 
 def _half(s: _Smem, h: int, stage, scale: float):
-    """Phase 2 for the half ``h`` of K: ``dq, dk, dg`` (``[64, 64]`` f32) into ``s.st_dq, s.st_dk, s.st_dg`` (the
-    previous half's copies out of them must have read them). The ``q`` side first (folded into ``dq`` at once),
-    then the ``k`` side; ``C`` accumulates over both in one wgmma accumulator; partial sums wait in the staging
-    buffers, so that few ``[64, 64]`` f32 values are live at a time (one warpgroup has 255 registers a thread)."""
+    """Phase 2 for the half ``h`` of K: ``dq, dk`` (``[64, 64]`` bf16) into ``s.xe_q, s.xe_k``, ``dg`` (f32) into
+    ``s.st_dg`` (the previous half's copies out of them must have read them). The ``q`` side first (folded into
+    ``dq`` at once), then the ``k`` side; ``C`` accumulates over both in one wgmma accumulator; partial sums wait in
+    the staging buffers, so that few ``[64, 64]`` f32 values are live at a time (255 registers a thread)."""
     cols = HALVES[h]
     wg = plgpu.Layout.WGMMA
     r64 = _iota(0)
@@ -184,11 +184,12 @@ def _half(s: _Smem, h: int, stage, scale: float):
         return dg_k, acc_c[...]
 
     dg_k, c_raw = pl.run_scoped(sides, plgpu.ACC((CHUNK, HALF), F32))
+    staged = lambda ref: plgpu.layout_cast(ref[...], wg)
+    s.xe_q[...] = staged(s.st_dq).astype(BF16)
     (dek,) = _run(lambda acc: plgpu.wgmma(acc, s.xp.T, s.dwn.at[:, cols]), (CHUNK, HALF))
     dek = -dek
     eg = e_g()
     kf = load(s.k)
-    staged = lambda ref: plgpu.layout_cast(ref[...], wg)
     dG = staged(s.st_dg) + dg_k + dek * kf * eg
     dk = staged(s.st_dk) + dek * eg + diag() * (load(s.q) * scale)
     eg_last = jnp.sum(jnp.where(r64 == CHUNK - 1, eg, 0.0), axis=0)  # e^{G_C}
@@ -196,7 +197,7 @@ def _half(s: _Smem, h: int, stage, scale: float):
     dkd = load(s.dkd)
     dkd_kd = dkd * (kf * kdf)
     dk = dk + dkd * kdf + c_raw * jnp.exp(intra._prefix(s, intra._selector("col"), cols, stage))
-    s.st_dk[...] = dk
+    s.xe_k[...] = dk.astype(BF16)
     # The decay products' two sides of dG with the same rounded factors (x e_b and w = k e^{m - G} as the bf16
     # operands), so that each pair's terms, which cancel in the suffix sums, cancel to fp32 accumulation error.
     dG = dG - dkd_kd - load(s.w) * c_raw
@@ -215,7 +216,7 @@ def chunk_intra_grads(q, k, g, beta_t, dqg, dkd, dwn, dx, daqk_t, ddecay, *, sca
     """Phase 1 and 2 (module docstring). ``q, k [B, Tp, H, 128]`` bf16, ``g [B, Tp, H, 128]`` f32, ``beta_t [B, H,
     Tp]`` f32; the cotangents ``dqg, dkd, dwn [B, Tp, H, 128]`` and ``dx, daqk_t [B, Tp, H, 64]`` bf16 (``daqk_t``
     transposed per chunk: row ``t`` holds column ``t`` of the chunk's ``dA_qk``), ``ddecay [B, H, n, 128]`` f32.
-    Returns ``(dq, dk, dg [B, Tp, H, 128] f32, dbeta [B, H, Tp] f32)``. ``interpret``: None or a
+    Returns ``(dq, dk [B, Tp, H, 128] bf16, dg [B, Tp, H, 128] f32, dbeta [B, H, Tp] f32)``. ``interpret``: None or a
     ``plgpu.InterpretGPUParams``."""
     B, Tp, H, K = q.shape
     n_chunks = Tp // CHUNK
@@ -255,15 +256,15 @@ def chunk_intra_grads(q, k, g, beta_t, dqg, dkd, dwn, dx, daqk_t, ddecay, *, sca
             _half(s, half, stage, scale)
             plgpu.commit_smem()
             out_cols = pl.ds(half * HALF, HALF)
-            for st, dst in ((s.st_dq, dq_ref), (s.st_dk, dk_ref), (s.st_dg, dg_ref)):
+            for st, dst in ((s.xe_q, dq_ref), (s.xe_k, dk_ref), (s.st_dg, dg_ref)):
                 plgpu.copy_smem_to_gmem(st, dst.at[rows, h, out_cols])
         plgpu.wait_smem_to_gmem(0)
 
-    tok = lambda d: jax.ShapeDtypeStruct((B * Tp, H, d), F32)
+    tok = lambda d, dt: jax.ShapeDtypeStruct((B * Tp, H, d), dt)
     vec_out = jax.ShapeDtypeStruct((B * H, Tp), F32)
     dq, dk, dg, dbr, dbc = plgpu.kernel(
         kda_chunk_intra_bwd_mosaic_gpu,
-        out_type=(tok(K), tok(K), tok(K), vec_out, vec_out),
+        out_type=(tok(K, BF16), tok(K, BF16), tok(K, F32), vec_out, vec_out),
         scratch_types=(smem, plgpu.Barrier(num_arrivals=10), stages),
         grid=(n_chunks, B * H),
         grid_names=("c", "bh"),
