@@ -190,18 +190,20 @@ def _half(s: _Smem, h: int, stage, scale: float):
     dek = -dek
     eg = e_g()
     kf = load(s.k)
-    dG = staged(s.st_dg) + dg_k + dek * kf * eg
+    s.st_dg[...] = staged(s.st_dg) + dg_k + dek * kf * eg  # dG so far (in order: few values live at a time)
     dk = staged(s.st_dk) + dek * eg + diag() * (load(s.q) * scale)
     eg_last = jnp.sum(jnp.where(r64 == CHUNK - 1, eg, 0.0), axis=0)  # e^{G_C}
     kdf = jnp.exp(intra._prefix(s, intra._selector("last"), cols, stage))
     dkd = load(s.dkd)
     dkd_kd = dkd * (kf * kdf)
-    dk = dk + dkd * kdf + c_raw * jnp.exp(intra._prefix(s, intra._selector("col"), cols, stage))
+    dk = dk + dkd * kdf
+    dgc = jnp.sum(dkd_kd, axis=0) + plgpu.layout_cast(s.ddecay[cols], wg.reduce(0)) * eg_last
+    dG = staged(s.st_dg) - dkd_kd
+    dk = dk + c_raw * jnp.exp(intra._prefix(s, intra._selector("col"), cols, stage))
     s.xe_k[...] = dk.astype(BF16)
     # The decay products' two sides of dG with the same rounded factors (x e_b and w = k e^{m - G} as the bf16
     # operands), so that each pair's terms, which cancel in the suffix sums, cancel to fp32 accumulation error.
-    dG = dG - dkd_kd - load(s.w) * c_raw
-    dgc = jnp.sum(dkd_kd, axis=0) + plgpu.layout_cast(s.ddecay[cols], wg.reduce(0)) * eg_last
+    dG = dG - load(s.w) * c_raw
     hi = dG.astype(BF16)
     s.ghi[:, cols] = hi
     s.glo[:, cols] = (dG - hi.astype(F32)).astype(BF16)
