@@ -104,7 +104,7 @@ def _wy_cotangents(s: _Smem, stage):
     r64, c64 = _iota(0), _iota(1)
     staged = lambda ref: plgpu.layout_cast(ref[...], wg)
     intra._split_gate(s)  # the last read of s.g, which st_dq / st_dk alias
-    akk, _ = intra._decayed_products(s, stage, 1.0)  # writes s.w
+    akk, _ = intra._decayed_products(s, stage, 1.0, with_qk=False)  # writes s.w
     s.st_dq[...] = akk
     beta_row = lambda: bcast_rows(plgpu.layout_cast(s.beta[...], wg.reduce(1)), CHUNK)
     beta_col = lambda: bcast_cols(plgpu.layout_cast(s.beta[...], wg.reduce(0)), CHUNK)
