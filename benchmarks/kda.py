@@ -185,6 +185,10 @@ def bench_impl(impl, inputs, do, args, gpu_cfg, res, key, profile_tag=None):
     log(res)
     grads = None
     if not args.no_bwd:
+        t0 = time.perf_counter()
+        jax.block_until_ready(grad(*inputs, do))
+        res[f"{key}_fwdbwd_compile_s"] = round(time.perf_counter() - t0, 1)
+        log(res)
         res[f"{key}_fwdbwd_ms"] = time_jax(grad, *inputs, do, iters=3, repeats=2)
         grads = [np.asarray(x, np.float32) for x in grad(*inputs, do)[1]]
         if args.profile_dir and profile_tag:
