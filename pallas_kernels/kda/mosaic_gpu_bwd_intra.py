@@ -48,8 +48,10 @@ TILES = CHUNK // SUB
 
 @dataclasses.dataclass(frozen=True)
 class _Smem:
-    """Shared memory of one CTA (aliases: ``g`` -> the dq / dk staging; ``xf`` (X) and ``dx`` -> the dg staging;
-    ``ek`` -> ``xe_k`` / ``xe_q``; ``dakk_t`` first holds ``Dx``; ``ghi`` / ``glo`` halves -> ``dG``'s two terms)."""
+    """Shared memory of one CTA (aliases: ``g`` -> ``st_dq`` / ``st_dk`` (f32 scratch: ``A_kk`` / ``X`` in phase 1,
+    ``dq`` / ``R_k`` in phase 2); ``xf`` (X) and ``dx`` -> ``st_dg`` (``dG``, then ``dg``); ``ek`` -> ``xe_k`` /
+    ``xe_q`` (the tiles' row operands, then the bf16 ``dk`` / ``dq``); ``dakk_t`` first holds ``Dx``; ``ghi`` /
+    ``glo`` halves -> ``dG``'s two terms)."""
 
     q: object  # [64, 128] bf16
     k: object  # [64, 128] bf16
@@ -68,8 +70,8 @@ class _Smem:
     dbeta_col: object  # [64] f32
     daqk_diag: object  # [64] f32: the diagonal of dA_qk (taken out of daqk_t)
     g: object  # [64, 128] f32 (aliased)
-    st_dq: object  # [64, 64] f32 (aliases g)
-    st_dk: object  # [64, 64] f32 (aliases g)
+    st_dq: object  # [64, 64] f32 scratch (aliases g)
+    st_dk: object  # [64, 64] f32 scratch (aliases g)
     xf: object  # [64, 64] bf16: X (aliased)
     dx: object  # [64, 64] bf16: dX (aliased)
     st_dg: object  # [64, 64] f32 (aliases xf, dx)
