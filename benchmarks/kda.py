@@ -181,15 +181,19 @@ def bench_impl(impl, inputs, do, args, gpu_cfg, res, key, profile_tag=None):
     res[f"{key}_fwd_ms"] = time_jax(fwd, *inputs)
     if args.profile_dir and profile_tag:
         res[f"{key}_fwd_profile"] = device_op_times(fwd, *inputs, top=8,
-                                                    out_dir=os.path.join(args.profile_dir, f"fwd_{B}x{T}x{H}"))
+                                                    out_dir=os.path.join(args.profile_dir, f"fwd_{key}_{B}x{T}x{H}"))
     log(res)
     grads = None
     if not args.no_bwd:
+        t0 = time.perf_counter()
+        jax.block_until_ready(grad(*inputs, do))
+        res[f"{key}_fwdbwd_compile_s"] = round(time.perf_counter() - t0, 1)
+        log(res)
         res[f"{key}_fwdbwd_ms"] = time_jax(grad, *inputs, do, iters=3, repeats=2)
         grads = [np.asarray(x, np.float32) for x in grad(*inputs, do)[1]]
         if args.profile_dir and profile_tag:
             res[f"{key}_fwdbwd_profile"] = device_op_times(
-                grad, *inputs, do, top=15, out_dir=os.path.join(args.profile_dir, f"fb_{B}x{T}x{H}"))
+                grad, *inputs, do, top=20, out_dir=os.path.join(args.profile_dir, f"fb_{key}_{B}x{T}x{H}"))
         log(res)
     return np.asarray(o, np.float32), grads
 
@@ -202,10 +206,16 @@ def bench_shape(B, T, H, args, gpu_cfg):
     impls = [i for i in args.impls.split(",") if i]
     outs = {}
     for n, impl in enumerate(impls):
-        outs[impl] = bench_impl(impl, inputs, do, args, gpu_cfg, res, impl, (B, T, H) if n == 0 else None)
+        profile = n == 0 or args.profile_all
+        outs[impl] = bench_impl(impl, inputs, do, args, gpu_cfg, res, impl, (B, T, H) if profile else None)
         for suffix in ("compile_s", "fwd_ms", "fwdbwd_ms", "fwd_profile", "fwdbwd_profile"):
             if n == 0 and f"{impl}_{suffix}" in res:
                 res[f"ours_{suffix}"] = res[f"{impl}_{suffix}"]
+    first = impls[0] if impls else None
+    for impl in impls[1:]:  # every implementation's gradients against the first's, on the same inputs
+        if outs[impl][1] is not None and outs[first][1] is not None:
+            res[f"{impl}_grads_vs_{first}_rel_err"] = {
+                name: rel_err(a, b) for name, a, b in zip(GRAD_NAMES, outs[impl][1], outs[first][1], strict=True)}
     if not args.no_reference:
         rfwd, rgrad = jax_fns("reference", K)
         o_ref = rfwd(*inputs)[0]
@@ -358,6 +368,7 @@ def main():
                    help="comma list of block_v for mosaic_gpu_decode.decode_step (empty: skip it)")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
     p.add_argument("--profile-dir", default=None, help="add per-kernel device times (JAX profiler) of our calls")
+    p.add_argument("--profile-all", action="store_true", help="profile every implementation, not only the first")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also write a summary plot: time vs sequence length, ours vs fla (needs matplotlib)")
     args = p.parse_args()

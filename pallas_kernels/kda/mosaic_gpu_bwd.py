@@ -12,12 +12,12 @@ the state entering the chunk, ``dS'_c`` the cotangent of the state leaving it:
    bf16) and the reverse pass (``dS'_c`` bf16, ``dV~``, the initial state's cotangent).
 3. The per-chunk cotangents of the step-1 tensors (:mod:`.mosaic_gpu_bwd_chunk`, all chunks in parallel):
    ``d qg = dO S^T``, ``d wn = dV~ S^T``, ``d kd = V~ dS'^T``, ``d decay = rowsum(S * dS')``,
-   ``d aqk = tril(dO V~^T)``, ``d x = tril(dV~ v^T)``, and ``dv = X'^T dV~``.
+   ``d aqk = tril(dO V~^T)`` (written transposed per chunk), ``d x = tril(dV~ v^T)``, and ``dv = X'^T dV~``
+   (bf16).
 4. ``dq, dk, dg, dbeta``: each chunk's forward recomputed and differentiated (:mod:`.mosaic_gpu_bwd_intra`, all
    chunks in parallel).
 
-Between the kernels (plain JAX): padding to whole chunks, the step-3 cotangents cast to bf16 (``d aqk`` transposed
-per chunk), the transposed state layouts.
+Between the kernels (plain JAX): padding to whole chunks, the transposed state layouts.
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ def chunk_kda_bwd(q, k, v, g, beta, scale: float, initial_state=None, segment_id
     qg, kd, wn, x, aqk, decay = intra_chunks(q16, k16, g32, beta_t, scale=float(scale), interpret=interpret)
     vt, h_t, _ = state_sweep(kd, wn, x, v16, decay, h0_t, v_split=v_split, interpret=interpret)
     dvt, dh_t, dh0_t = state_grad_pass(qg, kd, wn, aqk, decay, do16, dht_t, v_split=v_split, interpret=interpret)
-    d_qg, d_kd, d_wn, d_x, d_aqk, d_decay, dv = chunk_state_cotangents(h_t, dh_t, vt, dvt, do16, v16, x,
+    d_qg, d_kd, d_wn, d_x, d_aqk_t, d_decay, dv = chunk_state_cotangents(h_t, dh_t, vt, dvt, do16, v16, x,
                                                                        interpret=interpret)
-    cts = (*(t.astype(BF16) for t in (d_qg, d_kd, d_wn, d_x)), transpose_chunks(d_aqk.astype(BF16)), d_decay)
-    dq, dk, dg, dbeta = chunk_intra_grads(q16, k16, g32, beta_t, *cts, scale=float(scale), interpret=interpret)
+    dq, dk, dg, dbeta = chunk_intra_grads(q16, k16, g32, beta_t, d_qg, d_kd, d_wn, d_x, d_aqk_t, d_decay,
+                                          scale=float(scale), interpret=interpret)
     cut = lambda t, like: t[:, :T].astype(like.dtype)
     return (cut(dq, q), cut(dk, k), cut(dv, v), cut(dg, g), cut(jnp.swapaxes(dbeta, 1, 2), beta),
             jnp.swapaxes(dh0_t, -1, -2))

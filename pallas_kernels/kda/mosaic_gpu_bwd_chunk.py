@@ -8,7 +8,8 @@ transposed ``[V, K]`` bf16 that :mod:`.mosaic_gpu_bwd_state` writes), ``V~`` / `
 tensors and ``dv``:
 
 ``d qg = dO S^T``, ``d wn = dV~ S^T``, ``d kd = V~ dS'^T``, ``d decay = sum_v S * dS'`` (per key),
-``d aqk = tril(dO V~^T)``, ``d x = tril(dV~ v^T)``, ``dv = X'^T dV~``.
+``d aqk^T = triu(V~ dO^T)`` (transposed: the layout :mod:`.mosaic_gpu_bwd_intra` takes), ``d x = tril(dV~ v^T)``,
+``dv = X'^T dV~``; each written once in bf16 (the dtype the next kernel reads; ``d decay`` fp32).
 
 Every copy between device and shared memory has one integer index: the token tensors as ``[B * Tp, H, D]`` views,
 the states as ``[B * H * n_chunks * V, K]``, ``d decay`` as ``[B * H * n_chunks, 128]``.
@@ -38,13 +39,14 @@ class _Smem:
     do: object  # [64, V] bf16
     v: object  # [64, V] bf16
     x: object  # [64, 64] bf16: X'
-    out: object  # [64, 128] f32: staging of the [64, 128] results
-    out_c: object  # [64, 64] f32: staging of the [64, 64] results
+    out: object  # [64, 128] bf16: staging of the [64, 128] results
+    out_c: object  # [64, 64] bf16: staging of the [64, 64] results
     ddecay: object  # [128] f32
 
 
 def _product(a, b, width: int, mask=None):
-    """``a @ b`` (both shared-memory refs) as a ``[64, width]`` f32 value; ``mask``: keep the lower triangle."""
+    """``a @ b`` (both shared-memory refs) as a ``[64, width]`` f32 value; ``mask``: ``"lower"`` / ``"upper"``
+    keeps that triangle (the diagonal included)."""
 
     def run(acc):
         plgpu.wgmma(acc, a, b)
@@ -53,14 +55,16 @@ def _product(a, b, width: int, mask=None):
     out = pl.run_scoped(run, plgpu.ACC((CHUNK, width), F32))
     if mask:
         iota = lambda d: plgpu.broadcasted_iota(jnp.int32, (CHUNK, width), d, layout=plgpu.Layout.WGMMA)
-        out = jnp.where(iota(0) >= iota(1), out, 0.0)
+        keep = iota(0) >= iota(1) if mask == "lower" else iota(0) <= iota(1)
+        out = jnp.where(keep, out, 0.0)
     return out
 
 
 def _store(value, buf, dst):
-    """``value`` -> ``buf`` -> ``dst`` (device memory), waiting for the previous store from ``buf`` first."""
+    """``value`` (cast to ``buf``'s dtype) -> ``buf`` -> ``dst`` (device memory), waiting for the previous store
+    from ``buf`` first."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    buf[...] = value
+    buf[...] = value.astype(buf.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(buf, dst)
 
@@ -78,14 +82,15 @@ def _decay_cotangent(s: _Smem):
 def chunk_state_cotangents(h_t, dh_t, vt, dvt, do, v, x, *, interpret=None):
     """The per-chunk products (module docstring). ``h_t, dh_t [B, H, n, V, K]`` bf16 (:mod:`.mosaic_gpu_bwd_state`'s
     per-chunk states), ``vt, dvt, do, v [B, Tp, H, 128]`` bf16, ``x [B, Tp, H, 64]`` bf16. Returns ``(d_qg, d_kd,
-    d_wn [B, Tp, H, 128], d_x, d_aqk [B, Tp, H, 64], d_decay [B, H, n, 128], dv [B, Tp, H, 128])``, all f32.
+    d_wn [B, Tp, H, 128], d_x, d_aqk_t [B, Tp, H, 64] (``d_aqk_t``: row ``t`` holds column ``t`` of its chunk's
+    ``d aqk``), d_decay [B, H, n, 128] f32, dv [B, Tp, H, 128])``, all but ``d_decay`` bf16.
     ``interpret``: None or a ``plgpu.InterpretGPUParams``."""
     B, Tp, H, V = vt.shape
     n_chunks = Tp // CHUNK
     K = h_t.shape[-1]
     buf = lambda r, d, dt=BF16: plgpu.SMEM((r, d), dt, transforms=tiled(dt))
     smem = _Smem(s=buf(V, K), ds=buf(V, K), vt=buf(CHUNK, V), dvt=buf(CHUNK, V), do=buf(CHUNK, V),
-                 v=buf(CHUNK, V), x=buf(CHUNK, CHUNK), out=buf(CHUNK, HEAD_DIM, F32), out_c=buf(CHUNK, CHUNK, F32),
+                 v=buf(CHUNK, V), x=buf(CHUNK, CHUNK), out=buf(CHUNK, HEAD_DIM), out_c=buf(CHUNK, CHUNK),
                  ddecay=plgpu.SMEM((K,), F32))
     fields = tuple(getattr(smem, f.name) for f in dataclasses.fields(smem))
     rows_view = lambda t: t.reshape(B * Tp, H, t.shape[-1])
@@ -108,12 +113,12 @@ def chunk_state_cotangents(h_t, dh_t, vt, dvt, do, v, x, *, interpret=None):
         _store(_product(s.vt, s.ds, K), s.out, at(dkd_ref))
         _store(_product(s.dvt, s.s, K), s.out, at(dwn_ref))
         _store(_product(s.x.T, s.dvt, V), s.out, at(dv_ref))
-        _store(_product(s.dvt, s.v.T, CHUNK, mask=True), s.out_c, at(dx_ref))
-        _store(_product(s.do, s.vt.T, CHUNK, mask=True), s.out_c, at(daqk_ref))
+        _store(_product(s.dvt, s.v.T, CHUNK, mask="lower"), s.out_c, at(dx_ref))
+        _store(_product(s.vt, s.do.T, CHUNK, mask="upper"), s.out_c, at(daqk_ref))
         _store(_decay_cotangent(s), s.ddecay, ddecay_ref.at[bh * n_chunks + c])
         plgpu.wait_smem_to_gmem(0)
 
-    tok = lambda d: jax.ShapeDtypeStruct((B * Tp, H, d), F32)
+    tok = lambda d: jax.ShapeDtypeStruct((B * Tp, H, d), BF16)
     dqg, dkd, dwn, dx, daqk, ddecay, dv = plgpu.kernel(
         kda_chunk_bwd_products_mosaic_gpu,
         out_type=(tok(K), tok(K), tok(K), tok(CHUNK), tok(CHUNK), jax.ShapeDtypeStruct((B * H * n_chunks, K), F32),

@@ -48,8 +48,10 @@ TILES = CHUNK // SUB
 
 @dataclasses.dataclass(frozen=True)
 class _Smem:
-    """Shared memory of one CTA (aliases: ``g`` -> the dq / dk staging; ``xf`` (X) and ``dx`` -> the dg staging;
-    ``ek`` -> ``xe_k`` / ``xe_q``; ``dakk_t`` first holds ``Dx``; ``ghi`` / ``glo`` halves -> ``dG``'s two terms)."""
+    """Shared memory of one CTA (aliases: ``g`` -> ``st_dq`` / ``st_dk`` (f32 scratch: ``A_kk`` / ``X`` in phase 1,
+    ``dq`` / ``R_k`` in phase 2); ``xf`` (X) and ``dx`` -> ``st_dg`` (``dG``, then ``dg``); ``ek`` -> ``xe_k`` /
+    ``xe_q`` (the tiles' row operands, then the bf16 ``dk`` / ``dq``); ``dakk_t`` first holds ``Dx``; ``ghi`` /
+    ``glo`` halves -> ``dG``'s two terms)."""
 
     q: object  # [64, 128] bf16
     k: object  # [64, 128] bf16
@@ -68,8 +70,8 @@ class _Smem:
     dbeta_col: object  # [64] f32
     daqk_diag: object  # [64] f32: the diagonal of dA_qk (taken out of daqk_t)
     g: object  # [64, 128] f32 (aliased)
-    st_dq: object  # [64, 64] f32 (aliases g)
-    st_dk: object  # [64, 64] f32 (aliases g)
+    st_dq: object  # [64, 64] f32 scratch (aliases g)
+    st_dk: object  # [64, 64] f32 scratch (aliases g)
     xf: object  # [64, 64] bf16: X (aliased)
     dx: object  # [64, 64] bf16: dX (aliased)
     st_dg: object  # [64, 64] f32 (aliases xf, dx)
@@ -98,80 +100,112 @@ def _run(products, *shapes):
 
 
 def _wy_cotangents(s: _Smem, stage):
-    """Phase 1 (module docstring): writes ``dA_kk^T`` and both ``dbeta`` parts to shared memory."""
+    """Phase 1 (module docstring): writes ``dA_kk^T`` and both ``dbeta`` parts to shared memory. ``A_kk`` and ``X``
+    wait in the (then unused) ``dq`` / ``dk`` staging buffers instead of registers."""
     wg = plgpu.Layout.WGMMA
     r64, c64 = _iota(0), _iota(1)
-    intra._split_gate(s)
-    akk, _ = intra._decayed_products(s, stage, 1.0)  # writes s.w
-    beta_row = bcast_rows(plgpu.layout_cast(s.beta[...], wg.reduce(1)), CHUNK)
-    beta_col = bcast_cols(plgpu.layout_cast(s.beta[...], wg.reduce(0)), CHUNK)
-    x = intra._inverse(jnp.where(r64 > c64, akk * beta_row, 0.0), s.xp, stage)
+    staged = lambda ref: plgpu.layout_cast(ref[...], wg)
+    intra._split_gate(s)  # the last read of s.g, which st_dq / st_dk alias
+    akk, _ = intra._decayed_products(s, stage, 1.0, with_qk=False)  # writes s.w
+    s.st_dq[...] = akk
+    beta_row = lambda: bcast_rows(plgpu.layout_cast(s.beta[...], wg.reduce(1)), CHUNK)
+    beta_col = lambda: bcast_cols(plgpu.layout_cast(s.beta[...], wg.reduce(0)), CHUNK)
+    x = intra._inverse(jnp.where(r64 > c64, akk * beta_row(), 0.0), s.xp, stage)
+    s.st_dk[...] = x
+    s.xf[...] = x.astype(BF16)
+    s.xp[...] = (x * beta_col()).astype(BF16)
     sel_cum = intra._selector("cum")
     for cols in HALVES:
         s.ek[:, cols] = (intra._load(s.k, cols) * jnp.exp(intra._prefix(s, sel_cum, cols, stage))).astype(BF16)
-    s.xf[...] = x.astype(BF16)
-    s.xp[...] = (x * beta_col).astype(BF16)
     plgpu.commit_smem()
     dx_in = plgpu.layout_cast(s.dakk_t[...], wg).astype(F32)
     (dwe,) = _run(lambda acc: plgpu.wgmma(acc, s.dwn, s.ek.T), (CHUNK, CHUNK))
     dxp = jnp.where(r64 >= c64, dx_in - dwe, 0.0)
-    s.dbeta_col[...] = jnp.sum(x * dxp, axis=0)
-    s.dx[...] = (dxp * beta_col).astype(BF16)
+    s.dbeta_col[...] = jnp.sum(staged(s.st_dk) * dxp, axis=0)
+    s.dx[...] = (dxp * beta_col()).astype(BF16)
     plgpu.commit_smem()
     (t1,) = _run(lambda acc: plgpu.wgmma(acc, s.xf.T, s.dx), (CHUNK, CHUNK))
     (t2,) = _run(lambda acc: mma(acc, t1.astype(BF16), s.xf.T, stage), (CHUNK, CHUNK))
     dl = jnp.where(r64 > c64, -t2, 0.0)
-    s.dbeta_row[...] = jnp.sum(dl * akk, axis=1)
-    s.dakk_t.T[...] = (dl * beta_row).astype(BF16)
+    s.dbeta_row[...] = jnp.sum(dl * staged(s.st_dq), axis=1)
+    s.dakk_t.T[...] = (dl * beta_row()).astype(BF16)
     daqk_t = plgpu.layout_cast(s.daqk_t[...], wg).astype(F32)
     s.daqk_diag[...] = jnp.sum(jnp.where(r64 == c64, daqk_t, 0.0), axis=1)
     s.daqk_t[...] = jnp.where(r64 == c64, 0.0, daqk_t).astype(BF16)
     plgpu.commit_smem()
 
 
-def _half(s: _Smem, h: int, stage, scale: float):
-    """Phase 2 for the half ``h`` of K: returns ``(dq, dk, dg)`` ``[64, 64]`` f32."""
-    cols = HALVES[h]
-    r64 = _iota(0)
-    g = intra._prefix(s, intra._selector("cum"), cols, stage)
-    e_g = jnp.exp(g)
-    kdf = jnp.exp(intra._prefix(s, intra._selector("last"), cols, stage))
-    col_factor = jnp.exp(intra._prefix(s, intra._selector("col"), cols, stage))
-    g_last = jnp.sum(jnp.where(r64 == CHUNK - 1, g, 0.0), axis=0)
-    kf, qf = intra._load(s.k, cols), intra._load(s.q, cols) * scale
-    r_k = r_q = dg_r = c_raw = None
-    add = lambda acc, x: x if acc is None else acc + x
+def _side(s: _Smem, cols: slice, stage, side: str, scale: float, acc_c):
+    """One side of the decay products' VJP on the tiles of the half ``cols`` (module docstring, phase 2): ``side``
+    ``"k"`` (``dA_kk`` with ``k``) or ``"q"`` (``dA_qk`` with ``q scale``). Returns ``(R, the side's decay-product
+    terms of dG)`` (``[64, 64]`` f32) and adds the side's rows of ``C`` (before ``e^{m - G}``) to ``acc_c``. Only
+    the two running sums are live across the tiles; ``dA`` and the row operand are reloaded from shared memory."""
     wg = plgpu.Layout.WGMMA
-    dakk, daqk = (plgpu.layout_cast(ref.T[...], wg) for ref in (s.dakk_t, s.daqk_t))  # dA_kk, dA_qk [64, 64] bf16
-    c64 = _iota(1)
+    r64, c64 = _iota(0), _iota(1)
+    a_t, x_s, row = (s.dakk_t, s.xe_k, s.k) if side == "k" else (s.daqk_t, s.xe_q, s.q)
     w_h = s.w.at[:, cols]
+    r = dgr = None
+    add = lambda acc, x: x if acc is None else acc + x
     for b in range(TILES):
         e_b = jnp.exp(jnp.minimum(intra._prefix(s, intra._selector("row", b), cols, stage), 0.0))
-        in_b = (c64 >= SUB * b) & (c64 < SUB * (b + 1))  # the columns of tile b (wgmma contracts 64 at least)
-        a_k, a_q = (jnp.where(in_b, a, jnp.zeros_like(a)) for a in (dakk, daqk))
-        acc_k, acc_q = _run(lambda ak, aq, a_k=a_k, a_q=a_q: (mma(ak, a_k, w_h, stage), mma(aq, a_q, w_h, stage)),
-                            (CHUNK, HALF), (CHUNK, HALF))
-        xk, xq = (kf * e_b).astype(BF16), (qf * e_b).astype(BF16)
-        r_k, r_q = add(r_k, e_b * acc_k), add(r_q, e_b * acc_q)
-        dg_r = add(dg_r, xk.astype(F32) * acc_k + xq.astype(F32) * acc_q)
-        s.xe_k[...] = xk
-        s.xe_q[...] = xq
+        da = plgpu.layout_cast(a_t.T[...], wg)
+        da = jnp.where((c64 >= SUB * b) & (c64 < SUB * (b + 1)), da, jnp.zeros_like(da))  # wgmma contracts >= 64
+        (acc,) = _run(lambda acc, da=da: mma(acc, da, w_h, stage), (CHUNK, HALF))
+        xf = intra._load(row, cols)
+        x16 = ((xf * scale if side == "q" else xf) * e_b).astype(BF16)
+        r = add(r, e_b * acc)
+        dgr = add(dgr, x16.astype(F32) * acc)
+        plgpu.wgmma_wait(0)  # the previous tile's product has read x_s
+        x_s[...] = x16
         plgpu.commit_smem()
-        (acc_c,) = _run(lambda ac: (plgpu.wgmma(ac, s.dakk_t, s.xe_k), plgpu.wgmma(ac, s.daqk_t, s.xe_q)),
-                        (CHUNK, HALF))
-        c_raw = add(c_raw, jnp.where((r64 >= SUB * b) & (r64 < SUB * (b + 1)), acc_c, 0.0))
+        da_t = plgpu.layout_cast(a_t[...], wg)
+        mma(acc_c, jnp.where((r64 >= SUB * b) & (r64 < SUB * (b + 1)), da_t, jnp.zeros_like(da_t)), x_s, stage)
+    return r, dgr
+
+
+def _half(s: _Smem, h: int, stage, scale: float):
+    """Phase 2 for the half ``h`` of K: ``dq, dk`` (``[64, 64]`` bf16) into ``s.xe_q, s.xe_k``, ``dg`` (f32) into
+    ``s.st_dg`` (the previous half's copies out of them must have read them). The ``q`` side first (folded into
+    ``dq`` at once), then the ``k`` side; ``C`` accumulates over both in one wgmma accumulator; partial sums wait in
+    the staging buffers, so that few ``[64, 64]`` f32 values are live at a time (255 registers a thread)."""
+    cols = HALVES[h]
+    wg = plgpu.Layout.WGMMA
+    r64 = _iota(0)
+    load = lambda ref: intra._load(ref, cols)
+    diag = lambda: bcast_rows(plgpu.layout_cast(s.daqk_diag[...], wg.reduce(1)), HALF)
+    e_g = lambda: jnp.exp(intra._prefix(s, intra._selector("cum"), cols, stage))
+
+    def sides(acc_c):
+        r_q, dg_q = _side(s, cols, stage, "q", scale, acc_c)
+        eg = e_g()
+        dqg = load(s.dqg)
+        s.st_dq[...] = (dqg * eg + r_q + diag() * load(s.k)) * scale
+        s.st_dg[...] = dg_q + dqg * (load(s.q) * scale) * eg
+        r_k, dg_k = _side(s, cols, stage, "k", scale, acc_c)
+        s.st_dk[...] = r_k
+        return dg_k, acc_c[...]
+
+    dg_k, c_raw = pl.run_scoped(sides, plgpu.ACC((CHUNK, HALF), F32))
+    staged = lambda ref: plgpu.layout_cast(ref[...], wg)
+    s.xe_q[...] = staged(s.st_dq).astype(BF16)
     (dek,) = _run(lambda acc: plgpu.wgmma(acc, s.xp.T, s.dwn.at[:, cols]), (CHUNK, HALF))
     dek = -dek
-    dqg, dkd = intra._load(s.dqg, cols), intra._load(s.dkd, cols)
-    kd = kf * kdf
-    diag = bcast_rows(plgpu.layout_cast(s.daqk_diag[...], plgpu.Layout.WGMMA.reduce(1)), HALF)
-    dq = dqg * e_g * scale + (r_q + diag * kf) * scale
-    dk = dkd * kdf + dek * e_g + r_k + c_raw * col_factor + diag * qf
+    eg = e_g()
+    kf = load(s.k)
+    s.st_dg[...] = staged(s.st_dg) + dg_k + dek * kf * eg  # dG so far (in order: few values live at a time)
+    dk = staged(s.st_dk) + dek * eg + diag() * (load(s.q) * scale)
+    eg_last = jnp.sum(jnp.where(r64 == CHUNK - 1, eg, 0.0), axis=0)  # e^{G_C}
+    kdf = jnp.exp(intra._prefix(s, intra._selector("last"), cols, stage))
+    dkd = load(s.dkd)
+    dkd_kd = dkd * (kf * kdf)
+    dk = dk + dkd * kdf
+    dgc = jnp.sum(dkd_kd, axis=0) + plgpu.layout_cast(s.ddecay[cols], wg.reduce(0)) * eg_last
+    dG = staged(s.st_dg) - dkd_kd
+    dk = dk + c_raw * jnp.exp(intra._prefix(s, intra._selector("col"), cols, stage))
+    s.xe_k[...] = dk.astype(BF16)
     # The decay products' two sides of dG with the same rounded factors (x e_b and w = k e^{m - G} as the bf16
     # operands), so that each pair's terms, which cancel in the suffix sums, cancel to fp32 accumulation error.
-    dG = dqg * qf * e_g - dkd * kd + dek * kf * e_g + dg_r - intra._load(s.w, cols) * c_raw
-    dgc = jnp.sum(dkd * kd, axis=0) + plgpu.layout_cast(s.ddecay[cols], plgpu.Layout.WGMMA.reduce(0)) * jnp.exp(
-        g_last)
+    dG = dG - load(s.w) * c_raw
     hi = dG.astype(BF16)
     s.ghi[:, cols] = hi
     s.glo[:, cols] = (dG - hi.astype(F32)).astype(BF16)
@@ -179,14 +213,14 @@ def _half(s: _Smem, h: int, stage, scale: float):
     suffix = _suffix()
     (dg,) = _run(lambda acc: (mma(acc, suffix, s.ghi.at[:, cols], stage), mma(acc, suffix, s.glo.at[:, cols], stage)),
                  (CHUNK, HALF))
-    return dq, dk, dg + bcast_cols(dgc)
+    s.st_dg[...] = dg + bcast_cols(dgc)
 
 
 def chunk_intra_grads(q, k, g, beta_t, dqg, dkd, dwn, dx, daqk_t, ddecay, *, scale: float, interpret=None):
     """Phase 1 and 2 (module docstring). ``q, k [B, Tp, H, 128]`` bf16, ``g [B, Tp, H, 128]`` f32, ``beta_t [B, H,
     Tp]`` f32; the cotangents ``dqg, dkd, dwn [B, Tp, H, 128]`` and ``dx, daqk_t [B, Tp, H, 64]`` bf16 (``daqk_t``
     transposed per chunk: row ``t`` holds column ``t`` of the chunk's ``dA_qk``), ``ddecay [B, H, n, 128]`` f32.
-    Returns ``(dq, dk, dg [B, Tp, H, 128] f32, dbeta [B, H, Tp] f32)``. ``interpret``: None or a
+    Returns ``(dq, dk [B, Tp, H, 128] bf16, dg [B, Tp, H, 128] f32, dbeta [B, H, Tp] f32)``. ``interpret``: None or a
     ``plgpu.InterpretGPUParams``."""
     B, Tp, H, K = q.shape
     n_chunks = Tp // CHUNK
@@ -222,20 +256,19 @@ def chunk_intra_grads(q, k, g, beta_t, dqg, dkd, dwn, dx, daqk_t, ddecay, *, sca
         plgpu.copy_smem_to_gmem(s.dbeta_row, dbr_ref.at[bh, pl.ds(c * CHUNK, CHUNK)])
         plgpu.copy_smem_to_gmem(s.dbeta_col, dbc_ref.at[bh, pl.ds(c * CHUNK, CHUNK)])
         for half in range(2):
-            dq, dk, dg = _half(s, half, stage, scale)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging buffers are free
+            _half(s, half, stage, scale)
+            plgpu.commit_smem()
             out_cols = pl.ds(half * HALF, HALF)
-            for val, st, dst in ((dq, s.st_dq, dq_ref), (dk, s.st_dk, dk_ref), (dg, s.st_dg, dg_ref)):
-                st[...] = val
-                plgpu.commit_smem()
+            for st, dst in ((s.xe_q, dq_ref), (s.xe_k, dk_ref), (s.st_dg, dg_ref)):
                 plgpu.copy_smem_to_gmem(st, dst.at[rows, h, out_cols])
         plgpu.wait_smem_to_gmem(0)
 
-    tok = lambda d: jax.ShapeDtypeStruct((B * Tp, H, d), F32)
+    tok = lambda d, dt: jax.ShapeDtypeStruct((B * Tp, H, d), dt)
     vec_out = jax.ShapeDtypeStruct((B * H, Tp), F32)
     dq, dk, dg, dbr, dbc = plgpu.kernel(
         kda_chunk_intra_bwd_mosaic_gpu,
-        out_type=(tok(K), tok(K), tok(K), vec_out, vec_out),
+        out_type=(tok(K, BF16), tok(K, BF16), tok(K, F32), vec_out, vec_out),
         scratch_types=(smem, plgpu.Barrier(num_arrivals=10), stages),
         grid=(n_chunks, B * H),
         grid_names=("c", "bh"),
