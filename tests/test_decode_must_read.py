@@ -3,6 +3,10 @@
 (numpy top-k of the routers applied to the inputs captured from each MoE layer, and a hand-built routing whose
 experts are known), and the must-read bytes and the roofline fraction move with the count."""
 
+import contextlib
+import io
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -140,3 +144,40 @@ def test_probe_counts_equal_routers_applied_to_captured_inputs(setup):
     assert nbytes["total"] - fewer["total"] == pytest.approx(expert_layer / cfg.num_experts, abs=2)
     with pytest.raises(ValueError, match=r"no count for MoE layer\(s\) \[3\]"):
         step_bytes(cfg, eng.variables["params"], eng.cache, BATCH, PROMPT, experts_hit={0: 1, 1: 1, 2: 1})
+
+
+def _line(kind: str, batch: int, ms: float, gb: float, hit: float | None) -> str:
+    rec = {"bench": "decode", "layers": kind, "batch": batch, "ms_per_step": ms, "bytes": {"total": gb * 1e9},
+           "copy_gbps": 4000.0}
+    if hit is not None:
+        rec["experts_hit"] = {"mean": hit}
+    return json.dumps(rec)
+
+
+def test_projection_takes_the_measured_count(tmp_path):
+    """decode_projection.py: per-chip routed experts at the measured lines' count (layers of each kind weighted),
+    the uniform expectation only when asked; lines without a count cannot be projected at a measured count."""
+    from benchmarks.decode_projection import main
+
+    run = tmp_path / "run.jsonl"
+    run.write_text("\n".join([_line("kda", 64, 3.7, 10.0, 470.0), _line("mla", 64, 4.3, 9.0, 500.0),
+                              _line("kda", 1, 0.6, 1.5, 16.0), _line("mla", 1, 0.5, 1.1, 16.0)]))
+    out = {}
+    for source in ("measured", "uniform"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            main(["--measured", str(run), "--meshes", "tensor=8", "--experts-hit", source])
+        out[source] = {r["batch"]: r for r in map(json.loads, buf.getvalue().splitlines())}
+    m, u = out["measured"][64], out["uniform"][64]
+    assert m["experts_hit"]["source"] == "measured" and u["experts_hit"]["source"] == "uniform"
+    assert m["experts_hit"]["per_moe_layer"] == pytest.approx((69 * 470 + 24 * 500) / 93, abs=0.01)
+    assert u["experts_hit"]["per_moe_layer"] == pytest.approx(expected_distinct_experts(896, 16, 64), abs=0.01)
+    ratio = m["experts_hit"]["per_moe_layer"] / u["experts_hit"]["per_moe_layer"]
+    assert m["chip_bytes"]["routed_experts"] == pytest.approx(ratio * u["chip_bytes"]["routed_experts"], rel=1e-4)
+    assert m["chip_bytes"]["dense_weights"] == u["chip_bytes"]["dense_weights"]
+    assert m["same_fraction_ms"] < u["same_fraction_ms"]
+    assert out["measured"][1]["chip_bytes"] == out["uniform"][1]["chip_bytes"]  # one token: k experts either way
+
+    run.write_text("\n".join([_line("kda", 64, 3.7, 10.0, None), _line("mla", 64, 4.3, 9.0, None)]))
+    with pytest.raises(ValueError, match="carry no experts_hit count"):
+        main(["--measured", str(run), "--meshes", "tensor=8"])
