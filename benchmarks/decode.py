@@ -346,7 +346,8 @@ def count_experts(cfg, probe, variables, cache, first_tokens, call_tokens) -> di
     n, batch = call_tokens.shape
     fed = jnp.concatenate([jnp.asarray(first_tokens, jnp.int32)[None], jnp.asarray(call_tokens[:-1])], axis=0)
     ids, greedy, _ = probe(variables, cache, fed)
-    per_step = {layer: [distinct_experts(np.asarray(v)[i]) for i in range(n)] for layer, v in sorted(ids.items())}
+    ids = {layer: np.asarray(v) for layer, v in sorted(ids.items())}
+    per_step = {layer: [distinct_experts(v[i]) for i in range(n)] for layer, v in ids.items()}
     per_layer = {layer: float(np.mean(c)) for layer, c in per_step.items()}
     return {
         "per_layer": {str(k): v for k, v in per_layer.items()},
