@@ -8,13 +8,23 @@ One JSON line per case (``batch:prompt_len``, expert format, steps per call):
 * ``ms_per_step`` / ``tokens_per_s``: wall time of ``--calls`` calls of the engine's own jitted decode function
   (``Engine._decode``, or ``Engine._decode_multi`` with ``--decode-block n``: n steps per call), cache donated,
   every slot active at ``prompt_len`` cached tokens (cache contents random), after a warm-up call.
+* ``experts_hit``: the distinct routed experts each MoE layer's router really selects in the first timed call,
+  counted outside the timing (:func:`routing_probe`): the cache as that call received it is copied before the
+  timed calls, and after them the same model step is run on the copy, ``n`` steps fed the call's own greedy
+  tokens, with ``mutable=["intermediates"]`` (the ``expert_ids`` each :class:`~k3_jax.layers.moe.LatentMoE`
+  sows). ``per_step`` lists each layer's count at each of the ``n`` steps, ``per_layer`` its mean, ``mean`` the
+  mean over layers; ``uniform_expected`` is ``E·(1-(1-k/E)^B)``, the count of uniform top-k routing of ``B``
+  tokens; ``greedy_agree`` the fraction of the probe's greedy tokens equal to the timed call's (1.0: the probe
+  computed the timed step's routing; below 1.0 the separately compiled step rounded differently at a near-tie).
 * ``bytes``: what one step must read (and write), from the parameter and cache arrays the engine holds: every
-  weight once, except the embedding table (``batch`` rows) and the routed experts (the expected number of
-  distinct experts ``E·(1-(1-k/E)^B)`` of uniform top-k routing of ``B`` tokens, per MoE layer); the KDA states
-  read and written, the conv tails read and written, the MLA latents read up to ``prompt_len`` (+ the new row).
+  weight once, except the embedding table (``batch`` rows) and the routed experts (per MoE layer the
+  ``experts_hit`` of that layer, mean over the steps); the KDA states read and written, the conv tails read and
+  written, the MLA latents read up to ``prompt_len`` (+ the new row). ``bytes_uniform``: the same with the
+  routed experts at ``uniform_expected`` per layer (what the rows before the count reported).
 * ``copy_gbps``: device copy bandwidth measured in the same process (``x * 2`` on a 2 GiB f32 array: read +
   write bytes / best time); ``roofline_ms = bytes / copy_gbps`` and ``roofline_fraction = roofline_ms /
-  ms_per_step``.
+  ms_per_step``; ``roofline_ms_uniform`` / ``roofline_fraction_uniform`` from ``bytes_uniform``. When the count
+  fails, ``experts_hit`` holds its ``error`` and ``bytes`` / ``roofline_*`` are null (never the uniform ones).
 * ``--profile-dir``: also the device-trace breakdown (``benchmarks._profile``) of ``--profile-calls`` calls of
   the first case of each batch size in ``--profile-batches`` (default: the first case), first expert format:
   device busy time per step, host gap (wall − device), kernel launches and copies per step, the top ops, the
@@ -138,20 +148,68 @@ def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> floa
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def step_bytes(cfg, params, cache, batch: int, prompt_len: int) -> dict[str, int]:
-    """Bytes one decode step must move: weights read once (embedding rows, the expected routed experts),
-    KDA states + conv tails read and written, MLA latents read up to ``prompt_len`` plus the new row written."""
+def segment_layers(cfg, names: list[str]) -> list[int]:
+    """Model layer index of each scan repeat of the stacked leaf at ``names`` (a parameter or ``intermediates``
+    path through ``segment_S`` / ``layer_J``)."""
+    from k3_jax.model import layer_plan
+
+    seg = next((n for n in names if n.startswith("segment_")), None)
+    pos = next((n for n in names if n.startswith("layer_")), None)
+    if seg is None or pos is None:
+        raise ValueError(f"segment_layers: path {'/'.join(names)} names no segment_S/layer_J")
+    segment = layer_plan(cfg)[int(seg.removeprefix("segment_"))]
+    return [segment.layer(r, int(pos.removeprefix("layer_"))) for r in range(segment.repeats)]
+
+
+def expert_ids_by_layer(cfg, intermediates) -> dict[int, object]:
+    """``{model layer: expert_ids [..., N, k] i32}`` of every MoE layer, from the collections a
+    ``mutable=["intermediates"]`` apply returns (each segment's sown ``[R, N, k]`` stack split by repeat)."""
+    import jax
+
+    out = {}
+    for path, ids in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
+        names = [str(getattr(p, "key", p)) for p in path]
+        if "expert_ids" not in names:
+            continue
+        for r, layer in enumerate(segment_layers(cfg, names)):
+            out[layer] = ids[r]
+    return out
+
+
+def distinct_experts(ids) -> int:
+    """Number of distinct expert ids in ``ids`` (any shape; a host or device int array)."""
+    import numpy as np
+
+    return int(np.unique(np.asarray(ids)).size)
+
+
+def step_bytes(cfg, params, cache, batch: int, prompt_len: int,
+               experts_hit: dict[int, float] | None = None) -> dict[str, int]:
+    """Bytes one decode step must move: weights read once (embedding rows, the routed experts hit), KDA states +
+    conv tails read and written, MLA latents read up to ``prompt_len`` plus the new row written.
+
+    ``experts_hit``: ``{model layer: distinct experts its router selects in the step}`` for every MoE layer (e.g.
+    :func:`distinct_experts` of a step's ids, or a mean over steps); None: the expected count of uniform top-k
+    routing of ``batch`` tokens (:func:`expected_distinct_experts`) in every MoE layer."""
     import jax
 
     weights = embed = experts = 0
-    hit = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_token, batch) / cfg.num_experts
+    uniform = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_token, batch)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         names = [str(getattr(p, "key", p)) for p in path]
         n = x.size * x.dtype.itemsize
         if "embed_tokens" in names:
             embed += batch * n // cfg.vocab_size
         elif "experts" in names and "shared_experts" not in names:
-            experts += int(n * hit)
+            if experts_hit is None:
+                experts += int(n * uniform / cfg.num_experts)
+                continue
+            layers = segment_layers(cfg, names)
+            missing = [layer for layer in layers if layer not in experts_hit]
+            if missing:
+                raise ValueError(f"step_bytes: experts_hit has no count for MoE layer(s) {missing} "
+                                 f"(of {'/'.join(names)}); it has layers {sorted(experts_hit)}")
+            experts += int(sum(n / len(layers) * experts_hit[layer] / cfg.num_experts for layer in layers))
         else:
             weights += n
     kda_state = kda_conv = mla = 0
@@ -247,10 +305,67 @@ def profile_breakdown(fn, args_fn, calls: int, steps_per_call: int, out_dir: str
     }
 
 
+def routing_probe(eng, batch: int):
+    """The engine's model step as a counter of its routing: a jitted ``probe(variables, cache, tokens [n, B])`` ->
+    ``({model layer: expert_ids [n, B, k] i32}, greedy tokens [n, B] i32, cache after the n steps)``.
+
+    Runs ``n`` one-token steps of ``eng``'s model on ``cache`` (donated) with every row active, as the engine's
+    decode does (``apply_on_cache`` on its table and compute dtype, its XLA options), step ``i`` fed
+    ``tokens[i]``, each with ``mutable=["intermediates"]`` (the ``expert_ids`` every MoE layer sows); the greedy
+    tokens are each step's argmax. Fed a decode call's input tokens and that call's own greedy tokens (shifted by
+    one step), from the cache the call received, it recomputes the call's routing. The engine's own decode
+    function is left as it is."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3_jax.serving.engine import apply_on_cache
+
+    active = jnp.ones((batch,), bool)
+
+    def probe(variables, cache, tokens):
+        def body(cache, toks):
+            (logits, new), inter = apply_on_cache(eng.model, variables, toks[:, None], cache, eng._table,
+                                                  eng.compute_dtype, active, mutable=["intermediates"])
+            greedy = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            return new, (expert_ids_by_layer(eng.cfg, inter), greedy)
+
+        cache, (ids, greedy) = jax.lax.scan(body, cache, tokens)
+        return ids, greedy, cache  # the cache returned only so that the donated one is reused
+
+    return jax.jit(probe, donate_argnums=(1,), compiler_options=eng.model_compiler_options)
+
+
+def count_experts(cfg, probe, variables, cache, first_tokens, call_tokens) -> dict:
+    """The ``experts_hit`` record (see the module doc) of one decode call of ``n`` steps: ``probe``
+    (:func:`routing_probe`, compiled) run on ``cache`` (the cache the call received; donated) with the call's
+    input tokens ``first_tokens [B]`` and its greedy tokens ``call_tokens [n, B]``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    call_tokens = np.asarray(call_tokens, np.int32)
+    n, batch = call_tokens.shape
+    fed = jnp.concatenate([jnp.asarray(first_tokens, jnp.int32)[None], jnp.asarray(call_tokens[:-1])], axis=0)
+    ids, greedy, _ = probe(variables, cache, fed)
+    ids = {layer: np.asarray(v) for layer, v in sorted(ids.items())}
+    per_step = {layer: [distinct_experts(v[i]) for i in range(n)] for layer, v in ids.items()}
+    per_layer = {layer: float(np.mean(c)) for layer, c in per_step.items()}
+    return {
+        "per_layer": {str(k): v for k, v in per_layer.items()},
+        "per_step": {str(k): v for k, v in per_step.items()},
+        "mean": round(float(np.mean(list(per_layer.values()))), 3) if per_layer else None,
+        "uniform_expected": round(expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_token, batch), 3),
+        "num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_token, "tokens_per_step": batch,
+        "greedy_agree": round(float(np.mean(np.asarray(greedy) == call_tokens)), 4),
+    }
+
+
 def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Namespace, gbps: float,
              first: bool, profile: bool = False) -> dict:
     """One ``batch:prompt_len`` case at ``n`` steps per call: set up and time under the device lock, compile
     without it; returns its JSON record."""
+    import jax
+    import jax.numpy as jnp
+
     max_len = prompt_len + args.gen
     with accelerator_lock():
         eng, state, inputs, nbytes = _prepare_case(cfg, params, batch, prompt_len, max_len, n)
@@ -261,17 +376,27 @@ def run_case(cfg, params, batch: int, prompt_len: int, n: int, args: argparse.Na
     compile_s = time.perf_counter() - t0
     if args.hlo_out and first:
         Path(args.hlo_out).write_text(compiled.as_text())
+    t0 = time.perf_counter()
+    probe = routing_probe(eng, batch).lower(eng.variables, state["cache"],
+                                            jax.ShapeDtypeStruct((n, batch), jnp.int32)).compile()
+    probe_compile_s = time.perf_counter() - t0
 
     def call():
         out, state["cache"] = compiled(eng.variables, state["cache"], *inputs, None)
         return out
 
+    def count(cache, call_tokens):
+        rec = count_experts(cfg, probe, eng.variables, cache, inputs[0], call_tokens)
+        return {**rec, "probe_compile_s": round(probe_compile_s, 1)}
+
     with accelerator_lock():
-        return _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gbps, compile_s, profile)
+        return _time_case(cfg, args, state, call, count, eng.variables["params"], nbytes, batch, prompt_len,
+                          max_len, n, gbps, compile_s, profile)
 
 
 def _prepare_case(cfg, params, batch: int, prompt_len: int, max_len: int, n: int):
-    """``(engine, {"cache": filled cache}, (tokens, active, sampling arrays), bytes per step)``."""
+    """``(engine, {"cache": filled cache}, (tokens, active, sampling arrays), bytes per step at the uniform
+    routing expectation)``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -298,8 +423,11 @@ def _prepare_case(cfg, params, batch: int, prompt_len: int, max_len: int, n: int
     return eng, {"cache": eng.cache}, (tokens, active, samp), nbytes
 
 
-def _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gbps, compile_s, profile):
-    """Warm-up, timed calls and (``profile``) the profile of one compiled case; returns its JSON record."""
+def _time_case(cfg, args, state, call, count, params, nbytes_uniform, batch, prompt_len, max_len, n, gbps,
+               compile_s, profile):
+    """Warm-up, timed calls, the routing count of the first timed call (``count(cache, tokens [n, B])``, after
+    the timing, on a copy of the cache that call received) and (``profile``) the profile of one compiled case;
+    returns its JSON record."""
     import hashlib
 
     import jax
@@ -312,19 +440,36 @@ def _time_case(cfg, args, state, call, nbytes, batch, prompt_len, max_len, n, gb
     # lengths grow by n per call: keep every call at ~prompt_len by resetting them (a device scalar op)
     reset = jax.jit(lambda c: {**c, "lengths": jnp.full((batch,), prompt_len, jnp.int32)}, donate_argnums=(0,))
     state["cache"] = reset(state["cache"])
+    received = jax.block_until_ready(jax.tree.map(jnp.copy, state["cache"]))  # for the count, after the timing
+    first_timed = None
     t0 = time.perf_counter()
     for _ in range(args.calls):
         out = call()
+        first_timed = out if first_timed is None else first_timed
     jax.block_until_ready(out)
     wall = time.perf_counter() - t0
     ms = 1000 * wall / (args.calls * n)
-    roof_ms = nbytes["total"] / (gbps * 1e9) * 1000
+    timed_tokens = np.asarray(first_timed.tokens, np.int32).reshape(n, batch)
+    del first_timed, out
+    try:
+        hit = count(received, timed_tokens)
+        per_layer = {int(k): v for k, v in hit["per_layer"].items()}
+        nbytes = step_bytes(cfg, params, state["cache"], batch, prompt_len, experts_hit=per_layer)
+    except Exception as e:  # noqa: BLE001 - the timing stands; the must-read it needs is reported as unknown
+        hit, nbytes = {"error": f"{type(e).__name__}: {str(e)[:400]}"}, None
+    del received
+    roof = lambda b: None if b is None else b["total"] / (gbps * 1e9) * 1000
+    ratio = lambda r: None if r is None else round(r / ms, 3)
+    rnd = lambda r: None if r is None else round(r, 3)
+    roof_ms, roof_uniform_ms = roof(nbytes), roof(nbytes_uniform)
     rec = {
         "bench": "decode", "label": args.label, "config": args.config, "layers": args.layers,
         "experts": cfg.expert_format, "batch": batch, "prompt_len": prompt_len, "max_len": max_len,
         "decode_block": n, "calls": args.calls, "ms_per_step": round(ms, 3),
-        "tokens_per_s": round(batch * 1000 / ms, 1), "bytes": nbytes, "copy_gbps": round(gbps, 1),
-        "roofline_ms": round(roof_ms, 3), "roofline_fraction": round(roof_ms / ms, 3),
+        "tokens_per_s": round(batch * 1000 / ms, 1), "experts_hit": hit, "bytes": nbytes,
+        "bytes_uniform": nbytes_uniform, "copy_gbps": round(gbps, 1),
+        "roofline_ms": rnd(roof_ms), "roofline_fraction": ratio(roof_ms),
+        "roofline_ms_uniform": rnd(roof_uniform_ms), "roofline_fraction_uniform": ratio(roof_uniform_ms),
         "compile_s": round(compile_s, 1), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "tokens_sha1": hashlib.sha1(toks.tobytes()).hexdigest()[:16], "tokens_row0": toks[:, 0].tolist(),
         "tokens": toks.tolist(),
