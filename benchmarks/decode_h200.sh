@@ -109,8 +109,12 @@ for r in rows:
         key = (r["layers"], r["experts"], r["batch"], r["prompt_len"])
         ref = first.setdefault(key, (r["label"], r["tokens"]))
         diff = sum(a != b for x, y in zip(ref[1], r["tokens"]) for a, b in zip(x, y))
+        hit = r.get("experts_hit") or {}
+        frac = "n/a (experts not counted)" if r.get("roofline_fraction") is None else f'{r["roofline_fraction"]:.3f}'
+        gb = "n/a" if not r.get("bytes") else f'{r["bytes"]["total"] / 1e9:.2f}'
         print(f'{r["label"]:11s} {r["experts"]:5s} b{r["batch"]:<3d} p{r["prompt_len"]:<5d} {r["ms_per_step"]:8.3f} ms '
-              f'{r["tokens_per_s"]:9.1f} tok/s frac {r["roofline_fraction"]:.3f} GB {r["bytes"]["total"] / 1e9:.2f} '
+              f'{r["tokens_per_s"]:9.1f} tok/s frac {frac} (uniform routing {r.get("roofline_fraction_uniform")}) '
+              f'GB {gb} experts hit {hit.get("mean", hit.get("error"))} of uniform {hit.get("uniform_expected")} '
               f'copy {r["copy_gbps"]:.0f} tokens {r["tokens_sha1"]}: {diff} differ from {ref[0]}')
         p = r.get("profile")
         if p and "top" in p:
