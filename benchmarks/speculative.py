@@ -24,6 +24,8 @@ Measured per case (one JSON line each, then a summary line):
   * ``step_ms`` / ``round_ms`` (and ``block_*``): wall time per decode step / round in the engine; ``pipelined_ms``:
     per call of the one-step/one-round jitted function fed its own outputs ``--pipelined-calls`` times with one
     sync at the end (no host bookkeeping, launches overlap the device).
+  * ``distinct_tokens`` / ``head_tokens``: distinct ids over the greedy outputs, the first 12 of row 0; the peer's
+    ``nonfinite_margins``: generated positions whose top-2 log-probabilities are not finite (a broken forward).
   * ``rows_equal`` / ``common_prefix``: the greedy outputs against the peer's (one step per call);
     ``diverge_margins``: for each row that differs, the peer's top-1 minus top-2 log-probability at the first
     differing position (a near-tie there means a rounding difference flipped the argmax). The summary's
@@ -506,9 +508,13 @@ def main() -> None:
                         row["sampled_speedup_vs_step"] = round(sruns[0] / peers[b]["sampled_decode_tokens_per_s"], 3)
             row["timed_compiles"] = COMPILES[0] - c0  # compiles during the timed runs (0: clean timings)
             row["pipelined_ms"] = round(pipelined_ms(e, prompts[b][:b], args.new_tokens, args.pipelined_calls), 3)
+            # what the greedy outputs look like: a broken forward shows as few distinct tokens (an all-NaN row's
+            # argmax is id 0) and non-finite log-probabilities
+            row["distinct_tokens"] = len({t for o in outs for t in o})
+            row["head_tokens"] = outs[0][:12]
             if k == 0:
                 peer_margin = peer_margins(e, prompts[b], args.new_tokens)
-            if k == 0:
+                row["nonfinite_margins"] = int(sum(not np.isfinite(x) for m in peer_margin for x in m))
                 peers[b] = {**row, "outs": outs, "margins": peer_margin, "best": best,
                             "block_outs": block_outs if b in block_batches else None}
             emit(row)
