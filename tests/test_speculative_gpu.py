@@ -1,9 +1,10 @@
 """On a GPU (``-m gpu``): the forwards the H200 speculative pipeline (``benchmarks/speculative_h200.sh``) rests on.
 
 * the plain engine's cached forward (prefill pieces of 64 + 1 tokens, and 128 + 64 + 8 with ``auto``, then decode
-  steps) against the uncached full forward of the prompt and the generated tokens (KDA in plain XLA), per KDA
-  backend (``auto``: the Mosaic GPU chunk forward on sm_90+ for the prefill pieces and the Triton decode step;
-  ``triton``; ``xla``), so a failure names the backend;
+  steps) against the uncached full forward of the prompt and the generated tokens (KDA and experts in plain XLA),
+  per backend, so a failure names it: KDA ``auto`` (the Mosaic GPU chunk forward on sm_90+ for the prefill pieces,
+  the Triton decode step), ``triton``, ``xla``; experts ``auto`` (the Triton kernel, which reads the stacked
+  expert weights in place in every cached forward on one device) and ``xla``;
 * the Mosaic GPU chunk forward at the engine's prefill-piece shapes (one chunk: T = 64, 33, 1, with an initial
   state and the final state) against the fp32 reference;
 * the speculative engine with a random draft: finite log-probabilities, an acceptance a random draft can reach
@@ -32,8 +33,9 @@ NEW = 8
 TIE = 0.1  # top-1 minus top-2 log-probability under which bf16 rounding may flip a greedy choice
 
 
-def _config(kda: str = "auto", dtype: str = "bfloat16"):
-    return tiny_config(dtype=dtype, kda_head_dim=128, kda_num_heads=2, kda_implementation=kda)
+def _config(kda: str = "auto", dtype: str = "bfloat16", moe: str = "auto"):
+    return tiny_config(dtype=dtype, kda_head_dim=128, kda_num_heads=2, kda_implementation=kda,
+                       moe_implementation=moe)
 
 
 @functools.cache
@@ -50,7 +52,8 @@ def _prompt(n: int, vocab: int) -> list[int]:
 def _full_logprobs(dtype: str, params, tokens: list[int]) -> np.ndarray:
     """Log-probabilities ``[T, V]`` of the uncached full forward over ``tokens``, KDA in plain XLA (the reference
     every backend's engine is held to)."""
-    logits = jax.jit(K3ForCausalLM(_config("xla", dtype)).apply)({"params": params}, jnp.asarray([tokens], jnp.int32))
+    model = K3ForCausalLM(_config("xla", dtype, "xla"))
+    logits = jax.jit(model.apply)({"params": params}, jnp.asarray([tokens], jnp.int32))
     return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
 
 
@@ -58,21 +61,21 @@ def _engine_events(engine, prompt: list[int]) -> list:
     return list(engine.generate_stream([prompt], max_new_tokens=NEW, stop_token_ids=[], logprobs=2))
 
 
-def check_engine_against_full_forward(kda: str, prompt_len: int, dtype: str = "bfloat16") -> None:
+def check_engine_against_full_forward(kda: str, moe: str, prompt_len: int, dtype: str = "bfloat16") -> None:
     """The plain engine's greedy tokens and log-probabilities against the full forward (module docstring)."""
-    cfg = _config(kda, dtype)
+    cfg = _config(kda, dtype, moe)
     params = _params(dtype)
     prompt = _prompt(prompt_len, cfg.vocab_size)
     events = _engine_events(Engine(cfg, params, max_batch=2, max_len=prompt_len + NEW + 8, prefill_chunk=64), prompt)
     tokens = [ev.token for ev in events]
     assert len(tokens) == NEW
     lp_engine = np.asarray([[lp for _, lp in ev.top_logprobs] for ev in events])
-    assert np.isfinite(lp_engine).all(), f"kda={kda}: non-finite engine log-probabilities {lp_engine[:, 0]}"
+    assert np.isfinite(lp_engine).all(), f"kda={kda}, moe={moe}: non-finite engine log-probabilities {lp_engine[:, 0]}"
     ref = _full_logprobs(dtype, params, prompt + tokens[:-1])[prompt_len - 1:]  # [NEW, V]: the logits each token had
     for i, t in enumerate(tokens):
         top2 = np.sort(ref[i])[-2:]
         assert ref[i, t] >= top2[1] - TIE, (
-            f"kda={kda}, prompt {prompt_len}: generated token {i} ({t}) has full-forward log-probability "
+            f"kda={kda}, moe={moe}, prompt {prompt_len}: generated token {i} ({t}) has full-forward log-probability "
             f"{ref[i, t]:.4f}, the full forward's best is {top2[1]:.4f} (id {int(np.argmax(ref[i]))}); engine tokens "
             f"{tokens}")
         if ref[i, t] < top2[1]:  # a near-tie flipped the choice: the contexts differ from here on
@@ -81,9 +84,10 @@ def check_engine_against_full_forward(kda: str, prompt_len: int, dtype: str = "b
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kda, prompt_len", [("auto", 65), ("auto", 200), ("triton", 65), ("xla", 65)])
-def test_gpu_engine_matches_full_forward_per_kda_backend(kda, prompt_len):
-    check_engine_against_full_forward(kda, prompt_len)
+@pytest.mark.parametrize("kda, moe, prompt_len", [("auto", "auto", 65), ("auto", "auto", 200),
+                                                  ("triton", "auto", 65), ("xla", "auto", 65), ("xla", "xla", 65)])
+def test_gpu_engine_matches_full_forward_per_backend(kda, moe, prompt_len):
+    check_engine_against_full_forward(kda, moe, prompt_len)
 
 
 @pytest.mark.gpu
