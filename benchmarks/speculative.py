@@ -380,12 +380,12 @@ def main() -> None:
 
     def build(case):
         b, k, hv = case
-        first = names_of(hv)[0]
-        dc0, dp0 = drafts[first]
         paged = dict(paged=True, page_size=args.page_size) if args.page_size else {}
         if k == 0:
             e = Engine(cfg, params, max_batch=b, max_len=max_len + kmax, prefill_chunk=chunk, **paged)
         else:
+            first = names_of(hv)[0]
+            dc0, dp0 = drafts[first]
             e = SpeculativeEngine(cfg, params, dp0, dc0, num_draft_tokens=k, max_batch=b,
                                   max_len=max_len + kmax - k, prefill_chunk=chunk,
                                   vocab_map=maps[first], **paged)
@@ -393,6 +393,7 @@ def main() -> None:
         warm(e, case)
         engines[case] = e
         return time.perf_counter() - t
+
     def draft_ready() -> bool:
         return all((Path(d) / "params").is_dir() and (Path(d) / "draft_config.json").is_file()
                    for d in all_dirs.values())
