@@ -231,6 +231,10 @@ def main() -> None:
     p.add_argument("--sample-cases", default="", help="batch:k,... also measured at temperature 1")
     p.add_argument("--pipelined-calls", type=int, default=8)
     p.add_argument("--dtype", default="")
+    p.add_argument("--kda-implementation", default="",
+                   help="the engines' K3Config.kda_implementation (default: the config's, auto)")
+    p.add_argument("--moe-implementation", default="",
+                   help="the engines' K3Config.moe_implementation (default: the config's, auto)")
     p.add_argument("--head-vocab", type=int, default=0,
                    help="drafts with a pruned head over this many ids (DraftConfig.head_vocab; 0 = the full head)")
     p.add_argument("--pruned-drafts", default="",
@@ -270,16 +274,19 @@ def main() -> None:
         v = jax.jit(K3ForCausalLM(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
         return nn.unbox(v)["params"]
 
+    overrides = {f"{op}_implementation": name for op, name in (("kda", args.kda_implementation),
+                                                                ("moe", args.moe_implementation)) if name}
     if args.config or args.target:
         dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "")
-        cfg = load_config(args.config or "configs/k3-tiny.json", **({"dtype": dtype} if dtype else {}))
+        cfg = load_config(args.config or "configs/k3-tiny.json", **({"dtype": dtype} if dtype else {}), **overrides)
     else:  # micro CPU smoke target
         cfg = load_config(REPO / "configs" / "k3-tiny.json", dtype="float32", num_hidden_layers=3,
                           kda_layers=(0, 1), mla_layers=(2,), hidden_size=64, intermediate_size=128,
                           num_attention_heads=2, kda_num_heads=2, kda_head_dim=16, num_experts=4,
                           num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
                           routed_expert_hidden_size=32, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                          qk_rope_head_dim=8, v_head_dim=16)
+                          qk_rope_head_dim=8, v_head_dim=16, **overrides)
+
     def named_dirs(text: str) -> dict[str, str]:
         return dict(item.partition("=")[::2] for item in filter(None, text.split(",")))
 
@@ -581,7 +588,8 @@ def main() -> None:
                                "rows": n, "common_prefix": [common_prefix(x, y) for x, y in zip(a, c, strict=True)]})
     best1 = max((r for r in spec_rows if r["batch"] == 1), key=lambda r: r["speedup_vs_best"], default=None)
     emit({"summary": True, "device": str(jax.devices()[0].device_kind), "target": args.target or "random",
-          "config": args.config or "micro", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+          "config": args.config or "micro", "kda_implementation": cfg.kda_implementation,
+          "moe_implementation": cfg.moe_implementation, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
           "block": args.block,
           "best_batch1": None if best1 is None else {x: best1.get(x) for x in (
               "draft", "k", "speedup_vs_best", "speedup_vs_step", "speedup_vs_block", "acceptance_length")},

@@ -32,6 +32,9 @@ cd "$(dirname "$0")/.."
 # 0 = full); PRUNED_HEAD=N (0 = none, else not HEAD_VOCAB): one more LK draft, `lk_pN`, with a head of N ids,
 # measured at PRUNED_CASES (a subset of CASES, sampled too where SAMPLE_CASES has them)
 : "${HEAD_VOCAB:=0}" "${PRUNED_HEAD:=8192}" "${PRUNED_CASES:=1:4}"
+# KDA_IMPL / MOE_IMPL: the benchmark's engines' kda_implementation / moe_implementation ("" = auto); the target and
+# the drafts train with auto
+: "${KDA_IMPL:=}" "${MOE_IMPL:=}"
 mkdir -p "$OUT"
 rm -rf "$WORK" && mkdir -p "$WORK"
 start=$(date +%s)
@@ -48,6 +51,7 @@ fi
 timeout -s KILL "$TOTAL_S" nice -n "$BENCH_NICE" "$PY" benchmarks/speculative.py --config "$CONFIG" \
     --target "$WORK/target" --drafts "lk=$WORK/lk/draft,ce=$WORK/ce/draft" --cases "$CASES" \
     --sample-cases "$SAMPLE_CASES" --head-vocab "$HEAD_VOCAB" "${pruned[@]}" \
+    --kda-implementation "$KDA_IMPL" --moe-implementation "$MOE_IMPL" \
     --block "$BLOCK" --block-batches "$BLOCK_BATCHES" --prompt-len "$PROMPT_LEN" --new-tokens "$NEW_TOKENS" \
     --batch1-prompts "$BATCH1_PROMPTS" \
     --repeats "$REPEATS" --compile-threads "$COMPILE_THREADS" --compile-cache "$WORK/xla" "${profile[@]}" \
