@@ -24,6 +24,8 @@ Measured per case (one JSON line each, then a summary line):
   * ``step_ms`` / ``round_ms`` (and ``block_*``): wall time per decode step / round in the engine; ``pipelined_ms``:
     per call of the one-step/one-round jitted function fed its own outputs ``--pipelined-calls`` times with one
     sync at the end (no host bookkeeping, launches overlap the device).
+  * ``distinct_tokens`` / ``head_tokens``: distinct ids over the greedy outputs, the first 12 of row 0; the peer's
+    ``nonfinite_margins``: generated positions whose top-2 log-probabilities are not finite (a broken forward).
   * ``rows_equal`` / ``common_prefix``: the greedy outputs against the peer's (one step per call);
     ``diverge_margins``: for each row that differs, the peer's top-1 minus top-2 log-probability at the first
     differing position (a near-tie there means a rounding difference flipped the argmax). The summary's
@@ -229,8 +231,17 @@ def main() -> None:
     p.add_argument("--sample-cases", default="", help="batch:k,... also measured at temperature 1")
     p.add_argument("--pipelined-calls", type=int, default=8)
     p.add_argument("--dtype", default="")
+    p.add_argument("--kda-implementation", default="",
+                   help="the engines' K3Config.kda_implementation (default: the config's, auto)")
+    p.add_argument("--moe-implementation", default="",
+                   help="the engines' K3Config.moe_implementation (default: the config's, auto)")
     p.add_argument("--head-vocab", type=int, default=0,
                    help="drafts with a pruned head over this many ids (DraftConfig.head_vocab; 0 = the full head)")
+    p.add_argument("--pruned-drafts", default="",
+                   help="name=DIR,... more drafts, with a head of --pruned-head-vocab ids, measured at --pruned-cases "
+                        "beside the --drafts (default with --pruned-head-vocab: one random draft)")
+    p.add_argument("--pruned-head-vocab", type=int, default=0, help="the --pruned-drafts' head_vocab")
+    p.add_argument("--pruned-cases", default="", help="batch:k,... of --cases where the pruned drafts run too")
     p.add_argument("--page-size", type=int, default=0,
                    help="run the peer and the speculative engines on the paged latent cache with pages of this many "
                         "tokens (0: the contiguous cache)")
@@ -263,23 +274,41 @@ def main() -> None:
         v = jax.jit(K3ForCausalLM(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
         return nn.unbox(v)["params"]
 
+    overrides = {f"{op}_implementation": name for op, name in (("kda", args.kda_implementation),
+                                                                ("moe", args.moe_implementation)) if name}
     if args.config or args.target:
         dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "")
-        cfg = load_config(args.config or "configs/k3-tiny.json", **({"dtype": dtype} if dtype else {}))
+        cfg = load_config(args.config or "configs/k3-tiny.json", **({"dtype": dtype} if dtype else {}), **overrides)
     else:  # micro CPU smoke target
         cfg = load_config(REPO / "configs" / "k3-tiny.json", dtype="float32", num_hidden_layers=3,
                           kda_layers=(0, 1), mla_layers=(2,), hidden_size=64, intermediate_size=128,
                           num_attention_heads=2, kda_num_heads=2, kda_head_dim=16, num_experts=4,
                           num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
                           routed_expert_hidden_size=32, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                          qk_rope_head_dim=8, v_head_dim=16)
-    draft_dirs = dict(item.partition("=")[::2] for item in filter(None, args.drafts.split(",")))
-    dcfg = dataclasses.replace(DraftConfig.default_for(cfg), head_vocab=args.head_vocab or None).validate(cfg)
-    # a pruned draft's map: a placeholder until its directory is loaded (the programs depend on its shape only)
-    maps = {name: None if dcfg.head_vocab is None else np.arange(dcfg.head_vocab, dtype=np.int32)
-            for name in draft_dirs or ["random"]}
+                          qk_rope_head_dim=8, v_head_dim=16, **overrides)
 
-    def random_draft(params, seed: int):
+    def named_dirs(text: str) -> dict[str, str]:
+        return dict(item.partition("=")[::2] for item in filter(None, text.split(",")))
+
+    draft_dirs, pruned_dirs = named_dirs(args.drafts), named_dirs(args.pruned_drafts)
+    if (pruned_dirs or args.pruned_cases) and not args.pruned_head_vocab:
+        raise SystemExit("--pruned-drafts / --pruned-cases need --pruned-head-vocab N")
+    if args.pruned_head_vocab and args.pruned_head_vocab == args.head_vocab:
+        raise SystemExit(f"--pruned-head-vocab {args.pruned_head_vocab} equals --head-vocab: nothing to compare")
+    both = sorted(set(draft_dirs) & set(pruned_dirs))
+    if both:
+        raise SystemExit(f"draft names in both --drafts and --pruned-drafts: {both}")
+    # each draft's head_vocab (0: full); an engine serves the drafts of one head_vocab (its programs' shapes)
+    head_of = {name: args.head_vocab for name in draft_dirs or ["random"]}
+    if args.pruned_head_vocab:
+        head_of |= {name: args.pruned_head_vocab for name in pruned_dirs or [f"random_p{args.pruned_head_vocab}"]}
+    all_dirs = {**draft_dirs, **pruned_dirs}
+    dcfgs = {hv: dataclasses.replace(DraftConfig.default_for(cfg), head_vocab=hv or None).validate(cfg)
+             for hv in dict.fromkeys(head_of.values())}
+    # a pruned draft's map: a placeholder until its directory is loaded (the programs depend on its shape only)
+    maps = {name: None if not hv else np.arange(hv, dtype=np.int32) for name, hv in head_of.items()}
+
+    def random_draft(params, seed: int, dcfg: DraftConfig):
         emb, head = target_head(cfg, params)
         nf = cfg.hidden_size * len(dcfg.feature_layers)
         v = jax.jit(DraftModel(cfg, dcfg).init)(jax.random.PRNGKey(seed), jnp.zeros((1, 2, nf), cfg.dtype),
@@ -291,17 +320,20 @@ def main() -> None:
         every program compiled on the random weights compile again (jit keys on committed placement)."""
         return jax.tree.map(lambda x: jax.device_put(np.asarray(x)), tree)
 
-    waiting = bool(args.wait_s) and bool(args.target or draft_dirs)
+    waiting = bool(args.wait_s) and bool(args.target or all_dirs)
     params = uncommitted(random_target(cfg))
-    drafts = {name: (dcfg, uncommitted(random_draft(params, i + 1)))
-              for i, name in enumerate(draft_dirs or ["random"])}
+    drafts = {name: (dcfgs[hv], uncommitted(random_draft(params, i + 1, dcfgs[hv])))
+              for i, (name, hv) in enumerate(head_of.items())}
     if args.target and not waiting:
         params = uncommitted(load_target(DraftTrainConfig(target=args.target, config=args.config,
                                                           dtype=cfg.dtype))[1])
-    if draft_dirs and not waiting:
+    if all_dirs and not waiting:
         drafts = {name: (dc, uncommitted(dp)) for name, (dc, dp) in
-                  ((name, load_draft(path, cfg)) for name, path in draft_dirs.items())}
-        maps = {name: load_vocab_map(draft_dirs[name], dc, cfg.vocab_size) for name, (dc, _) in drafts.items()}
+                  ((name, load_draft(path, cfg)) for name, path in all_dirs.items())}
+        maps = {name: load_vocab_map(all_dirs[name], dc, cfg.vocab_size) for name, (dc, _) in drafts.items()}
+        for name, (dc, _) in drafts.items():
+            if dc != dcfgs[head_of[name]]:
+                raise SystemExit(f"draft {name}: config {dc} differs from the benchmark's {dcfgs[head_of[name]]}")
 
     def draft_variables(name: str) -> dict:
         """The engine's draft variables of draft ``name`` (its params; a pruned head's map and gathered head)."""
@@ -323,44 +355,55 @@ def main() -> None:
     # every engine of a batch size has the same target cache length (max_len + max k), so its prefill is one
     # program for all k (shared through --compile-cache)
     kmax = max(k for _, k in spec_cases)
-    cases = []  # the peer of a batch size first, then its speculative cases, in --cases order
-    for case in spec_cases:
-        if (case[0], 0) not in cases:
-            cases.append((case[0], 0))
-        cases.append(case)
-    engines: dict[tuple[int, int], object] = {}
-    keep: dict[tuple[int, int], object] = {}  # batch-1 engines kept for --profile
+    pruned_cases = pairs(args.pruned_cases)
+    if not set(pruned_cases) <= set(spec_cases):
+        raise SystemExit(f"--pruned-cases {sorted(set(pruned_cases) - set(spec_cases))} are not in --cases")
+    # a case is (batch, k, head_vocab of its drafts): the peer of a batch size first (k = 0), then its speculative
+    # cases in --cases order; the pruned drafts' cases last
+    cases: list[tuple[int, int, int]] = []
+    for b, k in spec_cases:
+        if (b, 0, 0) not in cases:
+            cases.append((b, 0, 0))
+        cases.append((b, k, args.head_vocab))
+    cases += [(b, k, args.pruned_head_vocab) for b, k in pruned_cases]
+    engines: dict[tuple[int, int, int], object] = {}
+    keep: dict[tuple[int, int, int], object] = {}  # batch-1 engines kept for --profile
     warm_tokens = 4
 
     def warm(e, case) -> None:
         """Run every program a case's timed runs use once (one step/round per call, a block, sampling)."""
-        b, k = case
+        b, k, _ = case
         e.decode_block = 1
         e.generate(prompts[b][:b], max_new_tokens=warm_tokens, stop_token_ids=[])
         if b in block_batches:
             e.decode_block = args.block
             e.generate(prompts[b][:b], max_new_tokens=args.block + 2, stop_token_ids=[])
             e.decode_block = 1
-        if case in sample_cases or (k == 0 and b in sample_batches):
+        if (b, k) in sample_cases or (k == 0 and b in sample_batches):
             e.generate(prompts[b][:b], max_new_tokens=warm_tokens, temperature=1.0, stop_token_ids=[])
 
+    def names_of(head_vocab: int) -> list[str]:
+        return [name for name in drafts if head_of[name] == head_vocab]
+
     def build(case):
-        b, k = case
-        dc0, dp0 = next(iter(drafts.values()))
+        b, k, hv = case
         paged = dict(paged=True, page_size=args.page_size) if args.page_size else {}
         if k == 0:
             e = Engine(cfg, params, max_batch=b, max_len=max_len + kmax, prefill_chunk=chunk, **paged)
         else:
+            first = names_of(hv)[0]
+            dc0, dp0 = drafts[first]
             e = SpeculativeEngine(cfg, params, dp0, dc0, num_draft_tokens=k, max_batch=b,
                                   max_len=max_len + kmax - k, prefill_chunk=chunk,
-                                  vocab_map=maps[next(iter(drafts))], **paged)
+                                  vocab_map=maps[first], **paged)
         t = time.perf_counter()
         warm(e, case)
         engines[case] = e
         return time.perf_counter() - t
+
     def draft_ready() -> bool:
         return all((Path(d) / "params").is_dir() and (Path(d) / "draft_config.json").is_file()
-                   for d in draft_dirs.values())
+                   for d in all_dirs.values())
 
     if waiting:  # compile on random weights while the models train
         with concurrent.futures.ThreadPoolExecutor(max(1, args.compile_threads)) as pool:
@@ -379,7 +422,7 @@ def main() -> None:
         while not draft_ready() and elapsed() < args.wait_s:
             time.sleep(1.0)
         if not draft_ready():
-            raise SystemExit(f"drafts {draft_dirs} not ready after {args.wait_s:.0f} s")
+            raise SystemExit(f"drafts {all_dirs} not ready after {args.wait_s:.0f} s")
         trained = load_target(DraftTrainConfig(target=args.target, config=args.config, dtype=cfg.dtype))
         diff = [f.name for f in dataclasses.fields(cfg) if getattr(trained[0], f.name) != getattr(cfg, f.name)]
         if diff:
@@ -389,13 +432,14 @@ def main() -> None:
             if bad:
                 emit({"note": f"{what} params differ from the init ({bad}): the warm runs recompile"})
         params = uncommitted(trained[1])
-        drafts_new = {name: load_draft(path, cfg) for name, path in draft_dirs.items()}
+        drafts_new = {name: load_draft(path, cfg) for name, path in all_dirs.items()}
         for name, (dc, dp) in drafts_new.items():
-            bad = tree_mismatch(dp, drafts[name][1]) if dc == dcfg else f"draft config {dc} != {dcfg}"
+            want = dcfgs[head_of[name]]
+            bad = tree_mismatch(dp, drafts[name][1]) if dc == want else f"draft config {dc} != {want}"
             if bad:
                 emit({"note": f"draft {name} differs from the init ({bad}): the warm runs recompile"})
         drafts = {name: (dc, uncommitted(dp)) for name, (dc, dp) in drafts_new.items()}
-        maps = {name: load_vocab_map(draft_dirs[name], dc, cfg.vocab_size) for name, (dc, _) in drafts.items()}
+        maps = {name: load_vocab_map(all_dirs[name], dc, cfg.vocab_size) for name, (dc, _) in drafts.items()}
         emit({"weights_ready_at_s": round(elapsed(), 1)})
 
     rows, peers = [], {}
@@ -415,12 +459,12 @@ def main() -> None:
         return outs, runs, m["seconds"] / m["steps"] * 1e3, getattr(e, "spec", None)
 
     def measure(case):
-        b, k = case
+        b, k, hv = case
         if case not in engines:
             emit({"compiled": list(case), "compile_s": round(build(case), 1), "at_s": round(elapsed(), 1)})
         e = engines.pop(case)
         e.variables = {"params": params}
-        names = ["peer"] if k == 0 else list(drafts)
+        names = ["peer"] if k == 0 else names_of(hv)
         for name in names:
             if k:
                 if e.dcfg != drafts[name][0]:
@@ -456,10 +500,13 @@ def main() -> None:
                             "common_prefix": round(float(np.mean([common_prefix(a, c) for a, c in
                                                                   zip(outs, peer["outs"], strict=True)])), 1),
                             "diverge_margins": [round(x, 4) for x in div]})
+                if maps[name] is not None:  # a pruned draft never proposes a token outside its map
+                    row["peer_tokens_in_map"] = round(float(np.mean(np.isin(np.concatenate(peer["outs"]),
+                                                                            maps[name]))), 4)
                 if "block_tokens_per_s" in row and "block_tokens_per_s" in peer:
                     row["peer_block_tokens_per_s"] = peer["block_tokens_per_s"]
                     row["speedup_vs_block"] = round(row["block_tokens_per_s"] / peer["block_tokens_per_s"], 3)
-            if case in sample_cases or (k == 0 and b in sample_batches):
+            if (b, k) in sample_cases or (k == 0 and b in sample_batches):
                 _, sruns, _, sst = timed(e, b, 1, temperature=1.0)
                 row["sampled_decode_tokens_per_s"] = round(sruns[0], 2)
                 if k:
@@ -469,19 +516,23 @@ def main() -> None:
                         row["sampled_speedup_vs_step"] = round(sruns[0] / peers[b]["sampled_decode_tokens_per_s"], 3)
             row["timed_compiles"] = COMPILES[0] - c0  # compiles during the timed runs (0: clean timings)
             row["pipelined_ms"] = round(pipelined_ms(e, prompts[b][:b], args.new_tokens, args.pipelined_calls), 3)
+            # what the greedy outputs look like: a broken forward shows as few distinct tokens (an all-NaN row's
+            # argmax is id 0) and non-finite log-probabilities
+            row["distinct_tokens"] = len({t for o in outs for t in o})
+            row["head_tokens"] = outs[0][:12]
             if k == 0:
                 peer_margin = peer_margins(e, prompts[b], args.new_tokens)
-            if k == 0:
+                row["nonfinite_margins"] = int(sum(not np.isfinite(x) for m in peer_margin for x in m))
                 peers[b] = {**row, "outs": outs, "margins": peer_margin, "best": best,
                             "block_outs": block_outs if b in block_batches else None}
             emit(row)
             rows.append(row)
-        if b == 1 and (k == 0 or not any(c[0] == 1 and c[1] for c in keep)):
+        if b == 1 and (k == 0 or not any(c[0] == 1 and c[1] for c in keep)) and hv == args.head_vocab:
             keep[case] = e  # the batch-1 peer and first speculative engine, for --profile
 
     last_case_s = 0.0
     for case in cases:
-        b, k = case
+        b, k, _ = case
         if k and b not in peers:  # the peer of this batch size failed or was skipped: nothing to compare with
             emit({"skipped": list(case), "reason": f"no peer row for batch {b}"})
             continue
@@ -503,9 +554,9 @@ def main() -> None:
         sys.path.insert(0, str(REPO))
         from benchmarks._profile import device_op_times
 
-        for (b, k), e in keep.items():
+        for (b, k, hv), e in keep.items():
             if k:
-                e.draft_variables = draft_variables(next(iter(drafts)))
+                e.draft_variables = draft_variables(names_of(hv)[0])
             call, finish = device_loop(e, prompts[b][:b], args.new_tokens)
             try:
                 prof = device_op_times(call, out_dir=f"{args.profile_dir}/b{b}k{k}", iters=4, top=15)
@@ -513,7 +564,7 @@ def main() -> None:
                 prof = {"error": f"{type(ex).__name__}: {ex}"[:500]}
             finally:
                 finish()
-            emit({"profile": "peer step" if k == 0 else f"round k={k} ({next(iter(drafts))})", "batch": b, **prof})
+            emit({"profile": "peer step" if k == 0 else f"round k={k} ({names_of(hv)[0]})", "batch": b, **prof})
 
     spec_rows = [r for r in rows if r["side"] == "speculative"]
     by = {(r["draft"], r["batch"], r["k"]): r for r in spec_rows}
@@ -522,6 +573,12 @@ def main() -> None:
                  "lk_sampled": by[("lk", b, k)].get("sampled_acceptance_length"),
                  "ce_sampled": by[("ce", b, k)].get("sampled_acceptance_length")}
                 for (d, b, k) in by if d == "lk" and ("ce", b, k) in by]
+    heads = []  # the pruned drafts against the full-head ones, case by case
+    for b, k in pruned_cases:
+        at = {r["draft"]: r for r in spec_rows if (r["batch"], r["k"]) == (b, k)}
+        heads.append({"batch": b, "k": k, **{field: {d: r.get(field) for d, r in at.items()} for field in (
+            "head_vocab", "acceptance_length", "sampled_acceptance_length", "decode_tokens_per_s",
+            "block_tokens_per_s", "round_ms", "block_round_ms", "pipelined_ms", "peer_tokens_in_map")}})
     invariance = []
     for i, b1 in enumerate(sorted(peers)):
         for b2 in sorted(peers)[i + 1:]:
@@ -531,11 +588,12 @@ def main() -> None:
                                "rows": n, "common_prefix": [common_prefix(x, y) for x, y in zip(a, c, strict=True)]})
     best1 = max((r for r in spec_rows if r["batch"] == 1), key=lambda r: r["speedup_vs_best"], default=None)
     emit({"summary": True, "device": str(jax.devices()[0].device_kind), "target": args.target or "random",
-          "config": args.config or "micro", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+          "config": args.config or "micro", "kda_implementation": cfg.kda_implementation,
+          "moe_implementation": cfg.moe_implementation, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
           "block": args.block,
           "best_batch1": None if best1 is None else {x: best1.get(x) for x in (
               "draft", "k", "speedup_vs_best", "speedup_vs_step", "speedup_vs_block", "acceptance_length")},
-          "lk_vs_ce": lk_vs_ce, "peer_batch_invariance": invariance,
+          "lk_vs_ce": lk_vs_ce, "pruned_vs_full": heads, "peer_batch_invariance": invariance,
           "peer_block_equal": {b: p["block_outs"] == p["outs"] for b, p in peers.items() if p["block_outs"]},
           "wall_s": round(elapsed(), 1)})
 
