@@ -18,7 +18,7 @@ import os
 import types
 import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from k3_jax.errors import ConfigError
@@ -141,7 +141,10 @@ class K3Config:
         return tuple((self.mixer_kind(i), self.ffn_kind(i)) for i in range(self.num_hidden_layers))
 
     def replace(self, **changes: Any) -> K3Config:
-        """A copy with ``changes`` applied and validated."""
+        """A copy with ``changes`` applied and validated; :class:`ConfigError` naming keys that are not fields."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"config keys {unknown} are not K3Config fields")
         return dataclasses.replace(self, **changes)
 
     def __post_init__(self) -> None:
@@ -463,6 +466,23 @@ def _warn_unknown(raw: Mapping[str, Any], source: str | None) -> None:
         prefix = f"{source}: " if source else ""
         warnings.warn(f"{prefix}config keys unknown to k3-jax, ignored: {', '.join(unknown)}", ConfigWarning,
                       stacklevel=4)
+
+
+def parse_overrides(items: Iterable[str], flag: str = "--set") -> dict[str, Any]:
+    """Command-line ``KEY=VALUE`` items -> config overrides: each value as JSON where it parses (``1e-3``,
+    ``[0, 2]`` as a tuple), else the text itself (``triton``). :class:`ConfigError` naming an item without ``=``
+    or with an empty key. Whether the keys are fields is checked where they are applied."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        out[key.strip()] = tuple(value) if isinstance(value, list) else value
+    return out
 
 
 def config_from_dict(raw: Mapping[str, Any], **overrides: Any) -> K3Config:

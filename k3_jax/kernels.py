@@ -22,7 +22,8 @@ import dataclasses
 import json
 from typing import Any
 
-from k3_jax.config import K3Config, load_config
+from k3_jax.config import K3Config, load_config, parse_overrides
+from k3_jax.errors import ConfigError
 from k3_jax.vision.attention import VISION_ATTENTION, VisionAttentionCall
 from pallas_kernels import attention, mla_decode, paged_latent_attention, prefix_attention
 from pallas_kernels.kda import ops as kda_ops
@@ -131,13 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="config override")
     ap.add_argument("--json", action="store_true", help="one JSON object per choice")
     args = ap.parse_args(argv)
-    overrides = {}
-    for kv in args.set:
-        key, _, val = kv.partition("=")
-        try:
-            overrides[key] = json.loads(val)
-        except json.JSONDecodeError:
-            overrides[key] = val
+    try:
+        overrides = parse_overrides(args.set)
+    except ConfigError as e:
+        ap.error(str(e))
     cfg = load_config(args.config, **overrides)
     for c in explain(cfg, args.platform, batch=args.batch, seq_len=args.seq_len,
                      compute_capability=args.compute_capability):

@@ -181,3 +181,15 @@ def test_bundled_configs_travel_with_the_package():
     assert pathlib.Path(config_path("k3-tiny")).samefile(root / "configs" / "k3-tiny.json")
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["k3_jax"]
     assert {"configs/*.json", "configs/sharding/*.json"} <= set(data)
+
+
+def test_replace_and_parse_overrides_name_bad_keys_and_items():
+    from k3_jax.config import parse_overrides
+
+    cfg = load_config("configs/k3-tiny.json")
+    with pytest.raises(ConfigError, match=r"config keys \['kda_impl'\] are not K3Config fields"):
+        cfg.replace(kda_impl="xla")
+    assert parse_overrides(["kda_implementation=triton", "kda_layers=[0, 2]", "rms_norm_eps=1e-5"]) == {
+        "kda_implementation": "triton", "kda_layers": (0, 2), "rms_norm_eps": 1e-5}
+    with pytest.raises(ConfigError, match=r"--set expects KEY=VALUE, got '=1'"):
+        parse_overrides(["=1"])

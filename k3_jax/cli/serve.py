@@ -6,6 +6,7 @@
     python serve.py --config configs/k3-tiny.json --prompt "def f("     # RANDOM weights (demo only)
     python serve.py --checkpoint DIR --chat --prompt "What is this?" --image cat.png   # a vision model
     python serve.py --checkpoint DIR --draft DRAFT_DIR --prompt "Hi"    # speculative decoding with a draft
+    python serve.py --set kda_implementation=triton --prompt "Hi"       # a kernel backend (python -m k3_jax.kernels)
     python serve.py --checkpoint DIR --draft DRAFT_DIR --prefix-cache --prefix-kda-gb 8 --prefix-mla-gb 16 --port 8000
     python serve.py --checkpoint DIR --mesh tensor=8 --prompt "Hi"     # the model split over 8 local devices
 
@@ -76,6 +77,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sharding-preset", default="serve", help="with --mesh: the sharding.rules preset")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="HTTP request bodies over this many bytes get 413 before parsing (default: 4 MiB)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model-config field (repeatable; JSON values), e.g. kda_implementation=triton "
+                        "(python -m k3_jax.kernels lists what each kernel field runs)")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random init (no checkpoint)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (checkpoint loading, long prefills)")
     return p.parse_args(argv)
@@ -97,7 +101,7 @@ def load_model(args: argparse.Namespace, mesh=None):
         # XLA:CPU cannot run the model's bf16 x bf16 -> f32 dots (DotThunk); compute in fp32 there.
         args.dtype = "float32"
         print("note: CPU backend, computing in float32 (pass --dtype to override)", file=sys.stderr)
-    overrides = {"dtype": args.dtype} if args.dtype else {}
+    overrides = config_overrides(args)
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     if ckpt is not None and not ckpt.exists():
         raise SystemExit(f"--checkpoint {ckpt}: no such directory")
@@ -140,6 +144,27 @@ def load_model(args: argparse.Namespace, mesh=None):
     if tok.vocab_size > cfg.vocab_size:
         raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}")
     return cfg, params, tok, args.model_name or name
+
+
+def config_overrides(args: argparse.Namespace) -> dict:
+    """The model-config fields ``--dtype`` and ``--set`` change; SystemExit naming a bad item or a key that is not
+    a :class:`~k3_jax.config.K3Config` field."""
+    import dataclasses
+
+    from k3_jax.config import K3Config, parse_overrides
+    from k3_jax.errors import ConfigError
+
+    try:
+        overrides = parse_overrides(args.set)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(K3Config)})
+    if unknown:
+        raise SystemExit(f"--set {', '.join(unknown)}: not a model-config field (K3Config), e.g. kda_implementation, "
+                         "moe_implementation, mla_attention_implementation, mla_decode_attention_implementation")
+    if args.dtype:
+        overrides["dtype"] = args.dtype
+    return overrides
 
 
 def _sharded_target(cfg, mesh, preset: str):
@@ -202,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         mesh = make_mesh(args.mesh)
     if args.draft:
         _check_draft_dir(args.draft)
-    cfg, params, tok, name = load_model(args, mesh)
+    from k3_jax.errors import ConfigError
+
+    try:
+        cfg, params, tok, name = load_model(args, mesh)
+    except ConfigError as e:
+        raise SystemExit(f"config: {e}") from None
     eos = (tok.eos_id,) if tok.eos_id is not None else ()
     prefix = None
     if args.prefix_cache:
