@@ -249,12 +249,11 @@ def main(argv: list[str] | None = None) -> int:
                          decode_block=args.decode_block, paged=args.paged or prefix is not None,
                          page_size=args.page_size, prefix_cache=prefix)
     if args.draft:
-        from k3_jax.draft import check_draft_params, load_vocab_map
+        from k3_jax.draft import load_vocab_map
         from k3_jax.serving.speculative import SpeculativeEngine, load_draft
 
         try:
             dcfg, dparams = load_draft(args.draft, cfg)
-            check_draft_params(cfg, dcfg, dparams, "params/")
             vocab_map = load_vocab_map(args.draft, dcfg, cfg.vocab_size)
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"--draft {args.draft}: {e}") from None

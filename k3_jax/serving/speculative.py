@@ -59,6 +59,7 @@ from k3_jax.config import K3Config
 from k3_jax.draft import (
     DraftConfig,
     DraftModel,
+    check_draft_params,
     draft_head,
     head_variables,
     init_draft_cache,
@@ -660,12 +661,14 @@ class SpeculativeEngine(Engine):
 def load_draft(directory: str, cfg: K3Config) -> tuple[DraftConfig, Any]:
     """``(DraftConfig, params)`` of a draft directory written by ``python -m k3_jax.training.draft``
     (``draft_config.json`` + the orbax ``params`` of the draft). A pruned-head draft's vocab map:
-    :func:`k3_jax.draft.load_vocab_map`."""
+    :func:`k3_jax.draft.load_vocab_map`. FileNotFoundError without ``params/``; ValueError naming every parameter
+    that does not fit a draft of ``cfg`` (:func:`k3_jax.draft.check_draft_params`)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     dcfg = DraftConfig.load(directory).validate(cfg)
     path = Path(directory).absolute() / "params"
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no draft params (expected the orbax directory the draft trainer exports)")
-    params = ocp.StandardCheckpointer().restore(path)
-    return dcfg, nn.unbox(params)
+    params = nn.unbox(ocp.StandardCheckpointer().restore(path))
+    check_draft_params(cfg, dcfg, params, f"{path}")
+    return dcfg, params
