@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.forward_only import forward_only
-from pallas_kernels.registry import Backend, Registry, target_platform
+from pallas_kernels.registry import Backend, Registry, platform_reason, target_platform
 
 NEG_INF = -1e30
 BLOCK = 512
@@ -53,8 +53,8 @@ class DecodeCall:
 
 
 def _tpu_reason(call: DecodeCall) -> str | None:
-    if call.platform != "tpu" and not (call.interpret and call.platform == "cpu"):
-        return f"needs target platform tpu (or cpu with interpret=True), target is {call.platform}"
+    if (reason := platform_reason(call, "tpu")) is not None:
+        return reason
     if call.dtype not in ("float32", "bfloat16"):
         return f"takes float32 or bfloat16 queries, got {call.dtype}"
     return None

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.forward_only import forward_only
-from pallas_kernels.registry import Backend, Registry, target_platform, triton_missing_reason
+from pallas_kernels.registry import Backend, Registry, platform_reason, target_platform, triton_missing_reason
 
 NEG_INF = -1e30
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -77,8 +77,8 @@ class PagedDecodeCall:
 
 
 def _tpu_reason(call: PagedDecodeCall) -> str | None:
-    if call.platform != "tpu" and not (call.interpret and call.platform == "cpu"):
-        return f"needs target platform tpu (or cpu with interpret=True), target is {call.platform}"
+    if (reason := platform_reason(call, "tpu")) is not None:
+        return reason
     if call.dtype not in ("float32", "bfloat16"):
         return f"takes float32 or bfloat16 queries, got {call.dtype}"
     if call.page_dtype not in ("float32", "bfloat16"):
@@ -92,8 +92,8 @@ def _triton_reason(call: PagedDecodeCall) -> str | None:
     missing = triton_missing_reason()
     if missing is not None:
         return missing
-    if call.platform != "gpu" and not (call.interpret and call.platform == "cpu"):
-        return f"needs target platform gpu (or cpu with interpret=True), target is {call.platform}"
+    if (reason := platform_reason(call, "gpu")) is not None:
+        return reason
     if call.dtype not in ("float32", "bfloat16") or call.page_dtype not in ("float32", "bfloat16"):
         return f"takes float32 or bfloat16 queries and pages, got {call.dtype} queries, {call.page_dtype} pages"
     b, t, h, c, dr, s, _ = call.shape

@@ -46,6 +46,16 @@ KERNEL_PLATFORMS = ("gpu", "tpu")
 """Platforms that have kernels: landing on the XLA reference there is a fallback and says so."""
 
 
+def platform_reason(call: Any, platform: str, interpreter: str = "") -> str | None:
+    """None when ``call.platform`` is ``platform``, or ``"cpu"`` with ``call.interpret`` (the kernel's interpreter
+    runs it on the host), else the reason a backend of ``platform`` gives; ``interpreter`` names that interpreter in
+    the reason (e.g. ``"the Mosaic GPU interpreter"``)."""
+    if call.platform == platform or (getattr(call, "interpret", False) and call.platform == "cpu"):
+        return None
+    which = f": {interpreter}" if interpreter else ""
+    return f"needs target platform {platform} (or cpu with interpret=True{which}), target is {call.platform}"
+
+
 class KernelUnavailable(ValueError):
     """An explicitly chosen backend cannot run this call; the message names the op, backend and reason."""
 

@@ -44,7 +44,7 @@ from pallas_kernels import registry
 from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.kda import launch
 from pallas_kernels.kda import reference as ref
-from pallas_kernels.registry import Backend, Registry, target_platform
+from pallas_kernels.registry import Backend, Registry, platform_reason, target_platform
 
 KERNEL_GATE_BOUND = -5.0
 """The Pallas kernels' factored decay products need every per-token log-decay ``>= KERNEL_GATE_BOUND``."""
@@ -73,12 +73,6 @@ def _pow2(d: int) -> bool:
     return d >= 16 and d & (d - 1) == 0
 
 
-def _platform_reason(call: KdaCall, platform: str) -> str | None:
-    if call.platform == platform or (call.interpret and call.platform == "cpu"):
-        return None
-    return f"needs target platform {platform} (or cpu with interpret=True), target is {call.platform}"
-
-
 def _gate_reason(call: KdaCall) -> str | None:
     if call.gate_bound is None or call.gate_bound < KERNEL_GATE_BOUND:
         return (f"needs the lower-bounded gate g >= {KERNEL_GATE_BOUND:g} per token, the call promises "
@@ -98,7 +92,7 @@ def _first(*reasons: str | None) -> str | None:
 
 def _tpu_chunk(call: KdaCall) -> str | None:
     c = call.chunk_size
-    return _first(_platform_reason(call, "tpu"), _dtype_reason(call), _gate_reason(call),
+    return _first(platform_reason(call, "tpu"), _dtype_reason(call), _gate_reason(call),
                   None if c >= 16 and c & (c - 1) == 0 else f"chunk_size must be a power of two >= 16, got {c}")
 
 
@@ -114,14 +108,13 @@ def _triton_chunk(call: KdaCall) -> str | None:
     if call.platform == "gpu" and dims is None:
         dt = jnp.dtype(call.dtype)
         smem = launch.chunk_launch_reason(chunk=call.chunk_size, k=k, v=v, q_dtype=dt, v_dtype=dt)
-    return _first(_platform_reason(call, "gpu"), _triton_shipped(), _dtype_reason(call), _gate_reason(call), dims,
+    return _first(platform_reason(call, "gpu"), _triton_shipped(), _dtype_reason(call), _gate_reason(call), dims,
                   smem)
 
 
 def _mosaic_gpu_chunk(call: KdaCall) -> str | None:
-    if _platform_reason(call, "gpu") is not None:
-        return (f"needs target platform gpu (or cpu with interpret=True: the Mosaic GPU interpreter), target is "
-                f"{call.platform}")
+    if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
+        return reason
     arch = None
     if not call.interpret:
         cc = call.compute_capability
@@ -140,17 +133,16 @@ def _decode_reason(call: KdaCall) -> str | None:
 
 
 def _tpu_decode(call: KdaCall) -> str | None:
-    return _first(_platform_reason(call, "tpu"), _decode_reason(call), _dtype_reason(call))
+    return _first(platform_reason(call, "tpu"), _decode_reason(call), _dtype_reason(call))
 
 
 def _triton_decode(call: KdaCall) -> str | None:
-    return _first(_platform_reason(call, "gpu"), _triton_shipped(), _decode_reason(call), _dtype_reason(call))
+    return _first(platform_reason(call, "gpu"), _triton_shipped(), _decode_reason(call), _dtype_reason(call))
 
 
 def _mosaic_gpu_decode(call: KdaCall) -> str | None:
-    if _platform_reason(call, "gpu") is not None:
-        return (f"needs target platform gpu (or cpu with interpret=True: the Mosaic GPU interpreter), target is "
-                f"{call.platform}")
+    if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
+        return reason
     cc = call.compute_capability
     arch = None if call.interpret or (cc is not None and cc >= 9.0) else (
         f"needs compute capability >= 9.0 (TMA), the target GPU's is {cc or 'unknown'}")

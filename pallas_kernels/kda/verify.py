@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.forward_only import forward_only
 from pallas_kernels.kda import ops
 from pallas_kernels.kda import reference as ref
-from pallas_kernels.registry import Backend, Registry
+from pallas_kernels.registry import Backend, Registry, platform_reason
 
 BLOCK_V = 64
 NUM_WARPS = 8
@@ -43,14 +43,14 @@ NUM_WARPS = 8
 def _triton_verify(call: ops.KdaCall) -> str | None:
     _, _, _, k, v = call.shape
     dims = None if k & (k - 1) == 0 and v & (v - 1) == 0 else f"head dims must be powers of two, got K={k}, V={v}"
-    return ops._first(ops._platform_reason(call, "gpu"), ops._triton_shipped(), ops._dtype_reason(call), dims)
+    return ops._first(platform_reason(call, "gpu"), ops._triton_shipped(), ops._dtype_reason(call), dims)
 
 
 def _tpu_verify(call: ops.KdaCall) -> str | None:
     from pallas_kernels.kda import verify_tpu  # noqa: PLC0415  (imports the Mosaic TPU toolchain)
 
     _, t, h, k, v = call.shape
-    return ops._first(ops._platform_reason(call, "tpu"), ops._dtype_reason(call),
+    return ops._first(platform_reason(call, "tpu"), ops._dtype_reason(call),
                       verify_tpu.supports_reason(t, h, k, v, call.dtype))
 
 

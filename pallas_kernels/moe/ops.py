@@ -55,7 +55,7 @@ from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.mxfp4 import is_mxfp4
 from pallas_kernels.mxfp8 import fake_quant_mxfp8
-from pallas_kernels.registry import Backend, Registry, target_platform
+from pallas_kernels.registry import Backend, Registry, platform_reason, target_platform
 
 ALIASES = {"reference": "xla"}
 """Old name of the reference still accepted (``sharding.plan``, benchmark scripts)."""
@@ -76,15 +76,9 @@ class MoeCall:
     compute_capability: float | None = None
 
 
-def _platform_reason(call: MoeCall, platform: str) -> str | None:
-    if call.platform == platform or (call.interpret and call.platform == "cpu"):
-        return None
-    return f"needs target platform {platform} (or cpu with interpret=True), target is {call.platform}"
-
-
 def _kernel_reason(platform: str):
     def supports(call: MoeCall) -> str | None:
-        reason = _platform_reason(call, platform)
+        reason = platform_reason(call, platform)
         if reason is None and call.dtype not in ("float32", "bfloat16"):
             reason = f"takes float32 or bfloat16 activations, got {call.dtype}"
         return reason
