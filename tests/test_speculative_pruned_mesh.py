@@ -7,6 +7,8 @@ device; a draft trained on a ``tensor=2,fsdp=2`` mesh under the train preset (th
 parameters and vocab map."""
 
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from k3_jax.draft import DraftConfig, DraftModel, pruned_head, target_head
 from k3_jax.serving.sampling import SamplingParams
 from k3_jax.serving.speculative import SpeculativeEngine
 from k3_jax.training import draft as draft_training
+from sharding.rules import ShardingFallbackWarning
 from tests.test_speculative import MAX_LEN, NEW, _draft, _greedy, _prompts, _run, _setup, micro_config
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (virtual) devices; see tests/conftest.py")
@@ -59,6 +62,10 @@ def test_sharded_pruned_draft_serves_the_plain_output():
         SpeculativeEngine(cfg, params, dparams, dcfg, **kw)
     with pytest.raises(ValueError, match=r"expected \[head_vocab=6\] integer ids, got shape \(5,\)"):
         SpeculativeEngine(cfg, params, dparams, dcfg, vocab_map=VOCAB_MAP[:5], **kw)
+    with pytest.warns(ShardingFallbackWarning, match="draft/head dim 1"):  # 5 ids: not split over tensor=2
+        five = SpeculativeEngine(cfg, params, dparams, dataclasses.replace(dcfg, head_vocab=5),
+                                 vocab_map=VOCAB_MAP[:5], **kw)
+    assert five.draft_variables["head"].sharding.is_fully_replicated
     full_cfg, full_params = _draft("mla", 1)
     with pytest.raises(ValueError, match="vocab_map given for a draft with head_vocab=None"):
         SpeculativeEngine(cfg, params, full_params, full_cfg, vocab_map=VOCAB_MAP, **kw)

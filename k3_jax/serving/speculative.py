@@ -416,8 +416,9 @@ class SpeculativeEngine(Engine):
                                                    self.sharding_preset)
         head = head_variables(cfg, self.dcfg, self.variables["params"], vocab_map)
         if self.mesh is not None:  # the map replicated, the pruned head split like the lm_head's columns
-            head = jax.device_put(head, rules.logical_to_sharding({k: HEAD_AXES[k] for k in head}, self.mesh,
-                                                                  self.sharding_preset, head))
+            placement = rules.logical_to_sharding({"draft": {k: HEAD_AXES[k] for k in head}}, self.mesh,
+                                                  self.sharding_preset, {"draft": head})  # warnings name draft/head
+            head = jax.device_put(head, placement["draft"])
         self.draft_variables.update(head)
         self._dcache_len = self.max_len + num_draft_tokens + 1
         self.dcache = self._place(init_draft_cache(cfg, self.dcfg, self.max_batch, self._dcache_len,
