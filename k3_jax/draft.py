@@ -24,6 +24,10 @@ Pruned head (``DraftConfig.head_vocab = N``): the draft predicts over the ``N`` 
 are ``[B, T, N]`` and index ``j`` stands for target token ``vocab_map[j]``. The draft's distribution over the full
 vocabulary is zero outside the map.
 
+On a mesh (:class:`k3_jax.serving.speculative.SpeculativeEngine` with ``mesh``) the head entries are placed by
+:data:`HEAD_AXES` under the engine's preset; in training the pruned head is gathered inside the step from the
+target's placed lm_head.
+
 Cache (decode): ``{"lengths": [B] i32, "layer": entry}`` with the KDA or MLA entry of :mod:`k3_jax.cache`
 without the ``repeats`` axis (:func:`init_draft_cache`).
 """
@@ -51,6 +55,9 @@ from k3_jax.model import FEATURES, layer_plan, lm_head_logits
 MIXERS = ("mla", "kda")
 DRAFT_CONFIG_FILE = "draft_config.json"
 VOCAB_MAP_FILE = "vocab_map.npy"
+# logical axis names of :func:`head_variables`' entries: on a mesh the map is replicated (every device gathers with
+# it) and the pruned head is split as the target's lm_head columns are (``vocab``)
+HEAD_AXES: dict[str, tuple[str | None, ...]] = {"vocab_map": (None,), "head": ("embed", "vocab")}
 
 
 @dataclasses.dataclass(frozen=True)

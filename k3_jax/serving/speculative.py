@@ -57,6 +57,7 @@ import numpy as np
 
 from k3_jax.config import K3Config
 from k3_jax.draft import (
+    HEAD_AXES,
     DraftConfig,
     DraftModel,
     check_draft_params,
@@ -85,6 +86,7 @@ from k3_jax.serving.sampling import (
     _filtered_sorted_logits,
     top_k_in_chunks,
 )
+from sharding import rules
 
 __all__ = ["SpeculativeEngine", "speculative_accept", "speculative_rounds", "sampling_probs", "greedy_accept",
            "RoundOutput", "SpecStats"]
@@ -374,8 +376,9 @@ class SpeculativeEngine(Engine):
     verify pass needs at the end of a request. ``decode_block``: rounds per device call (:func:`speculative_rounds`;
     tokens stream in bursts; a block runs when no waiting request could take a free slot and no request is
     prefilling, else one round). With the engine's ``mesh``, the draft's parameters are placed by their logical
-    names and its cache and pending pairs like the target's cache. :meth:`add_request` takes ``draft_tokens``
-    (``0 .. k``) per request. :attr:`spec` holds the round counters (:class:`SpecStats`).
+    names (a pruned head's map and head by :data:`k3_jax.draft.HEAD_AXES`) and its cache and pending pairs like
+    the target's cache. :meth:`add_request` takes ``draft_tokens`` (``0 .. k``) per request. :attr:`spec` holds
+    the round counters (:class:`SpecStats`).
 
     Paged cache (``paged=True``): a request reserves the pages a plain request does (prompt + ``max_tokens``); a
     verify pass writes ``k + 1`` latent rows at ``lengths .. lengths + k`` of its row, and only positions below
@@ -411,7 +414,12 @@ class SpeculativeEngine(Engine):
                         jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.dtype))
             self.draft_variables = shard_variables(self.draft, abstract, self.draft_variables, self.mesh,
                                                    self.sharding_preset)
-        self.draft_variables.update(head_variables(cfg, self.dcfg, self.variables["params"], vocab_map))
+        head = head_variables(cfg, self.dcfg, self.variables["params"], vocab_map)
+        if self.mesh is not None:  # the map replicated, the pruned head split like the lm_head's columns
+            placement = rules.logical_to_sharding({"draft": {k: HEAD_AXES[k] for k in head}}, self.mesh,
+                                                  self.sharding_preset, {"draft": head})  # warnings name draft/head
+            head = jax.device_put(head, placement["draft"])
+        self.draft_variables.update(head)
         self._dcache_len = self.max_len + num_draft_tokens + 1
         self.dcache = self._place(init_draft_cache(cfg, self.dcfg, self.max_batch, self._dcache_len,
                                                    self._cache_dtype))

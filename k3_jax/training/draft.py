@@ -307,6 +307,17 @@ def _place_state(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, state:
     return placed
 
 
+def placed_step(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, state: dict, mesh: Mesh | None = None):
+    """``(state, step)``: the training state (:func:`init_state`) placed for ``mesh`` (:func:`_place_state`; as is
+    for one device) and the jitted step for it, ``step(state, target_params, tokens [B, S+1], segment_ids [B, S+1])
+    -> (state, loss, per-TTT-step losses [ttt_steps])`` (``state`` donated; on a mesh the target's params placed by
+    :func:`place_on_mesh`)."""
+    if mesh is None:
+        return state, _compiled_step(cfg, dcfg, _step_options(dtc))
+    state = _place_state(cfg, dcfg, dtc, state, mesh)
+    return state, _sharded_step(cfg, dcfg, _step_options(dtc), mesh, state)
+
+
 def _step_function(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig):
     """``step(state, target_params, tokens, segment_ids) -> (state, loss, per-TTT-step losses)``."""
     target, draft, tx = K3ForCausalLM(cfg), DraftModel(cfg, dcfg), make_optimizer(dtc)
@@ -456,17 +467,11 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     if dcfg.head_vocab is not None:
         vocab_map = corpus_vocab_map(dtc, cfg.vocab_size)
         say(f"pruned head: the {dcfg.head_vocab} most frequent of {cfg.vocab_size} ids")
-    state = init_state(cfg, dcfg, dtc, target_params, vocab_map)
-    if mesh is not None:
-        state = _place_state(cfg, dcfg, dtc, state, mesh)
+    state, step_fn = placed_step(cfg, dcfg, dtc, init_state(cfg, dcfg, dtc, target_params, vocab_map), mesh)
     start = 0
     if ckpt.latest_step() is not None:
         state, data_state, start, _ = resume(ckpt, state, ckpt.run_config, say=say)
         it.set_state(data_state)
-    if mesh is None:
-        step_fn = _compiled_step(cfg, dcfg, _step_options(dtc))
-    else:
-        step_fn = _sharded_step(cfg, dcfg, _step_options(dtc), mesh, state)
     losses: list[float] = []
     unread: list[jax.Array] = []  # losses still on the device: read at log lines, so steps queue up meanwhile
 
