@@ -117,8 +117,10 @@ def test_pruned_draft_training_resumes_and_exports_the_map(tmp_path, monkeypatch
 
     cfg = micro_config(vocab=1024)
     monkeypatch.setattr(draft_training, "load_config", lambda *a, **k: cfg)
+    # kl, not lk: against a near-uniform random target, LK's min(p, q) has a zero gradient wherever q > p on
+    # every mapped id, so an lk draft would not move and the resume comparison would prove nothing
     common = dict(steps=2, batch_size=2, seq_len=8, ttt_steps=1, save_every=0, warmup_steps=1, lr=1e-2,
-                  head_vocab=16)
+                  head_vocab=16, loss="kl")
 
     def train(out, **kw):
         return draft_training.train(draft_training.DraftTrainConfig(out=str(tmp_path / out), **common),
@@ -128,6 +130,11 @@ def test_pruned_draft_training_resumes_and_exports_the_map(tmp_path, monkeypatch
     first = train("b", stop_at=1)
     assert first["losses"] + train("b")["losses"] == straight["losses"]  # the map came back from the checkpoint
     assert np.isfinite(straight["losses"]).all()
+    _, params = load_draft(straight["draft_dir"], cfg)  # the draft moved: its exported params are not the init
+    frozen = draft_training.train(draft_training.DraftTrainConfig(out=str(tmp_path / "c"), **{**common, "lr": 0.0}),
+                                  say=lambda s: None)
+    _, init = load_draft(frozen["draft_dir"], cfg)
+    assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(init), strict=True))
     dcfg, _ = load_draft(straight["draft_dir"], cfg)
     assert dcfg.head_vocab == 16
     want = draft_training.corpus_vocab_map(draft_training.DraftTrainConfig(**common), cfg.vocab_size)
