@@ -142,7 +142,7 @@ class K3Config:
 
     def replace(self, **changes: Any) -> K3Config:
         """A copy with ``changes`` applied and validated; :class:`ConfigError` naming keys that are not fields."""
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        unknown = unknown_fields(changes)
         if unknown:
             raise ConfigError(f"config keys {unknown} are not K3Config fields")
         return dataclasses.replace(self, **changes)
@@ -468,6 +468,11 @@ def _warn_unknown(raw: Mapping[str, Any], source: str | None) -> None:
                       stacklevel=4)
 
 
+def unknown_fields(keys: Iterable[str]) -> list[str]:
+    """The sorted ``keys`` that are not :class:`K3Config` fields."""
+    return sorted(set(keys) - {f.name for f in dataclasses.fields(K3Config)})
+
+
 def parse_overrides(items: Iterable[str], flag: str = "--set") -> dict[str, Any]:
     """Command-line ``KEY=VALUE`` items -> config overrides: each value as JSON where it parses (``1e-3``,
     ``[0, 2]`` as a tuple), else the text itself (``triton``). :class:`ConfigError` naming an item without ``=``
@@ -596,8 +601,7 @@ def _from_dict(raw: Mapping[str, Any], source: str | None, overrides: Mapping[st
         if fields.get("vision") is None:
             raise ConfigError("'vision_attention' is set but the config has no vision_config")
         fields["vision"] = dataclasses.replace(fields["vision"], attention=vision_attention)
-    known = {f.name for f in dataclasses.fields(K3Config)}
-    unknown = sorted(set(fields) - known)
+    unknown = unknown_fields(fields)
     if unknown:
         raise ConfigError(f"config keys {unknown} are not K3Config fields")
     _warn_unknown(raw, source)

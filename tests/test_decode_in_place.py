@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from k3_jax.cache import init_cache
-from k3_jax.config import load_config
-from k3_jax.convert.fixture import random_params
-from k3_jax.model import K3ForCausalLM, layer_plan
+from k3_jax.model import K3ForCausalLM
+from tests._model_fixtures import scanned_segment_config_and_params
 
 STEPS = 40
 MAX_LEN = 80
@@ -20,11 +19,7 @@ MAX_LEN = 80
 
 @pytest.fixture(scope="module")
 def setup():
-    # k3-tiny's widths, four MoE layers [KDA, MLA] x 2: one scanned segment of two repeats
-    cfg = load_config("configs/k3-tiny.json").replace(dtype="float32", num_hidden_layers=4, kda_layers=(0, 2),
-                                                      mla_layers=(1, 3), first_k_dense_replace=0)
-    assert [(s.period, s.repeats) for s in layer_plan(cfg)] == [(2, 2)]
-    params = jax.tree.map(lambda x: np.asarray(x, np.float32), random_params(cfg, seed=3))
+    cfg, params = scanned_segment_config_and_params(seed=3)
     return cfg, {"params": params}, K3ForCausalLM(cfg)
 
 

@@ -71,14 +71,20 @@ def test_auto_order_once_jax_drops_triton(monkeypatch, call, want, why):
         assert why in passed["mosaic_gpu"]
 
 
-def test_explicit_mosaic_gpu_runs_where_it_fits_and_raises_with_the_reason_elsewhere():
-    assert ops.CHUNK.select("mosaic_gpu", _call(), record=False).backend == "mosaic_gpu"
-    assert ops.CHUNK.select("mosaic_gpu", _call(platform="cpu", cc=None, interpret=True),
-                            record=False).backend == "mosaic_gpu"
+def check_explicit_mosaic_gpu(registry, make_call) -> None:
+    """``registry``'s explicit ``mosaic_gpu`` runs on sm_90 and in the CPU interpreter, and raises with the reason on
+    an older GPU and on a CPU target without the interpreter (``make_call(platform=, cc=, interpret=)``)."""
+    assert registry.select("mosaic_gpu", make_call(), record=False).backend == "mosaic_gpu"
+    assert registry.select("mosaic_gpu", make_call(platform="cpu", cc=None, interpret=True),
+                           record=False).backend == "mosaic_gpu"
     with pytest.raises(KernelUnavailable, match="compute capability >= 9.0"):
-        ops.CHUNK.select("mosaic_gpu", _call(cc=8.6), record=False)
+        registry.select("mosaic_gpu", make_call(cc=8.6), record=False)
     with pytest.raises(KernelUnavailable, match="Mosaic GPU interpreter"):
-        ops.CHUNK.select("mosaic_gpu", _call(platform="cpu", cc=None), record=False)
+        registry.select("mosaic_gpu", make_call(platform="cpu", cc=None), record=False)
+
+
+def test_explicit_mosaic_gpu_runs_where_it_fits_and_raises_with_the_reason_elsewhere():
+    check_explicit_mosaic_gpu(ops.CHUNK, _call)
 
 
 def test_backward_choice(monkeypatch):

@@ -14,9 +14,8 @@ import pytest
 from pallas_kernels import registry
 from pallas_kernels.kda import mosaic_gpu_decode, ops
 from pallas_kernels.kda import reference as ref
-from pallas_kernels.registry import KernelUnavailable
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_decode, run_under_jax_0112
-from tests.test_kda_mosaic_gpu import _hopper, _rel
+from tests.test_kda_mosaic_gpu import _hopper, _rel, check_explicit_mosaic_gpu
 
 
 def _call(platform="gpu", cc=9.0, dtype="bfloat16", shape=(64, 1, 96, 128, 128), interpret=False):
@@ -41,13 +40,7 @@ def test_decode_order(monkeypatch, shipped, call, want, why):
 
 
 def test_explicit_mosaic_gpu_decode_runs_where_it_fits_and_raises_with_the_reason_elsewhere():
-    assert ops.DECODE.select("mosaic_gpu", _call(), record=False).backend == "mosaic_gpu"
-    assert ops.DECODE.select("mosaic_gpu", _call(platform="cpu", cc=None, interpret=True),
-                             record=False).backend == "mosaic_gpu"
-    with pytest.raises(KernelUnavailable, match="compute capability >= 9.0"):
-        ops.DECODE.select("mosaic_gpu", _call(cc=8.6), record=False)
-    with pytest.raises(KernelUnavailable, match="Mosaic GPU interpreter"):
-        ops.DECODE.select("mosaic_gpu", _call(platform="cpu", cc=None), record=False)
+    check_explicit_mosaic_gpu(ops.DECODE, _call)
 
 
 def _decode_inputs(B, H, P, dtype=jnp.bfloat16, seed=0):

@@ -65,20 +65,9 @@ def test_registry_on_a_tpu_target(caplog):
 def test_layer_verify_pass_is_one_kernel_per_layer_on_tpu():
     """Traced for a TPU target, the KDA layer's verify pass (record_position_states, T = 5) calls the verify kernel
     once and no decode step."""
-    from k3_jax.layers.kda import KimiDeltaAttention, record_position_states
-    from tests._model_fixtures import tiny_config
+    from tests._model_fixtures import kda_verify_pass
 
-    cfg = tiny_config(platform="tpu")
-    h, dk, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
-    layer = KimiDeltaAttention(cfg)
-    x = jnp.zeros((2, 5, cfg.hidden_size), jnp.float32)
-    cache = {"state": jnp.zeros((2, h, dk, dk), jnp.float32), "conv": jnp.zeros((2, w - 1, 3 * h * dk), jnp.float32)}
-    params = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), x, cache=cache))
-
-    def verify_pass(p, x, cache):
-        with record_position_states():
-            return layer.apply(p, x, cache=cache)
-
+    verify_pass, params, x, cache, _ = kda_verify_pass("tpu")
     names = [e.params["name"] for e in iter_eqns(verify_pass, params, x, cache) if e.primitive.name == "pallas_call"]
     assert names == [verify_tpu.KERNEL_NAME], names
 

@@ -92,33 +92,12 @@ def test_gpu_kernel_equals_decode_kernel_steps(shape):
 def test_layer_verify_pass_is_one_kernel_per_layer_on_gpu():
     """Traced for a GPU target, the KDA layer's verify pass (record_position_states, T = 5) calls the verify
     kernel once and no decode step; its cache entry carries the per-token state and conv traces."""
-    from k3_jax.layers.kda import KimiDeltaAttention, record_position_states
-    from tests._model_fixtures import tiny_config
+    from tests._jaxpr_walk import iter_eqns
+    from tests._model_fixtures import kda_verify_pass
 
-    cfg = tiny_config(platform="gpu", dtype="bfloat16")
+    verify_pass, params, x, cache, cfg = kda_verify_pass("gpu", "bfloat16")
     h, dk, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
-    layer = KimiDeltaAttention(cfg)
-    x = jnp.zeros((2, 5, cfg.hidden_size), jnp.bfloat16)
-    cache = {"state": jnp.zeros((2, h, dk, dk), jnp.float32), "conv": jnp.zeros((2, w - 1, 3 * h * dk), jnp.bfloat16)}
-    params = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), x, cache=cache))
-
-    def verify_pass(p, x, cache):
-        with record_position_states():
-            return layer.apply(p, x, cache=cache)
-
-    jaxpr = jax.make_jaxpr(verify_pass)(params, x, cache)
-    names = []
-
-    def walk(j):
-        for e in j.eqns:
-            if e.primitive.name == "pallas_call":
-                names.append(e.params["name"])
-            for v in e.params.values():
-                for s in (v if isinstance(v, tuple) else (v,)):
-                    if hasattr(s, "eqns") or hasattr(s, "jaxpr"):
-                        walk(getattr(s, "jaxpr", s))
-
-    walk(jaxpr.jaxpr)
+    names = [e.params["name"] for e in iter_eqns(verify_pass, params, x, cache) if e.primitive.name == "pallas_call"]
     assert names == ["kda_verify_gpu"], names
     _, entry = jax.eval_shape(verify_pass, params, x, cache)
     assert entry["state_trace"].shape == (2, 5, h, dk, dk) and entry["conv_trace"].shape == (2, w - 1 + 5, 3 * h * dk)

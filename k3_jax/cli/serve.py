@@ -149,16 +149,14 @@ def load_model(args: argparse.Namespace, mesh=None):
 def config_overrides(args: argparse.Namespace) -> dict:
     """The model-config fields ``--dtype`` and ``--set`` change; SystemExit naming a bad item or a key that is not
     a :class:`~k3_jax.config.K3Config` field."""
-    import dataclasses
-
-    from k3_jax.config import K3Config, parse_overrides
+    from k3_jax.config import parse_overrides, unknown_fields
     from k3_jax.errors import ConfigError
 
     try:
         overrides = parse_overrides(args.set)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(K3Config)})
+    unknown = unknown_fields(overrides)
     if unknown:
         raise SystemExit(f"--set {', '.join(unknown)}: not a model-config field (K3Config), e.g. kda_implementation, "
                          "moe_implementation, mla_attention_implementation, mla_decode_attention_implementation")

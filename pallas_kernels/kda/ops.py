@@ -112,14 +112,18 @@ def _triton_chunk(call: KdaCall) -> str | None:
                   smem)
 
 
+def _sm90_reason(call: KdaCall, needs: str) -> str | None:
+    """None when the target GPU is sm_90+ or the call runs in the Mosaic GPU interpreter, else why not."""
+    cc = call.compute_capability
+    if call.interpret or (cc is not None and cc >= 9.0):
+        return None
+    return f"needs compute capability >= 9.0 ({needs}), the target GPU's is {cc or 'unknown'}"
+
+
 def _mosaic_gpu_chunk(call: KdaCall) -> str | None:
     if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
         return reason
-    arch = None
-    if not call.interpret:
-        cc = call.compute_capability
-        arch = (f"needs compute capability >= 9.0 (wgmma, TMA), the target GPU's is {cc or 'unknown'}"
-                if cc is None or cc < 9.0 else None)
+    arch = _sm90_reason(call, "wgmma, TMA")
     from pallas_kernels.kda import mosaic_gpu  # noqa: PLC0415  (imports the Mosaic GPU toolchain)
 
     _, _, _, k, v = call.shape
@@ -143,9 +147,7 @@ def _triton_decode(call: KdaCall) -> str | None:
 def _mosaic_gpu_decode(call: KdaCall) -> str | None:
     if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
         return reason
-    cc = call.compute_capability
-    arch = None if call.interpret or (cc is not None and cc >= 9.0) else (
-        f"needs compute capability >= 9.0 (TMA), the target GPU's is {cc or 'unknown'}")
+    arch = _sm90_reason(call, "TMA")
     from pallas_kernels.kda import mosaic_gpu_decode  # noqa: PLC0415  (imports the Mosaic GPU toolchain)
 
     _, _, _, k, v = call.shape
