@@ -6,9 +6,7 @@ Prints one JSON line on stdout (progress goes to stderr). Times are milliseconds
 repeats, after warm-up); ``speed_vs_fla`` = fla time / our time (>= 1 means we are faster). The ``ours_*`` keys
 are the first of ``--impls``; every implementation also gets ``<impl>_fwd_ms``, ``<impl>_fwdbwd_ms``,
 ``<impl>_vs_fla_rel_err`` (outputs) and ``<impl>_grads_vs_fla_rel_err`` (dq, dk, dv, dg, dbeta on the same
-inputs and output cotangent as fla's). ``--impls`` also takes ``mosaic_gpu+bwd``: the Mosaic GPU forward with the
-backward of ``pallas_kernels.kda.mosaic_gpu_bwd`` (which the registry does not select yet) in place of the Triton
-backward, so one run times forward + backward of both against fla.
+inputs and output cotangent as fla's).
 
     python benchmarks/kda.py                       # the issue-4 shapes + decode
     python benchmarks/kda.py --shapes 1x8192x96 --no-reference --configs 64:4:1,32:4:1,64:4:2:4:1:4,64:4:2:8:2:8:32
@@ -79,34 +77,8 @@ def gpu_kwargs(cfg):
     return dict(zip(GPU_CFG_KEYS[: len(cfg)], cfg, strict=True))
 
 
-MOSAIC_BWD = "mosaic_gpu+bwd"
-"""``--impls`` name of the Mosaic GPU forward with :mod:`pallas_kernels.kda.mosaic_gpu_bwd`'s backward."""
-
-
-def mosaic_with_mosaic_bwd(K):
-    """``f(q, k, v, g, beta) -> (o, final_state)``: the Mosaic GPU forward, its VJP by ``mosaic_gpu_bwd``."""
-    from pallas_kernels.kda import mosaic_gpu, mosaic_gpu_bwd  # noqa: PLC0415  (the Mosaic GPU toolchain)
-
-    scale = K**-0.5
-
-    @jax.custom_vjp
-    def f(q, k, v, g, beta):
-        return mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, scale)
-
-    def f_fwd(q, k, v, g, beta):
-        return f(q, k, v, g, beta), (q, k, v, g, beta)
-
-    def f_bwd(res, cts):
-        do, dht = cts
-        return mosaic_gpu_bwd.chunk_kda_bwd(*res, scale, do=do.astype(jnp.bfloat16), dht=dht)[:5]
-
-    f.defvjp(f_fwd, f_bwd)
-    return f
-
-
 def jax_fns(impl, K, gpu_cfg=None):
-    chunk = mosaic_with_mosaic_bwd(K) if impl == MOSAIC_BWD else (
-        lambda *a: ops.chunk_kda(*a, output_final_state=True, implementation=impl))
+    chunk = lambda *a: ops.chunk_kda(*a, output_final_state=True, implementation=impl)  # noqa: E731
 
     def fwd(q, k, v, g, beta):
         if impl == "triton" and gpu_cfg is not None:
@@ -355,7 +327,7 @@ def main():
                    + ":".join(GPU_CFG_KEYS) + " (state kernel, then the A / solve / W-U kernels; trailing ones "
                    "left out = defaults of gpu.chunk_kda_fwd); the fastest on the first shape is used for the rest")
     p.add_argument("--impls", default="triton,mosaic_gpu",
-                   help="comma list of ops.CHUNK backends (or mosaic_gpu+bwd) to time; the first fills the ours_* keys")
+                   help="comma list of ops.CHUNK backends to time; the first fills the ours_* keys")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--no-bwd", action="store_true")

@@ -8,6 +8,10 @@ both V splits; then the TMA addressing pattern of the first split kernels (token
 on a ``(chunk, head, sequence)`` grid) against the flattened ``[b * T + rows, h]`` one, as plain copies.
 Exit status 1 when a check is off.
 
+``python3 benchmarks/kda_mosaic_probe.py defect SHAPES``: the per-chunk kernel's five token outputs against its
+reference, twice per shape, on the inputs of the known defect (``pallas_kernels.kda.ops.MOSAIC_GPU_CHUNK_DEFECT``:
+seed ``T``, q not normalised). Exit status 1 when a shape is off.
+
 ``python3 benchmarks/kda_mosaic_probe.py fla-warm SHAPES``: run fla's ``chunk_kda`` forward once per shape (its
 Triton autotuning, cached on disk for the next process), meant to run beside the checks.
 """
@@ -35,14 +39,15 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def inputs(B, T, H, seed):
+def inputs(B, T, H, seed, normalize_q: bool = True):
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.kda import reference as ref
 
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = ref.l2norm(jax.random.normal(ks[0], (B, T, H, 128), jnp.float32)).astype(jnp.bfloat16)
+    q = jax.random.normal(ks[0], (B, T, H, 128), jnp.float32)
+    q = (ref.l2norm(q) if normalize_q else q).astype(jnp.bfloat16)
     k = ref.l2norm(jax.random.normal(ks[1], (B, T, H, 128), jnp.float32)).astype(jnp.bfloat16)
     v = jax.random.normal(ks[2], (B, T, H, 128), jnp.float32).astype(jnp.bfloat16)
     g = ref.kda_gate(jax.random.normal(ks[3], (B, T, H, 128), jnp.float32), jnp.zeros((H,), jnp.float32))
@@ -153,6 +158,30 @@ def main_check(arg: str) -> int:
     return 0 if all_ok else 1
 
 
+def main_defect(arg: str) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks, intra_chunks_reference
+
+    print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}), flush=True)
+    reference = jax.jit(lambda *a: intra_chunks_reference(*a, scale=SCALE))
+    all_ok = True
+    for B, T, H in shapes(arg):
+        q, k, _, g, beta, _ = inputs(B, T, H, seed=T, normalize_q=False)
+        beta_t = jnp.swapaxes(beta, 1, 2)
+        want = reference(q, k, g, beta_t)
+        runs = []
+        for _ in range(2):
+            got = intra_chunks(q, k, g, beta_t, scale=SCALE)
+            runs.append({n: (rel(a, b) if np.isfinite(np.asarray(a, np.float32)).all() else "nonfinite")
+                         for n, a, b in zip(("qg", "kd", "wn", "x", "aqk"), got[:5], want[:5], strict=True)})
+        ok = all(isinstance(e, float) and e < 1e-2 for r in runs for e in r.values())
+        print(json.dumps({"defect": f"{B}x{T}x{H}", "ok": ok, "runs": runs}), flush=True)
+        all_ok &= ok
+    return 0 if all_ok else 1
+
+
 def main_fla_warm(arg: str) -> int:
     import torch
     from fla.ops.kda import chunk_kda
@@ -171,4 +200,4 @@ def main_fla_warm(arg: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit({"check": main_check, "fla-warm": main_fla_warm}[sys.argv[1]](sys.argv[2]))
+    sys.exit({"check": main_check, "defect": main_defect, "fla-warm": main_fla_warm}[sys.argv[1]](sys.argv[2]))

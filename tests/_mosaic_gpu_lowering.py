@@ -45,25 +45,6 @@ def lower_for_sm90(fn, *args) -> tuple[str, list[int]]:
     return text, int_indices
 
 
-def lower_backward(v_split: int) -> tuple[int, bool, list[int]]:
-    """``(mosaic_gpu custom calls, wgmma present, integer indices of every copy)`` of the KDA chunk backward
-    (:func:`pallas_kernels.kda.mosaic_gpu_bwd.chunk_kda_bwd`: its five kernels) at two sequences of three heads,
-    200 tokens."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    from pallas_kernels.kda.mosaic_gpu_bwd import chunk_kda_bwd  # noqa: PLC0415
-
-    B, T, H = 2, 200, 3
-    s = jax.ShapeDtypeStruct
-    tok = s((B, T, H, 128), jnp.bfloat16)
-    args = (tok, tok, tok, s((B, T, H, 128), jnp.float32), s((B, T, H), jnp.float32),
-            s((B, H, 128, 128), jnp.float32), tok, s((B, H, 128, 128), jnp.float32))
-    text, ints = lower_for_sm90(
-        lambda q, k, v, g, beta, h0, do, dht: chunk_kda_bwd(q, k, v, g, beta, 128**-0.5, h0, do=do, dht=dht,
-                                                            v_split=v_split), *args)
-    return text.count("custom_call @mosaic_gpu"), "wgmma.mma_async" in text, ints
-
-
 def lower_decode(block_v: int) -> tuple[int, bool, list[int]]:
     """``(mosaic_gpu custom calls, pool aliased, integer indices of every copy)`` of the KDA decode step
     (:func:`pallas_kernels.kda.mosaic_gpu_decode.decode_step`) lowered for sm_90 at two sequences of three heads

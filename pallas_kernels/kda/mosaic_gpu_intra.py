@@ -104,16 +104,15 @@ def _load(ref, cols):
     return plgpu.layout_cast(ref[:, cols], plgpu.Layout.WGMMA).astype(F32)
 
 
-def _decayed_products(s: _Smem, stage, scale: float, with_qk: bool = True):
+def _decayed_products(s: _Smem, stage, scale: float):
     """The 16-token tiles of ``A_kk`` and ``A_qk`` (``[64, 64]`` f32 each, entries above the diagonal tile
-    undefined): column tile ``b`` = ``(k e^{G - m_b}) (k e^{m_b - G})^T`` over the tile's columns. ``with_qk``
-    False: ``A_kk`` alone (``(A_kk, None)``)."""
+    undefined): column tile ``b`` = ``(k e^{G - m_b}) (k e^{m_b - G})^T`` over the tile's columns."""
     sel_col = _selector("col")
     for cols in HALVES:
         s.w[:, cols] = (_load(s.k, cols) * jnp.exp(_prefix(s, sel_col, cols, stage))).astype(BF16)
     plgpu.commit_smem()
 
-    def run(acc_kk, acc_qk=None):
+    def run(acc_kk, acc_qk):
         for b in range(TILES):
             sel = _selector("row", b)
             out = slice(SUB * b, SUB * (b + 1))
@@ -121,11 +120,10 @@ def _decayed_products(s: _Smem, stage, scale: float, with_qk: bool = True):
                 e = jnp.exp(jnp.minimum(_prefix(s, sel, cols, stage), 0.0))  # rows above tile b: masked later
                 col_op = s.w.at[out, cols].T
                 mma(acc_kk.at[:, out], (_load(s.k, cols) * e).astype(BF16), col_op, stage)
-                if with_qk:
-                    mma(acc_qk.at[:, out], (_load(s.q, cols) * (e * scale)).astype(BF16), col_op, stage)
-        return acc_kk[...], (acc_qk[...] if with_qk else None)
+                mma(acc_qk.at[:, out], (_load(s.q, cols) * (e * scale)).astype(BF16), col_op, stage)
+        return acc_kk[...], acc_qk[...]
 
-    return pl.run_scoped(run, *(plgpu.ACC((CHUNK, CHUNK), F32) for _ in range(2 if with_qk else 1)))
+    return pl.run_scoped(run, plgpu.ACC((CHUNK, CHUNK), F32), plgpu.ACC((CHUNK, CHUNK), F32))
 
 
 def _neumann_step(x16, p16, p_ref, stage, *, last: bool):

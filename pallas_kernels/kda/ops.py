@@ -5,18 +5,18 @@ the call, an explicit name that cannot run raises with the reason):
 
 * :data:`CHUNK` (``chunk_kda``, training / prefill): ``mosaic_tpu`` (:mod:`.tpu`, :mod:`.tpu_bwd`), ``triton``
   (:mod:`.gpu`, :mod:`.gpu_bwd`), ``mosaic_gpu`` (:mod:`.mosaic_gpu`: the sm_90 forward as a per-chunk kernel and
-  a state pass; its backward is the Triton kernels' while JAX ships them, else the reference VJP;
-  :mod:`.mosaic_gpu_bwd`, a backward in five Mosaic GPU kernels, is not selected until it has run on a GPU;
-  ``benchmarks/kda.py --impls mosaic_gpu+bwd`` times it), ``xla`` (:mod:`.reference`, the chunked UT/WY form).
+  a state pass; its backward is the Triton kernels' while JAX ships them, else the reference VJP), ``xla``
+  (:mod:`.reference`, the chunked UT/WY form).
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``mosaic_gpu``
   (:mod:`.mosaic_gpu_decode`, sm_90, K = V = 128; after ``triton`` until an H200 run shows it faster:
   ``benchmarks/kda.py`` times both; speculative verification, :data:`.verify.VERIFY`, has no Mosaic GPU entry),
   ``xla``.
 
-Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`; it beats the Triton forward on
-the H200 in a same-run comparison, benchmarks/RESULTS.md), then ``triton`` while JAX ships the Pallas Triton
-backend (``registry.TRITON_SHIPPED``: every other GPU, and what ``mosaic_gpu`` does not take, e.g. packed
-sequences, fp32 or K != 128), then ``xla``. The decode table puts ``triton`` ahead of ``mosaic_gpu``.
+Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`; faster than the Triton forward on
+the H200 in a same-run comparison, benchmarks/RESULTS.md) -- but it is *withheld* from ``auto``
+(:data:`MOSAIC_GPU_CHUNK_DEFECT`: wrong results at some shapes on the H200) and runs only when named --, then
+``triton`` while JAX ships the Pallas Triton backend (``registry.TRITON_SHIPPED``), then ``xla``. The decode table
+puts ``triton`` ahead of ``mosaic_gpu``.
 
 What a backend checks (``supports``): the target platform (``platform=`` or
 :func:`pallas_kernels.registry.target_platform`: the mesh's devices, else the default device; ``interpret=True``
@@ -154,12 +154,17 @@ def _mosaic_gpu_decode(call: KdaCall) -> str | None:
     return _first(arch, _decode_reason(call), mosaic_gpu_decode.supports_reason(dtype=call.dtype, k=k, v=v))
 
 
+MOSAIC_GPU_CHUNK_DEFECT = (
+    "its per-chunk kernel gives wrong, run-to-run different A_qk / W / X' (sometimes qg) on the H200 at some shapes "
+    "(B x T x H = 1x64x2, 1x64x8, 1x64x32, 4x64x8, 1x512x1; right at 2x64x2, 1x128x2, 1x256x2, 2x256x3), "
+    "where the Mosaic GPU interpreter is right: issue #22, benchmarks/RESULTS.md")
+"""Why ``auto`` does not pick the Mosaic GPU chunk forward (:data:`CHUNK`), until an H200 run shows it fixed."""
 XLA = Backend("xla", "pure-JAX reference (any g <= 0, any dtype and head dims)", lambda call: None)
 CHUNK = Registry("kda.chunk", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU chunk forward + backward kernels", _tpu_chunk),
     Backend("mosaic_gpu", "Pallas Mosaic GPU chunk forward (sm_90 wgmma + TMA: a per-chunk kernel over all chunks, "
             "then a warp-specialised state pass); backward: the Triton kernels while shipped, else the reference "
-            "VJP", _mosaic_gpu_chunk),
+            "VJP", _mosaic_gpu_chunk, withheld=MOSAIC_GPU_CHUNK_DEFECT),
     Backend("triton", "Pallas Triton chunk forward (5 kernels) + backward (9 kernels)", _triton_chunk),
     XLA,
 ), ALIASES)
