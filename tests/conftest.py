@@ -4,6 +4,7 @@
 * On a machine without a CUDA plugin, XLA:CPU compiles with LLVM at -O0: the suite compiles hundreds of small
   programs and runs each a few times, so compile time dominates; results stay within every test's tolerance
   (outputs are not bit-identical to -O3 builds; fp32 parity of the entry points is checked with their own flags).
+  With a CUDA plugin, XLA's GEMM autotuning is off instead (it chooses among algorithms, not results).
 * One persistent compilation cache per test run, shared by the xdist workers and the processes tests start (the
   notebook kernel, launched multi-process runs), in the run's pytest temp directory, so each program compiles
   once per run; nothing is reused across runs. The entry points' own cache (``~/.cache``) stays off.
@@ -28,6 +29,8 @@ def _has_cuda_plugin() -> bool:
 
 if not _has_cuda_plugin():
     _FLAGS.append("--xla_backend_optimization_level=0")
+else:  # GEMM autotuning only picks among correct algorithms; off, the GPU tests compile in a fraction of the time
+    _FLAGS.append("--xla_gpu_autotune_level=0")
 _xla_flags = os.environ.get("XLA_FLAGS", "")
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in _xla_flags:
