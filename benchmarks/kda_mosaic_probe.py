@@ -19,8 +19,9 @@ Triton autotuning, cached on disk for the next process), meant to run beside the
 kernel built with every debug tap (``intra_chunks(..., taps=...)``: its intermediates written to extra outputs),
 each tap against a plain-JAX fp32 computation of the same intermediate from the same inputs
 (:func:`tap_references`), in the kernel's order, naming the first wrong one; (2) the kernel's five token outputs
-under each variant of :data:`VARIANTS` (a suspect changed, the rest as in production). One JSON line per
-shape and variant. Exit status 1 when anything is off. ``--interpret`` runs it in the Mosaic GPU interpreter (CPU).
+under each variant of :data:`VARIANTS` (a suspect changed, the rest as in production; ``--variants a,b`` picks
+some). One JSON line per shape and variant. Exit status 1 when anything is off. ``--interpret`` runs it in the
+Mosaic GPU interpreter (CPU).
 """
 
 from __future__ import annotations
@@ -379,13 +380,45 @@ def _decayed_products_hoisted(s, stage, scale, tap=None):
     return pl.run_scoped(run, plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32), plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32))
 
 
+def _decayed_products_split(s, stage, scale, tap=None):
+    """``_decayed_products`` with one accumulator live at a time: all tiles of ``A_kk``, then all of ``A_qk`` (the
+    prefix products formed twice), halving the registers the tile loop holds."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+
+    sel_col = mgi._selector("col")
+    for cols in mgi.HALVES:
+        kf = mgi._load(s.k, cols)
+        s.w[:, cols] = (kf * jnp.exp(mgi._prefix(s, sel_col, cols, stage))).astype(mgi.BF16)
+    plgpu.commit_smem()
+
+    def products(src, factor):
+        def run(acc):
+            for b in range(mgi.TILES):
+                sel = mgi._selector("row", b)
+                out = slice(mgi.SUB * b, mgi.SUB * (b + 1))
+                for cols in mgi.HALVES:
+                    e = jnp.exp(jnp.minimum(mgi._prefix(s, sel, cols, stage), 0.0))
+                    mgi.mma(acc.at[:, out], (mgi._load(src, cols) * (e * factor)).astype(mgi.BF16),
+                            s.w.at[out, cols].T, stage)
+            return mgi._read(acc)
+
+        return pl.run_scoped(run, plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32))
+
+    return products(s.k, 1.0), products(s.q, scale)
+
+
 VARIANTS = {
     "production": {},
-    "wait_each": {"mma": _mma_then_wait},
-    "sync_each": {"mma": _mma_then_sync},
     "barrier_reads": {"_read": _read_through_barrier},
     "full_width": {"_decayed_products": _decayed_products_full_width},
     "hoist_prefix": {"_decayed_products": _decayed_products_hoisted},
+    "split_acc": {"_decayed_products": _decayed_products_split},
+    "wait_each": {"mma": _mma_then_wait},
+    "sync_each": {"mma": _mma_then_sync},
 }
 """The per-chunk kernel's suspects, each replaced in :mod:`pallas_kernels.kda.mosaic_gpu_intra` while it is
 traced (name -> module attributes)."""
@@ -454,5 +487,10 @@ def main_fla_warm(arg: str) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "stages":
-        sys.exit(main_stages(sys.argv[2], interpret="--interpret" in sys.argv[3:]))
+        opts = sys.argv[3:]
+        chosen = opts[opts.index("--variants") + 1].split(",") if "--variants" in opts else list(VARIANTS)
+        unknown = sorted(set(chosen) - set(VARIANTS))
+        if unknown:
+            sys.exit(f"--variants: unknown {unknown}; expected names from {list(VARIANTS)}")
+        sys.exit(main_stages(sys.argv[2], interpret="--interpret" in opts, variants=tuple(chosen)))
     sys.exit({"check": main_check, "defect": main_defect, "fla-warm": main_fla_warm}[sys.argv[1]](sys.argv[2]))
