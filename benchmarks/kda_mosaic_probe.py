@@ -16,12 +16,12 @@ seed ``T``, q not normalised). Exit status 1 when a shape is off.
 Triton autotuning, cached on disk for the next process), meant to run beside the checks.
 
 ``python3 benchmarks/kda_mosaic_probe.py stages SHAPES``: on the inputs of ``defect``, per shape: (1) the per-chunk
-kernel built with every debug tap (``intra_chunks(..., taps=...)``: its intermediates written to extra outputs),
-each tap against a plain-JAX fp32 computation of the same intermediate from the same inputs
-(:func:`tap_references`), in the kernel's order, naming the first wrong one; (2) the kernel's five token outputs
-under each variant of :data:`VARIANTS` (a suspect changed, the rest as in production; ``--variants a,b`` picks
-some). One JSON line per shape and variant. Exit status 1 when anything is off. ``--interpret`` runs it in the
-Mosaic GPU interpreter (CPU).
+kernel built with debug taps (``intra_chunks(..., taps=...)``: its intermediates written to extra outputs; every
+tap, then only those outside the tile products' loop: :func:`tap_sets`), each tap against a plain-JAX fp32
+computation of the same intermediate from the same inputs (:func:`tap_references`), in the kernel's order, naming
+the first wrong one; (2) the kernel's five token outputs under each variant of :data:`VARIANTS` (a suspect changed,
+the rest as in production; ``--variants a,b`` picks some). One JSON line per taps build and variant. Exit status 1
+when anything is off. ``--interpret`` runs it in the Mosaic GPU interpreter (CPU).
 """
 
 from __future__ import annotations
@@ -253,13 +253,13 @@ def tap_masks() -> dict:
 
 
 def compare_taps(got: dict, want: dict) -> tuple[list[dict], str | None]:
-    """Per tap in the kernel's order: ``rel`` (over the compared entries of every chunk), ``finite``, and
+    """Per tap of ``got`` in the kernel's order: ``rel`` (over the compared entries of every chunk), ``finite``, and
     ``bad_chunks`` (``[b, h, c]`` of the chunks whose own error is over :data:`TAP_TOLERANCE`, at most 8); and the
     name of the first wrong tap (None if all are right)."""
     from pallas_kernels.kda.mosaic_gpu_intra import TAP_WIDTHS
 
     masks, rows, first = tap_masks(), [], None
-    for name in TAP_WIDTHS:
+    for name in (n for n in TAP_WIDTHS if n in got):
         a, b = np.asarray(got[name], np.float64), np.asarray(want[name], np.float64)
         mask = np.broadcast_to(masks[name], a.shape)
         a, b = np.where(mask, a, 0.0), np.where(mask, b, 0.0)
@@ -424,6 +424,15 @@ VARIANTS = {
 traced (name -> module attributes)."""
 
 
+def tap_sets() -> dict:
+    """The taps builds a shape is probed with: ``all``, and ``outside_tile_loop`` (no tap inside the scope of the
+    tile products' accumulators, whose instruction stream then stays as in production)."""
+    from pallas_kernels.kda.mosaic_gpu_intra import TAP_WIDTHS
+
+    inside = tuple(n for n in TAP_WIDTHS if n.startswith(("p_row", "e")) and n[-2] == "_")
+    return {"all": tuple(TAP_WIDTHS), "outside_tile_loop": tuple(n for n in TAP_WIDTHS if n not in inside)}
+
+
 def main_stages(arg: str, interpret: bool = False, variants: tuple[str, ...] = tuple(VARIANTS)) -> int:
     import jax
     import jax.numpy as jnp
@@ -440,16 +449,17 @@ def main_stages(arg: str, interpret: bool = False, variants: tuple[str, ...] = t
         q, k, _, g, beta, _ = inputs(B, T, H, seed=T, normalize_q=False)
         beta_t = jnp.swapaxes(beta, 1, 2)
         want = reference(q, k, g, beta_t)
-        t0 = time.perf_counter()
-        taps = jax.jit(lambda *a: mgi.intra_chunks(*a, scale=SCALE, interpret=ip, taps=tuple(mgi.TAP_WIDTHS)))(
-            q, k, g, beta_t)
-        rows, first = compare_taps(taps[6], tap_references(q, k, g, beta_t, scale=SCALE))
-        outs = {n: _out_error(a, b) for n, a, b in zip(("qg", "kd", "wn", "x", "aqk"), taps[:5], want[:5],
-                                                          strict=True)}
-        ok = first is None
-        print(json.dumps({"stages": f"{B}x{T}x{H}", "first_wrong": first, "outputs": outs, "taps": rows,
-                          "s": round(time.perf_counter() - t0, 1)}), flush=True)
-        all_ok &= ok
+        tap_want = tap_references(q, k, g, beta_t, scale=SCALE)
+        for set_name, names in tap_sets().items():
+            t0 = time.perf_counter()
+            taps = jax.jit(lambda *a, names=names: mgi.intra_chunks(*a, scale=SCALE, interpret=ip, taps=names))(
+                q, k, g, beta_t)
+            rows, first = compare_taps(taps[6], tap_want)
+            outs = {n: _out_error(a, b) for n, a, b in zip(("qg", "kd", "wn", "x", "aqk"), taps[:5], want[:5],
+                                                              strict=True)}
+            print(json.dumps({"stages": f"{B}x{T}x{H}", "taps_set": set_name, "first_wrong": first, "outputs": outs,
+                              "taps": rows, "s": round(time.perf_counter() - t0, 1)}), flush=True)
+            all_ok &= first is None
         for name in variants:
             t0 = time.perf_counter()
             with patched(mgi, **VARIANTS[name]):
