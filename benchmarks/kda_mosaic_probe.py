@@ -305,6 +305,24 @@ def _mma_then_sync(acc, a, b, stage):
     plgpu.commit_smem()
 
 
+def _mma_smem_a(acc, a, b, stage):
+    """``acc += a @ b`` with ``a`` staged through a scoped shared-memory buffer instead of registers (as the
+    interpreter path does): wait for every wgmma in flight (the buffer's previous reader), store, ``commit_smem``,
+    then the wgmma."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.kda.mosaic_gpu_common import BF16, tiled
+
+    def staged(st):
+        plgpu.wgmma_wait(0)
+        st[...] = a
+        plgpu.commit_smem()
+        plgpu.wgmma(acc, st, b)
+
+    pl.run_scoped(staged, plgpu.SMEM(a.shape, BF16, transforms=tiled()))
+
+
 def _read_through_barrier(acc):
     """Production ``_read`` with the value passed through an optimization barrier (an asm statement with side
     effects: no use of the accumulator registers can be scheduled above the wait of the read)."""
@@ -417,6 +435,7 @@ VARIANTS = {
     "full_width": {"_decayed_products": _decayed_products_full_width},
     "hoist_prefix": {"_decayed_products": _decayed_products_hoisted},
     "split_acc": {"_decayed_products": _decayed_products_split},
+    "smem_a": {"mma": _mma_smem_a},
     "wait_each": {"mma": _mma_then_wait},
     "sync_each": {"mma": _mma_then_sync},
 }
