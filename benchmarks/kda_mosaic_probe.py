@@ -452,7 +452,33 @@ def tap_sets() -> dict:
     return {"all": tuple(TAP_WIDTHS), "outside_tile_loop": tuple(n for n in TAP_WIDTHS if n not in inside)}
 
 
+def _taps_build(args, want, tap_want, names, ip):
+    """The taps build with ``names`` on ``args``: its taps against ``tap_want`` and outputs against ``want``."""
+    import jax
+
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+
+    taps = jax.jit(lambda *a: mgi.intra_chunks(*a, scale=SCALE, interpret=ip, taps=names))(*args)
+    rows, first = compare_taps(taps[6], tap_want)
+    return {"first_wrong": first, "outputs": _out_errors(taps, want), "taps": rows}, first is None
+
+
+def _variant(args, want, name, ip):
+    """The per-chunk kernel under variant ``name`` on ``args``, its outputs against ``want``."""
+    import jax
+
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+
+    with patched(mgi, **VARIANTS[name]):
+        got = jax.block_until_ready(jax.jit(lambda *a: mgi.intra_chunks(*a, scale=SCALE, interpret=ip))(*args))
+    outs = _out_errors(got, want)
+    ok = all(isinstance(e, float) and e < TAP_TOLERANCE for e in outs.values())
+    return {"ok": ok, **outs}, ok
+
+
 def main_stages(arg: str, interpret: bool = False, variants: tuple[str, ...] = tuple(VARIANTS)) -> int:
+    import functools
+
     import jax
     import jax.numpy as jnp
 
@@ -465,32 +491,27 @@ def main_stages(arg: str, interpret: bool = False, variants: tuple[str, ...] = t
     reference = jax.jit(lambda *a: mgi.intra_chunks_reference(*a, scale=SCALE))
     all_ok = True
     for B, T, H in shapes(arg):
+        shape = f"{B}x{T}x{H}"
         q, k, _, g, beta, _ = inputs(B, T, H, seed=T, normalize_q=False)
-        beta_t = jnp.swapaxes(beta, 1, 2)
-        want = reference(q, k, g, beta_t)
-        tap_want = tap_references(q, k, g, beta_t, scale=SCALE)
-        for set_name, names in tap_sets().items():
+        args = (q, k, g, jnp.swapaxes(beta, 1, 2))
+        want = reference(*args)
+        tap_want = tap_references(*args, scale=SCALE)
+        jobs = [({"stages": shape, "taps_set": n}, functools.partial(_taps_build, args, want, tap_want, names, ip))
+                for n, names in tap_sets().items()]
+        jobs += [({"variant": n, "shape": shape}, functools.partial(_variant, args, want, n, ip)) for n in variants]
+        for label, job in jobs:
             t0 = time.perf_counter()
-            taps = jax.jit(lambda *a, names=names: mgi.intra_chunks(*a, scale=SCALE, interpret=ip, taps=names))(
-                q, k, g, beta_t)
-            rows, first = compare_taps(taps[6], tap_want)
-            outs = {n: _out_error(a, b) for n, a, b in zip(("qg", "kd", "wn", "x", "aqk"), taps[:5], want[:5],
-                                                              strict=True)}
-            print(json.dumps({"stages": f"{B}x{T}x{H}", "taps_set": set_name, "first_wrong": first, "outputs": outs,
-                              "taps": rows, "s": round(time.perf_counter() - t0, 1)}), flush=True)
-            all_ok &= first is None
-        for name in variants:
-            t0 = time.perf_counter()
-            with patched(mgi, **VARIANTS[name]):
-                got = jax.jit(lambda *a: mgi.intra_chunks(*a, scale=SCALE, interpret=ip))(q, k, g, beta_t)
-                got = jax.block_until_ready(got)
-            outs = {n: _out_error(a, b) for n, a, b in zip(("qg", "kd", "wn", "x", "aqk"), got[:5], want[:5],
-                                                              strict=True)}
-            ok = all(isinstance(e, float) and e < TAP_TOLERANCE for e in outs.values())
-            print(json.dumps({"variant": name, "shape": f"{B}x{T}x{H}", "ok": ok, **outs,
-                              "s": round(time.perf_counter() - t0, 1)}), flush=True)
+            try:
+                res, ok = job()
+            except Exception as e:  # noqa: BLE001 - a probe: the failure is reported, the next job runs
+                res, ok = {"error": f"{type(e).__name__}: {str(e)[:400]}"}, False
+            print(json.dumps({**label, **res, "s": round(time.perf_counter() - t0, 1)}), flush=True)
             all_ok &= ok
     return 0 if all_ok else 1
+
+
+def _out_errors(got, want) -> dict:
+    return {n: _out_error(a, b) for n, a, b in zip(("qg", "kd", "wn", "x", "aqk"), got[:5], want[:5], strict=True)}
 
 
 def _out_error(a, b):
