@@ -14,10 +14,19 @@ seed ``T``, q not normalised). Exit status 1 when a shape is off.
 
 ``python3 benchmarks/kda_mosaic_probe.py fla-warm SHAPES``: run fla's ``chunk_kda`` forward once per shape (its
 Triton autotuning, cached on disk for the next process), meant to run beside the checks.
+
+``python3 benchmarks/kda_mosaic_probe.py stages SHAPES``: on the inputs of ``defect``, per shape: (1) the per-chunk
+kernel built with debug taps (``intra_chunks(..., taps=...)``: its intermediates written to extra outputs; every
+tap, then only those outside the tile products' loop: :func:`tap_sets`), each tap against a plain-JAX fp32
+computation of the same intermediate from the same inputs (:func:`tap_references`), in the kernel's order, naming
+the first wrong one; (2) the kernel's five token outputs under each variant of :data:`VARIANTS` (a suspect changed,
+the rest as in production; ``--variants a,b`` picks some). One JSON line per taps build and variant. Exit status 1
+when anything is off. ``--interpret`` runs it in the Mosaic GPU interpreter (CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -182,6 +191,333 @@ def main_defect(arg: str) -> int:
     return 0 if all_ok else 1
 
 
+TAP_TOLERANCE = 1e-2
+
+
+def tap_references(q, k, g, beta_t, *, scale: float) -> dict:
+    """Plain-JAX fp32 (``precision=HIGHEST``) values of every tap of :func:`intra_chunks` (``TAP_WIDTHS``), each
+    ``[B, H, Tp / 64, 64, width]``, computed from the same inputs as the kernel defines them (module docstring
+    of :mod:`pallas_kernels.kda.mosaic_gpu_intra`): ``G`` = chunk-local cumulative sums of ``g``, ``m_b`` = ``G``
+    at the token before tile ``b`` (0 for tile 0)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.kda.mosaic_gpu_common import CHUNK, SUB
+    from pallas_kernels.kda.mosaic_gpu_intra import HALVES, TILES
+
+    B, Tp, H, K = q.shape
+    n = Tp // CHUNK
+    hp = jax.lax.Precision.HIGHEST
+    split = lambda x: jnp.moveaxis(x.astype(jnp.float32).reshape(B, n, CHUNK, H, -1), 3, 1)  # [B, H, n, C, D]
+    qc, kc, G = split(q), split(k), jnp.cumsum(split(g), axis=3)
+    beta = beta_t.astype(jnp.float32).reshape(B, H, n, CHUNK)
+    m = [jnp.zeros_like(G[..., :1, :])] + [G[..., SUB * b - 1:SUB * b, :] for b in range(1, TILES)]
+    tile_start = jnp.repeat(jnp.concatenate(m, axis=3), SUB, axis=3)  # m_{tile(i)} per row i
+    out = {f"p_col{h}": (tile_start - G)[..., cols] for h, cols in enumerate(HALVES)}
+    w_col = kc * jnp.exp(tile_start - G)
+    out["w_col"] = w_col
+    akk, aqk = jnp.zeros(G.shape[:-1] + (CHUNK,)), jnp.zeros(G.shape[:-1] + (CHUNK,))
+    for b in range(TILES):
+        p_row = G - m[b]
+        e = jnp.exp(jnp.minimum(p_row, 0.0))
+        for h, cols in enumerate(HALVES):
+            out[f"p_row{b}_{h}"], out[f"e{b}_{h}"] = p_row[..., cols], e[..., cols]
+        tile = slice(SUB * b, SUB * (b + 1))
+        cols_b = w_col[..., tile, :]
+        akk = akk.at[..., tile].set(jnp.einsum("...id,...jd->...ij", kc * e, cols_b, precision=hp))
+        aqk = aqk.at[..., tile].set(scale * jnp.einsum("...id,...jd->...ij", qc * e, cols_b, precision=hp))
+    out["akk"], out["aqk"] = akk, aqk
+    lower = jnp.tril(jnp.ones((CHUNK, CHUNK), bool), -1)
+    nmat = jnp.where(lower, akk * beta[..., :, None], 0.0)
+    out["n"] = nmat
+    out["g_full"] = G
+    for h, cols in enumerate(HALVES):
+        out[f"p_cum{h}"], out[f"p_last{h}"] = G[..., cols], (G[..., -1:, :] - G)[..., cols]
+    out["w_eg"] = kc * jnp.exp(G)
+    eye = jnp.eye(CHUNK, dtype=jnp.float32)
+    x_inv = jax.scipy.linalg.solve_triangular(eye + nmat, jnp.broadcast_to(eye, nmat.shape), lower=True)
+    out["x_inv"] = x_inv
+    out["xb"] = x_inv * beta[..., None, :]
+    out["wn"] = -jnp.einsum("...ij,...jd->...id", out["xb"], out["w_eg"], precision=hp)
+    return out
+
+
+def tap_masks() -> dict:
+    """Which entries of a tap are compared (``[64, width]`` bool): all, except for ``akk`` / ``aqk`` (the tile
+    products before masking: entries above the diagonal are undefined or huge) only those the kernel keeps."""
+    from pallas_kernels.kda.mosaic_gpu_intra import TAP_WIDTHS
+
+    masks = {name: np.ones((64, w), bool) for name, w in TAP_WIDTHS.items()}
+    masks["akk"], masks["aqk"] = np.tri(64, k=-1, dtype=bool), np.tri(64, dtype=bool)
+    return masks
+
+
+def compare_taps(got: dict, want: dict) -> tuple[list[dict], str | None]:
+    """Per tap of ``got`` in the kernel's order: ``rel`` (over the compared entries of every chunk), ``finite``, and
+    ``bad_chunks`` (``[b, h, c]`` of the chunks whose own error is over :data:`TAP_TOLERANCE`, at most 8); and the
+    name of the first wrong tap (None if all are right)."""
+    from pallas_kernels.kda.mosaic_gpu_intra import TAP_WIDTHS
+
+    masks, rows, first = tap_masks(), [], None
+    for name in (n for n in TAP_WIDTHS if n in got):
+        a, b = np.asarray(got[name], np.float64), np.asarray(want[name], np.float64)
+        mask = np.broadcast_to(masks[name], a.shape)
+        a, b = np.where(mask, a, 0.0), np.where(mask, b, 0.0)
+        finite = bool(np.isfinite(a).all())
+        err = rel(np.nan_to_num(a, nan=1e30, posinf=1e30, neginf=-1e30), b)
+        per_chunk = (np.linalg.norm(np.nan_to_num(a - b, nan=1e30), axis=(-2, -1))
+                     / np.maximum(np.linalg.norm(b, axis=(-2, -1)), 1e-30))
+        bad = [list(map(int, i)) for i in np.argwhere(~(per_chunk <= TAP_TOLERANCE))[:8]]
+        rows.append({"tap": name, "rel": err, "finite": finite, "bad_chunks": bad})
+        if first is None and (not finite or not err <= TAP_TOLERANCE):
+            first = name
+    return rows, first
+
+
+@contextlib.contextmanager
+def patched(module, **attrs):
+    """Set ``module``'s attributes for the duration (the kernel is traced inside)."""
+    old = {name: getattr(module, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(module, name, value)
+
+
+def _mma_then_wait(acc, a, b, stage):
+    """Production ``mma`` followed by a wait for every wgmma in flight."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.kda.mosaic_gpu_common import mma
+
+    mma(acc, a, b, stage)
+    plgpu.wgmma_wait(0)
+
+
+def _mma_then_sync(acc, a, b, stage):
+    """Production ``mma``, a wait for every wgmma in flight, then ``commit_smem`` (fence + warpgroup barrier)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    _mma_then_wait(acc, a, b, stage)
+    plgpu.commit_smem()
+
+
+def _mma_smem_a(acc, a, b, stage):
+    """``acc += a @ b`` with ``a`` staged through a scoped shared-memory buffer instead of registers (as the
+    interpreter path does): wait for every wgmma in flight (the buffer's previous reader), store, ``commit_smem``,
+    then the wgmma."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.kda.mosaic_gpu_common import BF16, tiled
+
+    def staged(st):
+        plgpu.wgmma_wait(0)
+        st[...] = a
+        plgpu.commit_smem()
+        plgpu.wgmma(acc, st, b)
+
+    pl.run_scoped(staged, plgpu.SMEM(a.shape, BF16, transforms=tiled()))
+
+
+def _read_through_barrier(acc):
+    """Production ``_read`` with the value passed through an optimization barrier (an asm statement with side
+    effects: no use of the accumulator registers can be scheduled above the wait of the read)."""
+    from jax import lax
+
+    return lax.optimization_barrier(acc[...])
+
+
+def _decayed_products_full_width(s, stage, scale, tap=None):
+    """``_decayed_products`` without ``N = 16`` accumulator column slices: each column tile's products go to a
+    fresh full-width ``[64, 64]`` accumulator (the column operand all of ``s.w``), whose tile columns are kept in
+    registers."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+
+    sel_col = mgi._selector("col")
+    for cols in mgi.HALVES:
+        kf = mgi._load(s.k, cols)
+        s.w[:, cols] = (kf * jnp.exp(mgi._prefix(s, sel_col, cols, stage))).astype(mgi.BF16)
+    plgpu.commit_smem()
+    akk = aqk = jnp.zeros((mgi.CHUNK, mgi.CHUNK), mgi.F32)
+    for b in range(mgi.TILES):
+        sel = mgi._selector("row", b)
+
+        def run(acc_kk, acc_qk, sel=sel):
+            for cols in mgi.HALVES:
+                e = jnp.exp(jnp.minimum(mgi._prefix(s, sel, cols, stage), 0.0))
+                col_op = s.w.at[:, cols].T
+                mgi.mma(acc_kk, (mgi._load(s.k, cols) * e).astype(mgi.BF16), col_op, stage)
+                mgi.mma(acc_qk, (mgi._load(s.q, cols) * (e * scale)).astype(mgi.BF16), col_op, stage)
+            return mgi._read(acc_kk), mgi._read(acc_qk)
+
+        pkk, pqk = pl.run_scoped(run, plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32),
+                                 plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32))
+        in_tile = (mgi._iota(1) >= mgi.SUB * b) & (mgi._iota(1) < mgi.SUB * (b + 1))
+        akk, aqk = jnp.where(in_tile, pkk, akk), jnp.where(in_tile, pqk, aqk)
+    return akk, aqk
+
+
+def _decayed_products_hoisted(s, stage, scale, tap=None):
+    """``_decayed_products`` with no prefix product inside the accumulators' scope: ``G`` (both halves) is formed
+    before it, and ``e = exp(min(G - m_b, 0))`` from ``G`` in registers (``m_b``: the row ``16 b - 1`` of ``G``,
+    taken by a masked column sum)."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+
+    sel_col, sel_cum = mgi._selector("col"), mgi._selector("cum")
+    for cols in mgi.HALVES:
+        kf = mgi._load(s.k, cols)
+        s.w[:, cols] = (kf * jnp.exp(mgi._prefix(s, sel_col, cols, stage))).astype(mgi.BF16)
+    plgpu.commit_smem()
+    g_cum = [mgi._prefix(s, sel_cum, cols, stage) for cols in mgi.HALVES]
+    row = mgi._iota(0)
+
+    def run(acc_kk, acc_qk):
+        for b in range(mgi.TILES):
+            out = slice(mgi.SUB * b, mgi.SUB * (b + 1))
+            for h, cols in enumerate(mgi.HALVES):
+                m_b = jnp.sum(jnp.where(row == mgi.SUB * b - 1, g_cum[h], 0.0), axis=0)
+                e = jnp.exp(jnp.minimum(g_cum[h] - lax.broadcast_in_dim(m_b, g_cum[h].shape, [1]), 0.0))
+                col_op = s.w.at[out, cols].T
+                mgi.mma(acc_kk.at[:, out], (mgi._load(s.k, cols) * e).astype(mgi.BF16), col_op, stage)
+                mgi.mma(acc_qk.at[:, out], (mgi._load(s.q, cols) * (e * scale)).astype(mgi.BF16), col_op, stage)
+        return mgi._read(acc_kk), mgi._read(acc_qk)
+
+    return pl.run_scoped(run, plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32), plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32))
+
+
+def _decayed_products_split(s, stage, scale, tap=None):
+    """``_decayed_products`` with one accumulator live at a time: all tiles of ``A_kk``, then all of ``A_qk`` (the
+    prefix products formed twice), halving the registers the tile loop holds."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+
+    sel_col = mgi._selector("col")
+    for cols in mgi.HALVES:
+        kf = mgi._load(s.k, cols)
+        s.w[:, cols] = (kf * jnp.exp(mgi._prefix(s, sel_col, cols, stage))).astype(mgi.BF16)
+    plgpu.commit_smem()
+
+    def products(src, factor):
+        def run(acc):
+            for b in range(mgi.TILES):
+                sel = mgi._selector("row", b)
+                out = slice(mgi.SUB * b, mgi.SUB * (b + 1))
+                for cols in mgi.HALVES:
+                    e = jnp.exp(jnp.minimum(mgi._prefix(s, sel, cols, stage), 0.0))
+                    mgi.mma(acc.at[:, out], (mgi._load(src, cols) * (e * factor)).astype(mgi.BF16),
+                            s.w.at[out, cols].T, stage)
+            return mgi._read(acc)
+
+        return pl.run_scoped(run, plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32))
+
+    return products(s.k, 1.0), products(s.q, scale)
+
+
+VARIANTS = {
+    "production": {},
+    "barrier_reads": {"_read": _read_through_barrier},
+    "full_width": {"_decayed_products": _decayed_products_full_width},
+    "hoist_prefix": {"_decayed_products": _decayed_products_hoisted},
+    "split_acc": {"_decayed_products": _decayed_products_split},
+    "smem_a": {"mma": _mma_smem_a},
+    "wait_each": {"mma": _mma_then_wait},
+    "sync_each": {"mma": _mma_then_sync},
+}
+"""The per-chunk kernel's suspects, each replaced in :mod:`pallas_kernels.kda.mosaic_gpu_intra` while it is
+traced (name -> module attributes)."""
+
+
+def tap_sets() -> dict:
+    """The taps builds a shape is probed with: ``all``, and ``outside_tile_loop`` (no tap inside the scope of the
+    tile products' accumulators, whose instruction stream then stays as in production)."""
+    from pallas_kernels.kda.mosaic_gpu_intra import TAP_WIDTHS
+
+    inside = tuple(n for n in TAP_WIDTHS if n.startswith(("p_row", "e")) and n[-2] == "_")
+    return {"all": tuple(TAP_WIDTHS), "outside_tile_loop": tuple(n for n in TAP_WIDTHS if n not in inside)}
+
+
+def _taps_build(args, want, tap_want, names, ip):
+    """The taps build with ``names`` on ``args``: its taps against ``tap_want`` and outputs against ``want``."""
+    import jax
+
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+
+    taps = jax.jit(lambda *a: mgi.intra_chunks(*a, scale=SCALE, interpret=ip, taps=names))(*args)
+    rows, first = compare_taps(taps[6], tap_want)
+    return {"first_wrong": first, "outputs": _out_errors(taps, want), "taps": rows}, first is None
+
+
+def _variant(args, want, name, ip):
+    """The per-chunk kernel under variant ``name`` on ``args``, its outputs against ``want``."""
+    import jax
+
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+
+    with patched(mgi, **VARIANTS[name]):
+        got = jax.block_until_ready(jax.jit(lambda *a: mgi.intra_chunks(*a, scale=SCALE, interpret=ip))(*args))
+    outs = _out_errors(got, want)
+    ok = all(isinstance(e, float) and e < TAP_TOLERANCE for e in outs.values())
+    return {"ok": ok, **outs}, ok
+
+
+def main_stages(arg: str, interpret: bool = False, variants: tuple[str, ...] = tuple(VARIANTS)) -> int:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+    from pallas_kernels.kda.mosaic_gpu_common import interpret_params
+
+    print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "interpret": interpret}),
+          flush=True)
+    ip = interpret_params(interpret)
+    reference = jax.jit(lambda *a: mgi.intra_chunks_reference(*a, scale=SCALE))
+    all_ok = True
+    for B, T, H in shapes(arg):
+        shape = f"{B}x{T}x{H}"
+        q, k, _, g, beta, _ = inputs(B, T, H, seed=T, normalize_q=False)
+        args = (q, k, g, jnp.swapaxes(beta, 1, 2))
+        want = reference(*args)
+        tap_want = tap_references(*args, scale=SCALE)
+        jobs = [({"stages": shape, "taps_set": n}, functools.partial(_taps_build, args, want, tap_want, names, ip))
+                for n, names in tap_sets().items()]
+        jobs += [({"variant": n, "shape": shape}, functools.partial(_variant, args, want, n, ip)) for n in variants]
+        for label, job in jobs:
+            t0 = time.perf_counter()
+            try:
+                res, ok = job()
+            except Exception as e:  # noqa: BLE001 - a probe: the failure is reported, the next job runs
+                res, ok = {"error": f"{type(e).__name__}: {str(e)[:400]}"}, False
+            print(json.dumps({**label, **res, "s": round(time.perf_counter() - t0, 1)}), flush=True)
+            all_ok &= ok
+    return 0 if all_ok else 1
+
+
+def _out_errors(got, want) -> dict:
+    return {n: _out_error(a, b) for n, a, b in zip(("qg", "kd", "wn", "x", "aqk"), got[:5], want[:5], strict=True)}
+
+
+def _out_error(a, b):
+    return rel(a, b) if np.isfinite(np.asarray(a, np.float32)).all() else "nonfinite"
+
+
 def main_fla_warm(arg: str) -> int:
     import torch
     from fla.ops.kda import chunk_kda
@@ -200,4 +536,11 @@ def main_fla_warm(arg: str) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "stages":
+        opts = sys.argv[3:]
+        chosen = opts[opts.index("--variants") + 1].split(",") if "--variants" in opts else list(VARIANTS)
+        unknown = sorted(set(chosen) - set(VARIANTS))
+        if unknown:
+            sys.exit(f"--variants: unknown {unknown}; expected names from {list(VARIANTS)}")
+        sys.exit(main_stages(sys.argv[2], interpret="--interpret" in opts, variants=tuple(chosen)))
     sys.exit({"check": main_check, "defect": main_defect, "fla-warm": main_fla_warm}[sys.argv[1]](sys.argv[2]))

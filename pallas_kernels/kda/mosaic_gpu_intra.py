@@ -24,6 +24,7 @@ chunk), ``decay = e^{G_C}`` ``[B, H, Tp / 64, 128]`` fp32 (``G_C`` = the chunk's
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,22 @@ NEUMANN_STEPS = 5
 HALF = HEAD_DIM // 2
 HALVES = (slice(0, HALF), slice(HALF, HEAD_DIM))
 TILES = CHUNK // SUB
+TAP_WIDTHS = {
+    **{f"p_col{h}": HALF for h in range(2)}, "w_col": HEAD_DIM,
+    **{f"{name}{b}_{h}": HALF for b in range(TILES) for h in range(2) for name in ("p_row", "e")},
+    "akk": CHUNK, "aqk": CHUNK, "n": CHUNK, "g_full": HEAD_DIM,
+    **{f"{name}{h}": HALF for h in range(2) for name in ("p_cum", "p_last")}, "w_eg": HEAD_DIM,
+    "x_inv": CHUNK, "xb": CHUNK, "wn": HEAD_DIM,
+}
+"""Intermediates of one chunk that ``intra_chunks(..., taps=names)`` also writes (name -> columns; 64 rows each,
+fp32), in the order the kernel forms them. ``h``: the half of K; ``b``: the column tile. ``p_col``, ``p_row``,
+``p_cum``, ``p_last``: the prefix products with the ``"col"``, ``"row"`` (tile ``b``), ``"cum"``, ``"last"``
+selectors; ``e`` = ``exp(min(p_row, 0))``; ``w_col``: ``s.w`` after its first write (``k e^{p_col}``); ``akk``,
+``aqk``: the tile products before masking; ``n`` = ``N``; ``g_full``: the ``"cum"`` prefix over all of K; ``w_eg``:
+``s.w = e^G k``; ``x_inv`` = ``X`` (fp32); ``xb`` = ``X'``; ``wn`` = ``-W``."""
+Tap = Callable[[str, jax.Array], None] | None
+"""None (production: nothing extra is traced) or ``tap(name, value)`` that records a ``[64, TAP_WIDTHS[name]]``
+register value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +73,16 @@ class _Smem:
     g: object  # [64, 128] f32 (aliased)
     w: object  # [64, 128] bf16 (aliases g)
     x: object  # [64, 64] bf16 (aliases g)
+
+
+def _emit(tap: Tap, name: str, value) -> None:
+    if tap is not None:
+        tap(name, value)
+
+
+def _read(acc):
+    """The value of a wgmma accumulator (waits for every wgmma in flight)."""
+    return acc[...]
 
 
 def _iota(dim: int):
@@ -84,7 +111,7 @@ def _prefix(s: _Smem, sel16, cols: slice, stage):
     def run(acc):
         mma(acc, sel16, s.ghi.at[:, cols], stage)
         mma(acc, sel16, s.glo.at[:, cols], stage)
-        return acc[...]
+        return _read(acc)
 
     return pl.run_scoped(run, plgpu.ACC((CHUNK, width), F32))
 
@@ -104,24 +131,32 @@ def _load(ref, cols):
     return plgpu.layout_cast(ref[:, cols], plgpu.Layout.WGMMA).astype(F32)
 
 
-def _decayed_products(s: _Smem, stage, scale: float):
+def _decayed_products(s: _Smem, stage, scale: float, tap: Tap = None):
     """The 16-token tiles of ``A_kk`` and ``A_qk`` (``[64, 64]`` f32 each, entries above the diagonal tile
     undefined): column tile ``b`` = ``(k e^{G - m_b}) (k e^{m_b - G})^T`` over the tile's columns."""
     sel_col = _selector("col")
-    for cols in HALVES:
-        s.w[:, cols] = (_load(s.k, cols) * jnp.exp(_prefix(s, sel_col, cols, stage))).astype(BF16)
+    for h, cols in enumerate(HALVES):
+        kf = _load(s.k, cols)
+        p_col = _prefix(s, sel_col, cols, stage)
+        _emit(tap, f"p_col{h}", p_col)
+        s.w[:, cols] = (kf * jnp.exp(p_col)).astype(BF16)
     plgpu.commit_smem()
+    if tap is not None:
+        tap("w_col", _load(s.w, slice(0, HEAD_DIM)))
 
     def run(acc_kk, acc_qk):
         for b in range(TILES):
             sel = _selector("row", b)
             out = slice(SUB * b, SUB * (b + 1))
-            for cols in HALVES:
-                e = jnp.exp(jnp.minimum(_prefix(s, sel, cols, stage), 0.0))  # rows above tile b: masked later
+            for h, cols in enumerate(HALVES):
+                p_row = _prefix(s, sel, cols, stage)
+                e = jnp.exp(jnp.minimum(p_row, 0.0))  # rows above tile b: masked later
+                _emit(tap, f"p_row{b}_{h}", p_row)
+                _emit(tap, f"e{b}_{h}", e)
                 col_op = s.w.at[out, cols].T
                 mma(acc_kk.at[:, out], (_load(s.k, cols) * e).astype(BF16), col_op, stage)
                 mma(acc_qk.at[:, out], (_load(s.q, cols) * (e * scale)).astype(BF16), col_op, stage)
-        return acc_kk[...], acc_qk[...]
+        return _read(acc_kk), _read(acc_qk)
 
     return pl.run_scoped(run, plgpu.ACC((CHUNK, CHUNK), F32), plgpu.ACC((CHUNK, CHUNK), F32))
 
@@ -133,7 +168,7 @@ def _neumann_step(x16, p16, p_ref, stage, *, last: bool):
         mma(acc_x, x16, p_ref, stage)
         if not last:
             mma(acc_p, p16, p_ref, stage)
-        return acc_x[...], acc_p[...]
+        return _read(acc_x), _read(acc_p)
 
     return run
 
@@ -147,7 +182,7 @@ def _inverse(n, xs, stage):
 
     def square(acc):
         mma(acc, n16, xs, stage)
-        return acc[...]
+        return _read(acc)
 
     p = pl.run_scoped(square, plgpu.ACC((CHUNK, CHUNK), F32))
     for step in range(NEUMANN_STEPS):
@@ -164,49 +199,72 @@ def _inverse(n, xs, stage):
 def _product(a16, b_ref, stage, width: int):
     def run(acc):
         mma(acc, a16, b_ref, stage)
-        return acc[...]
+        return _read(acc)
 
     return pl.run_scoped(run, plgpu.ACC((CHUNK, width), F32))
 
 
-def _chunk(s: _Smem, stage, scale: float):
-    """One chunk, in place in ``s`` (module docstring; :class:`_Smem` for what each buffer ends as)."""
+def _chunk(s: _Smem, stage, scale: float, tap: Tap = None):
+    """One chunk, in place in ``s`` (module docstring; :class:`_Smem` for what each buffer ends as); ``tap``: see
+    :data:`Tap`."""
     wg = plgpu.Layout.WGMMA
     r64, c64 = _iota(0), _iota(1)
     _split_gate(s)
-    akk, aqk = _decayed_products(s, stage, scale)
+    akk, aqk = _decayed_products(s, stage, scale, tap)
+    _emit(tap, "akk", akk)
+    _emit(tap, "aqk", aqk)
     beta_row = plgpu.layout_cast(s.beta[...], wg.reduce(1))
     n = jnp.where(r64 > c64, akk * lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0)
+    _emit(tap, "n", n)
     s.aqk[...] = jnp.where(r64 >= c64, aqk, 0.0).astype(BF16)
 
     g_full = _prefix(s, _selector("cum"), slice(0, HEAD_DIM), stage)
+    _emit(tap, "g_full", g_full)
     g_last = jnp.sum(jnp.where(plgpu.broadcasted_iota(jnp.int32, (CHUNK, HEAD_DIM), 0, layout=wg) == CHUNK - 1,
                                g_full, 0.0), axis=0)
     s.decay[...] = jnp.exp(g_last)
     sel_cum, sel_last = _selector("cum"), _selector("last")
-    for cols in HALVES:
-        e_g = jnp.exp(_prefix(s, sel_cum, cols, stage))
+    for h, cols in enumerate(HALVES):
+        p_cum = _prefix(s, sel_cum, cols, stage)
+        _emit(tap, f"p_cum{h}", p_cum)
+        e_g = jnp.exp(p_cum)
         kf = _load(s.k, cols)
         s.w[:, cols] = (kf * e_g).astype(BF16)
-        s.k[:, cols] = (kf * jnp.exp(_prefix(s, sel_last, cols, stage))).astype(BF16)
+        p_last = _prefix(s, sel_last, cols, stage)
+        _emit(tap, f"p_last{h}", p_last)
+        s.k[:, cols] = (kf * jnp.exp(p_last)).astype(BF16)
         s.q[:, cols] = (_load(s.q, cols) * (e_g * scale)).astype(BF16)
     plgpu.commit_smem()
+    if tap is not None:
+        tap("w_eg", _load(s.w, slice(0, HEAD_DIM)))
 
-    x16 = _inverse(n, s.x, stage).astype(BF16)
+    x_inv = _inverse(n, s.x, stage)
+    _emit(tap, "x_inv", x_inv)
+    x16 = x_inv.astype(BF16)
     s.x[...] = jnp.where(r64 == c64, lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0).astype(BF16)
     plgpu.commit_smem()
     xb16 = _product(x16, s.x, stage, CHUNK).astype(BF16)  # X' = X diag(beta)
+    if tap is not None:
+        tap("xb", xb16.astype(F32))
     s.x[...] = xb16
-    s.w[...] = (-_product(xb16, s.w, stage, HEAD_DIM)).astype(BF16)
+    wn = -_product(xb16, s.w, stage, HEAD_DIM)
+    _emit(tap, "wn", wn)
+    s.w[...] = wn.astype(BF16)
     plgpu.commit_smem()
 
 
-def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None):
+def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None, taps: tuple[str, ...] | None = None):
     """Part 1 (module docstring). ``q, k [B, Tp, H, 128]`` bf16, ``g [B, Tp, H, 128]`` f32 (``Tp`` a multiple of
     64), ``beta_t [B, H, Tp]`` f32. Returns ``(qg, kd, wn, x, aqk, decay)``. ``interpret``: None or a
-    ``plgpu.InterpretGPUParams``."""
+    ``plgpu.InterpretGPUParams``. ``taps`` (a debugging aid; None in production, where nothing extra is traced):
+    names from :data:`TAP_WIDTHS`; then a seventh result ``{name: [B, H, Tp / 64, 64, width] f32}`` holds those
+    intermediates of every chunk, written from registers straight to device memory."""
     B, Tp, H, K = q.shape
     n_chunks = Tp // CHUNK
+    taps = tuple(taps) if taps is not None else None
+    unknown = sorted(set(taps or ()) - set(TAP_WIDTHS))
+    if unknown:
+        raise ValueError(f"intra_chunks: unknown taps {unknown}; expected names from TAP_WIDTHS {list(TAP_WIDTHS)}")
     buf = lambda d, dt=BF16: plgpu.SMEM((CHUNK, d), dt, transforms=tiled(dt))
     smem = (
         (buf(K), buf(K), buf(K), buf(K), buf(CHUNK), plgpu.SMEM((CHUNK,), F32), plgpu.SMEM((K,), F32)),
@@ -216,9 +274,12 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None):
     if interpret is not None:
         stages = (buf(CHUNK), buf(K))
     rows_view = lambda x: x.reshape(B * Tp, H, x.shape[-1])
+    n_outs = 6 + len(taps or ())
 
-    def kda_chunk_intra_mosaic_gpu(q_ref, k_ref, g_ref, beta_ref, qg_ref, kd_ref, wn_ref, x_ref, aqk_ref,
-                                   decay_ref, smem_refs, loaded, stage_refs):
+    def kda_chunk_intra_mosaic_gpu(q_ref, k_ref, g_ref, beta_ref, *refs):
+        qg_ref, kd_ref, wn_ref, x_ref, aqk_ref, decay_ref = refs[:6]
+        tap_refs = dict(zip(taps or (), refs[6:n_outs], strict=True))
+        smem_refs, loaded, stage_refs = refs[n_outs:]
         fixed, ((g,), (w, x)) = smem_refs
         s = _Smem(*fixed, g=g, w=w, x=x)
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
@@ -230,23 +291,33 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None):
         plgpu.copy_gmem_to_smem(beta_ref.at[bh, pl.ds(c * CHUNK, CHUNK)], s.beta, loaded)
         plgpu.barrier_wait(loaded)
         stage = None if interpret is None else {CHUNK: stage_refs[0], HEAD_DIM: stage_refs[1]}
-        _chunk(s, stage, scale)
+        tap = None
+        if taps is not None:
+            def tap(name, value):
+                if name in tap_refs:
+                    tap_refs[name].at[bh * n_chunks + c][...] = value.astype(F32)
+        _chunk(s, stage, scale, tap)
         for src, dst in ((s.q, qg_ref), (s.k, kd_ref), (s.w, wn_ref), (s.x, x_ref), (s.aqk, aqk_ref)):
             plgpu.copy_smem_to_gmem(src, dst.at[rows, h])
         plgpu.copy_smem_to_gmem(s.decay, decay_ref.at[bh * n_chunks + c])
         plgpu.wait_smem_to_gmem(0)
 
     tok = lambda d: jax.ShapeDtypeStruct((B * Tp, H, d), BF16)
+    tap_types = tuple(jax.ShapeDtypeStruct((B * H * n_chunks, CHUNK, TAP_WIDTHS[t]), F32) for t in taps or ())
     outs = plgpu.kernel(
         kda_chunk_intra_mosaic_gpu,
-        out_type=(tok(K), tok(K), tok(K), tok(CHUNK), tok(CHUNK), jax.ShapeDtypeStruct((B * H * n_chunks, K), F32)),
+        out_type=(tok(K), tok(K), tok(K), tok(CHUNK), tok(CHUNK), jax.ShapeDtypeStruct((B * H * n_chunks, K), F32),
+                  *tap_types),
         scratch_types=(smem, plgpu.Barrier(num_arrivals=4), stages),
         grid=(n_chunks, B * H),
         grid_names=("c", "bh"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )(*(rows_view(x) for x in (q, k, g)), beta_t.reshape(B * H, Tp))
-    return (*(x.reshape(B, Tp, H, -1) for x in outs[:5]), outs[5].reshape(B, H, n_chunks, K))
+    results = (*(x.reshape(B, Tp, H, -1) for x in outs[:5]), outs[5].reshape(B, H, n_chunks, K))
+    if taps is None:
+        return results
+    return (*results, {t: o.reshape(B, H, n_chunks, CHUNK, -1) for t, o in zip(taps, outs[6:], strict=True)})
 
 
 def intra_chunks_reference(q, k, g, beta_t, *, scale: float):
