@@ -4,8 +4,8 @@
   with ``auto`` also 64 · 3 + 8 and 64 · 2 + 32 + 16 + 4; then decode steps) against the uncached full forward of the
   prompt and the generated tokens (KDA and experts in plain XLA), teacher-forced on the engine's tokens, per
   backend, so a failure names it: KDA ``auto`` (the Triton kernels: the Mosaic GPU chunk forward is withheld) and
-  ``xla``; experts ``auto`` (the Triton kernel, which reads the stacked expert weights in place in every cached forward on
-  one device) and ``xla``;
+  ``xla``; experts ``auto`` (the Triton kernel, which reads the stacked expert weights in place in every cached
+  forward on one device) and ``xla``;
 * the Mosaic GPU chunk forward at the engine's prefill-piece shapes (one chunk: T = 64, 33, 1, with an initial
   state and the final state) against the fp32 reference: T = 64 and 33 are its known defect (strict xfail);
 * the speculative engine with a random draft: finite log-probabilities, an acceptance a random draft can reach
