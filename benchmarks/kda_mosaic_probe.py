@@ -265,8 +265,9 @@ def compare_taps(got: dict, want: dict) -> tuple[list[dict], str | None]:
         a, b = np.where(mask, a, 0.0), np.where(mask, b, 0.0)
         finite = bool(np.isfinite(a).all())
         err = rel(np.nan_to_num(a, nan=1e30, posinf=1e30, neginf=-1e30), b)
-        per_chunk = (np.linalg.norm(np.nan_to_num(a - b, nan=1e30), axis=(-2, -1))
-                     / np.maximum(np.linalg.norm(b, axis=(-2, -1)), 1e-30))
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite taps count as bad chunks
+            per_chunk = (np.linalg.norm(np.nan_to_num(a - b, nan=1e30), axis=(-2, -1))
+                         / np.maximum(np.linalg.norm(b, axis=(-2, -1)), 1e-30))
         bad = [list(map(int, i)) for i in np.argwhere(~(per_chunk <= TAP_TOLERANCE))[:8]]
         rows.append({"tap": name, "rel": err, "finite": finite, "bad_chunks": bad})
         if first is None and (not finite or not err <= TAP_TOLERANCE):
