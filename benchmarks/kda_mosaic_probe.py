@@ -342,11 +342,7 @@ def _decayed_products_full_width(s, stage, scale, tap=None):
 
     from pallas_kernels.kda import mosaic_gpu_intra as mgi
 
-    sel_col = mgi._selector("col")
-    for cols in mgi.HALVES:
-        kf = mgi._load(s.k, cols)
-        s.w[:, cols] = (kf * jnp.exp(mgi._prefix(s, sel_col, cols, stage))).astype(mgi.BF16)
-    plgpu.commit_smem()
+    mgi._column_operand(s, stage)
     akk = aqk = jnp.zeros((mgi.CHUNK, mgi.CHUNK), mgi.F32)
     for b in range(mgi.TILES):
         sel = mgi._selector("row", b)
@@ -377,11 +373,8 @@ def _decayed_products_hoisted(s, stage, scale, tap=None):
 
     from pallas_kernels.kda import mosaic_gpu_intra as mgi
 
-    sel_col, sel_cum = mgi._selector("col"), mgi._selector("cum")
-    for cols in mgi.HALVES:
-        kf = mgi._load(s.k, cols)
-        s.w[:, cols] = (kf * jnp.exp(mgi._prefix(s, sel_col, cols, stage))).astype(mgi.BF16)
-    plgpu.commit_smem()
+    sel_cum = mgi._selector("cum")
+    mgi._column_operand(s, stage)
     g_cum = [mgi._prefix(s, sel_cum, cols, stage) for cols in mgi.HALVES]
     row = mgi._iota(0)
 
@@ -408,11 +401,7 @@ def _decayed_products_split(s, stage, scale, tap=None):
 
     from pallas_kernels.kda import mosaic_gpu_intra as mgi
 
-    sel_col = mgi._selector("col")
-    for cols in mgi.HALVES:
-        kf = mgi._load(s.k, cols)
-        s.w[:, cols] = (kf * jnp.exp(mgi._prefix(s, sel_col, cols, stage))).astype(mgi.BF16)
-    plgpu.commit_smem()
+    mgi._column_operand(s, stage)
 
     def products(src, factor):
         def run(acc):

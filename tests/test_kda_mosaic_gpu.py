@@ -212,11 +212,10 @@ def test_gpu_per_chunk_kernel_at_the_defect_shapes(B, T, H):
     (benchmarks/RESULTS.md, 2026-12-02)."""
     if not _hopper():
         pytest.skip("needs an sm_90+ GPU")
-    ks = jax.random.split(jax.random.PRNGKey(T), 6)
-    q, k = (jax.random.normal(kk, (B, T, H, 128), jnp.float32) for kk in ks[:2])
-    q, k = q.astype(jnp.bfloat16), ref.l2norm(k).astype(jnp.bfloat16)
-    g = ref.kda_gate(jax.random.normal(ks[3], (B, T, H, 128), jnp.float32), jnp.zeros((H,), jnp.float32))
-    beta_t = jnp.swapaxes(jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H), jnp.float32)), 1, 2)
+    from benchmarks.kda_mosaic_probe import inputs
+
+    q, k, _, g, beta, _ = inputs(B, T, H, seed=T, normalize_q=False)
+    beta_t = jnp.swapaxes(beta, 1, 2)
     got = intra_chunks(q, k, g, beta_t, scale=128**-0.5)
     want = intra_chunks_reference(q, k, g, beta_t, scale=128**-0.5)
     for name, a, b in zip(("qg", "kd", "wn", "x", "aqk"), got[:5], want[:5], strict=True):

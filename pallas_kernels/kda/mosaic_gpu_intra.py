@@ -131,9 +131,8 @@ def _load(ref, cols):
     return plgpu.layout_cast(ref[:, cols], plgpu.Layout.WGMMA).astype(F32)
 
 
-def _decayed_products(s: _Smem, stage, scale: float, tap: Tap = None):
-    """The 16-token tiles of ``A_kk`` and ``A_qk`` (``[64, 64]`` f32 each, entries above the diagonal tile
-    undefined): column tile ``b`` = ``(k e^{G - m_b}) (k e^{m_b - G})^T`` over the tile's columns."""
+def _column_operand(s: _Smem, stage, tap: Tap = None) -> None:
+    """``s.w <- k e^{m_{tile(i)} - G_i}``: the column operand of every ``A`` tile (committed for wgmma)."""
     sel_col = _selector("col")
     for h, cols in enumerate(HALVES):
         kf = _load(s.k, cols)
@@ -143,6 +142,12 @@ def _decayed_products(s: _Smem, stage, scale: float, tap: Tap = None):
     plgpu.commit_smem()
     if tap is not None:
         tap("w_col", _load(s.w, slice(0, HEAD_DIM)))
+
+
+def _decayed_products(s: _Smem, stage, scale: float, tap: Tap = None):
+    """The 16-token tiles of ``A_kk`` and ``A_qk`` (``[64, 64]`` f32 each, entries above the diagonal tile
+    undefined): column tile ``b`` = ``(k e^{G - m_b}) (k e^{m_b - G})^T`` over the tile's columns."""
+    _column_operand(s, stage, tap)
 
     def run(acc_kk, acc_qk):
         for b in range(TILES):
