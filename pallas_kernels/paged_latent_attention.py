@@ -22,10 +22,10 @@ Implementations (registry :data:`PAGED_DECODE`, ``cfg.mla_decode_attention_imple
   step gathering just its items' pages, computing partial softmax statistics, and merging them into the rows'
   running (max, denominator, fp32 output) by a log-sum-exp merge. Reads ``Σ_b len_b`` positions (rounded up to
   items), not ``B · max_len``;
-* ``triton`` (:func:`paged_attention_triton`): Pallas Triton split-K flash decoding: each row's visited pages
-  cut into equal splits, one program per (query-row block, split, row) walking its pages through the table with
-  an online softmax, the splits' partial (max, denominator, output) merged by log-sum-exp. Non-FP8 pages, one
-  device, C / Dr / page size powers of two >= 16;
+* ``triton`` (:func:`paged_attention_triton`): Pallas Triton split-K flash decoding: each row's visited positions
+  cut into equal splits, one program per (query-row block, split, row) walking its positions ``step`` at a time,
+  each step's rows gathered from their pages through the table, with an online softmax; the splits' partial (max,
+  denominator, output) merged by log-sum-exp. Non-FP8 pages, one device, C / Dr / page size powers of two >= 16;
 * ``mosaic_tpu`` (:func:`paged_attention_tpu`): Pallas Mosaic TPU flash decoding with the page table and the
   positions scalar-prefetched: grid ``(B, max_pages)``, one page per step DMA'd straight from the pool at
   ``table[b, j]`` (steps past the row's last visible page repeat the previous page index: no DMA, no work), online
@@ -55,11 +55,14 @@ ITEM_TOKENS = 512
 """Default positions per work item of :func:`paged_attention_xla` (``pages_per_item = ITEM_TOKENS // S``)."""
 STEP_TOKENS = 16384
 """Default positions × queries per loop step of :func:`paged_attention_xla` (``items_per_step`` follows)."""
-HEAD_BLOCK = 16
-"""Query rows (of the ``T·H``) per program of :func:`paged_attention_triton`."""
-PAGES_PER_SPLIT = 64
-""":func:`paged_attention_triton` cuts each row's visited pages into ``clamp(max_pages // PAGES_PER_SPLIT, 1,
-MAX_SPLITS)`` splits."""
+HEAD_BLOCKS = (32, 16)
+"""Query rows (of the ``T·H``) per program of :func:`paged_attention_triton`, by preference
+(:func:`triton_head_block`)."""
+STEP_POSITIONS = 64
+"""Cached positions :func:`paged_attention_triton` reads per loop step (gathered row by row through the table)."""
+SPLIT_POSITIONS = 1024
+""":func:`paged_attention_triton` cuts each row's visited positions into ``clamp(max_pages · S // SPLIT_POSITIONS,
+1, MAX_SPLITS)`` splits."""
 MAX_SPLITS = 16
 
 
@@ -100,8 +103,8 @@ def _triton_reason(call: PagedDecodeCall) -> str | None:
     pow2 = lambda n: n >= 16 and n & (n - 1) == 0
     if not (pow2(c) and pow2(dr) and pow2(s)):
         return f"needs C, Dr and the page size to be powers of two >= 16 (tl.dot tiles), got {c}, {dr}, {s}"
-    if (t * h) % HEAD_BLOCK:
-        return f"needs T·H divisible by {HEAD_BLOCK}, got {t}·{h}"
+    if (t * h) % HEAD_BLOCKS[-1]:
+        return f"needs T·H divisible by {HEAD_BLOCKS[-1]}, got {t}·{h}"
     if call.mesh_devices > 1:
         return f"runs on one device (no shard_map wrapper), the active mesh has {call.mesh_devices}"
     return None
@@ -366,36 +369,42 @@ def paged_attention_tpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, pa
     return out.reshape(b, t, h, c)
 
 
-def _triton_kernel(pos_ref, last_ref, base_ref, table_ref, q_lat_ref, q_rot_ref, pages_ref, m_ref, l_ref, acc_ref,
-                   *, scale: float, c: int, dr: int, heads: int, page_size: int, splits: int, interpret: bool):
+def _triton_kernel(pos_ref, last_ref, base_ref, table_ref, q_lat_ref, q_rot_ref, rows_ref, m_ref, l_ref, acc_ref,
+                   *, scale: float, c: int, dr: int, heads: int, page_size: int, head_block: int, step: int,
+                   splits: int, interpret: bool):
     hblk, sp, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    f32 = jnp.float32
+    f32, i32 = jnp.float32, jnp.int32
     dt = q_lat_ref.dtype
     prec = HIGHEST if dt == f32 or interpret else None
     nt, nn = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
-    last = last_ref[b]
-    chunk = jax.lax.div(last + splits - 1, splits)
+    max_pages = table_ref.shape[1]
+    last = last_ref[b]  # visited pages of the row
+    n_steps = jax.lax.div(last * page_size + step - 1, step)
+    chunk = jax.lax.div(n_steps + splits - 1, splits)
     start = sp * chunk
-    end = jnp.minimum(start + chunk, last)
-    rows = pl.ds(hblk * HEAD_BLOCK, HEAD_BLOCK)
+    end = jnp.minimum(start + chunk, n_steps)
+    rows = pl.ds(hblk * head_block, head_block)
     q_lat = q_lat_ref[b, rows, :]  # [hb, C]
     q_rot = q_rot_ref[b, rows, :]  # [hb, Dr]
-    row_ids = hblk * HEAD_BLOCK + jax.lax.broadcasted_iota(jnp.int32, (HEAD_BLOCK, 1), 0)
-    q_at = pos_ref[b] + jax.lax.div(row_ids, jnp.int32(heads))  # [hb, 1] position of each query row
+    row_ids = hblk * head_block + jax.lax.broadcasted_iota(i32, (head_block, 1), 0)
+    q_at = pos_ref[b] + jax.lax.div(row_ids, i32(heads))  # [hb, 1] position of each query row
     last_pos = pos_ref[b] + q_lat_ref.shape[1] // heads - 1  # of the row's last query
     base = base_ref[0]
+    offs = jax.lax.broadcasted_iota(i32, (step,), 0)
 
     def body(j, carry):
         m, l, acc = carry
-        pid = table_ref[b, j]
-        lat = pages_ref[base + pid, :, pl.ds(0, c)]  # [S, C]
-        rot = pages_ref[base + pid, :, pl.ds(c, dr)]  # [S, Dr]
-        keys = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
-        lat = jnp.where((keys <= last_pos) & (pid != 0), lat.astype(dt), jnp.zeros((), dt))
+        keys = j * step + offs  # [n] positions of this step
+        slot = jax.lax.div(keys, i32(page_size))
+        pid = table_ref[b, jnp.minimum(slot, max_pages - 1)]  # [n] each position's page
+        ok = (slot < last) & (pid != 0) & (keys <= last_pos)  # stale rows / the null page: never multiplied
+        flat = (base + pid) * page_size + jax.lax.rem(keys, i32(page_size))  # [n] rows of the flattened pool
+        lat = rows_ref[flat, pl.ds(0, c)]  # [n, C]
+        rot = rows_ref[flat, pl.ds(c, dr)]  # [n, Dr]
+        lat = jnp.where(ok[:, None], lat.astype(dt), jnp.zeros((), dt))
         s = jax.lax.dot_general(q_lat, lat, nt, precision=prec, preferred_element_type=f32)
         s = s + jax.lax.dot_general(q_rot, rot.astype(dt), nt, precision=prec, preferred_element_type=f32)
-        cols = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (HEAD_BLOCK, page_size), 1)
-        vis = (cols <= q_at) & (pid != 0)
+        vis = (keys[None, :] <= q_at) & ok[None, :]  # [hb, n]
         s = jnp.where(vis, s * scale, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
@@ -404,33 +413,44 @@ def _triton_kernel(pos_ref, last_ref, base_ref, table_ref, q_lat_ref, q_rot_ref,
         acc = alpha * acc + jax.lax.dot_general(p.astype(dt), lat, nn, precision=prec, preferred_element_type=f32)
         return m_new, l, acc
 
-    init = (jnp.full((HEAD_BLOCK, 1), NEG_INF, f32), jnp.zeros((HEAD_BLOCK, 1), f32), jnp.zeros((HEAD_BLOCK, c), f32))
+    init = (jnp.full((head_block, 1), NEG_INF, f32), jnp.zeros((head_block, 1), f32), jnp.zeros((head_block, c), f32))
     m, l, acc = jax.lax.fori_loop(start, end, body, init)
     m_ref[b, sp, rows, :] = m
     l_ref[b, sp, rows, :] = l
     acc_ref[b, sp, rows, :] = acc
 
 
+def triton_head_block(th: int) -> int:
+    """Query rows (of the ``T·H``) per program of :func:`paged_attention_triton`: the largest of
+    :data:`HEAD_BLOCKS` that divides ``th`` (``th`` a multiple of 16)."""
+    return next(hb for hb in HEAD_BLOCKS if th % hb == 0)
+
+
 def paged_attention_triton(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, page_scale: jax.Array | None,
                            table: jax.Array, pos: jax.Array, scale: float, layer: jax.Array | None = None, *,
-                           splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                           interpret: bool = False) -> jax.Array:
+                           splits: int | None = None, head_block: int | None = None, step: int = STEP_POSITIONS,
+                           num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """:func:`paged_attention_xla` as a Pallas Triton kernel (forward only): the same arguments and result;
-    ``page_scale`` must be None. Grid ``(T·H / HEAD_BLOCK, splits, B)``: program ``(hb, sp, b)`` walks split
-    ``sp`` of row ``b``'s visited pages (:func:`visited_pages`, cut into ``splits`` equal runs per row, so a short
-    row's programs finish early) one page at a time through the table (pages read in place, a stacked pool at
-    ``layer``), with an online softmax for its ``HEAD_BLOCK`` query rows, and writes its partial (max,
+    ``page_scale`` must be None. Grid ``(T·H / head_block, splits, B)``: program ``(hb, sp, b)`` walks split
+    ``sp`` of row ``b``'s visited positions (:func:`visited_pages`, cut into ``splits`` equal runs of ``step``
+    positions per row, so a short row's programs finish early), each step gathering its ``step`` positions' rows
+    from their pages through the table (pages read in place, a stacked pool at ``layer``), with an online softmax
+    for its ``head_block`` query rows (default :func:`triton_head_block`), and writes its partial (max,
     denominator, fp32 output); the splits are merged by log-sum-exp outside the kernel."""
     _check(q_lat, q_rot, pages, page_scale, table, pos, layer, "paged_attention_triton", fp8_pages=False)
     b, t, h, c = q_lat.shape
     s_len, width = pages.shape[-2], pages.shape[-1]
     dr = width - c
     th = t * h
-    if th % HEAD_BLOCK:
-        raise ValueError(f"paged_attention_triton: T·H = {t}·{h} must be a multiple of {HEAD_BLOCK}")
+    if th % (head_block or HEAD_BLOCKS[-1]):
+        raise ValueError(f"paged_attention_triton: T·H = {t}·{h} must be a multiple of the head block "
+                         f"{head_block or HEAD_BLOCKS[-1]}")
+    hb = head_block or triton_head_block(th)
+    if step < 16 or step & (step - 1):
+        raise ValueError(f"paged_attention_triton: step must be a power of two >= 16 (tl.dot tiles), got {step}")
     max_pages = table.shape[1]
-    ns = splits or max(1, min(MAX_SPLITS, max_pages // PAGES_PER_SPLIT))
-    flat = pages if layer is None else pages.reshape(-1, s_len, width)
+    ns = splits or max(1, min(MAX_SPLITS, max_pages * s_len // SPLIT_POSITIONS))
+    rows = pages.reshape(-1, width)  # [(R ·) P · S, C + Dr]: one row per cached position
     base = jnp.zeros((1,), jnp.int32) if layer is None else (
         jnp.clip(jnp.reshape(layer, (1,)).astype(jnp.int32), 0, pages.shape[0] - 1) * pages.shape[1])
     last = visited_pages(table, pos, t, s_len)
@@ -441,18 +461,18 @@ def paged_attention_triton(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array,
         from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415 - only where Triton ships
 
         params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    kernel = functools.partial(_triton_kernel, scale=float(scale), c=c, dr=dr, heads=h, page_size=s_len, splits=ns,
-                               interpret=bool(interpret))
+    kernel = functools.partial(_triton_kernel, scale=float(scale), c=c, dr=dr, heads=h, page_size=s_len,
+                               head_block=hb, step=step, splits=ns, interpret=bool(interpret))
     m, l, acc = forward_only(pl.pallas_call(
         kernel,
-        grid=(th // HEAD_BLOCK, ns, b),
+        grid=(th // hb, ns, b),
         out_shape=[jax.ShapeDtypeStruct((b, ns, th, 1), f32), jax.ShapeDtypeStruct((b, ns, th, 1), f32),
                    jax.ShapeDtypeStruct((b, ns, th, c), f32)],
         compiler_params=params,
         interpret=bool(interpret),
         name="mla_paged_decode_gpu",
     ), pos.astype(jnp.int32), last, base, table.astype(jnp.int32), q_lat.reshape(b, th, c),
-        q_rot.reshape(b, th, dr), flat, name="paged_latent_attention.paged_attention_triton")
+        q_rot.reshape(b, th, dr), rows, name="paged_latent_attention.paged_attention_triton")
     m_all = jnp.max(m, axis=1, keepdims=True)
     f = jnp.exp(m - m_all)
     den = jnp.sum(l * f, axis=1)

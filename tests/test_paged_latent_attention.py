@@ -114,11 +114,12 @@ def _wide_inputs(t: int, h: int, c: int, dr: int, s: int, lengths: list[int], dt
 
 
 @pytest.mark.skipif(not TRITON_SHIPPED, reason="this JAX ships no Pallas Triton backend")
-@pytest.mark.parametrize("t,splits", [(1, 1), (1, 3), (2, 2)])
-def test_triton_kernel_interpreted_equals_reference(t, splits):
+@pytest.mark.parametrize("t,splits,step", [(1, 1, 64), (1, 3, 16), (2, 2, 32)])
+def test_triton_kernel_interpreted_equals_reference(t, splits, step):
+    """Steps of one page (16 positions) and of several (32, 64), against rows of 1 to 151 positions."""
     q_lat, q_rot, pages, table, pos = _wide_inputs(t, 16, 32, 16, 16, [0, 5, 40, 150], jnp.float32)
     got = jax.jit(lambda lyr: pla.paged_attention_triton(q_lat, q_rot, pages, None, table, pos, 0.2, lyr,
-                                                         splits=splits, interpret=True))(jnp.int32(1))
+                                                         splits=splits, step=step, interpret=True))(jnp.int32(1))
     want = pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.2, jnp.int32(1))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 

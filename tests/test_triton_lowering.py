@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import paged_latent_attention as pla
 from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda import gpu_bwd
 from pallas_kernels.moe import gpu as moe_gpu
@@ -118,3 +119,18 @@ def test_kda_bwd_kernels_lower(verified_modules, dtype):
         _lower_for_cuda(lambda q, g, beta, seg, h0: gpu_bwd.chunk_kda_bwd(
             q, q, q, g, beta, q.shape[-1] ** -0.5, h0, seg, q, h0), q, g, beta, seg, h0)
     assert verified_modules == list(gpu_bwd.KERNEL_NAMES) * 2, verified_modules
+
+
+def test_paged_decode_kernel_lowers(verified_modules):
+    """The paged MLA decode kernel (pallas_kernels.paged_latent_attention) at K3's widths (96 heads, C 512, Dr 64,
+    16-token pages: several pages gathered per step), bf16, a stacked pool read at a traced layer, T = 1 and 2."""
+    b, h, c, dr, s, max_pages = 3, 96, 512, 64, 16, 9
+    pages = jnp.ones((2, 20, s, c + dr), jnp.bfloat16)
+    table = jnp.ones((b, max_pages), jnp.int32)
+    pos = jnp.array([0, 40, 100], jnp.int32)
+    for t in (1, 2):
+        q_lat = jnp.ones((b, t, h, c), jnp.bfloat16)
+        q_rot = jnp.ones((b, t, h, dr), jnp.bfloat16)
+        _lower_for_cuda(lambda q_lat, q_rot, pages, table, pos, layer: pla.paged_attention_triton(
+            q_lat, q_rot, pages, None, table, pos, 0.07, layer), q_lat, q_rot, pages, table, pos, jnp.int32(1))
+    assert verified_modules == ["mla_paged_decode_gpu"] * 2, verified_modules
