@@ -324,10 +324,12 @@ def _mma_smem_a(acc, a, b, stage):
     pl.run_scoped(staged, plgpu.SMEM(a.shape, BF16, transforms=tiled()))
 
 
-def _read_unfenced(acc):
-    """``_read`` without the optimization barrier of production (``mosaic_gpu_common.fenced``): the raw registers
-    after the wait, as Pallas gives them."""
-    return acc[...]
+def _read_through_barrier(acc):
+    """Production ``_read`` with the value passed through an optimization barrier (an asm statement with side
+    effects: no use of the accumulator registers can be scheduled above the wait of the read)."""
+    from jax import lax
+
+    return lax.optimization_barrier(acc[...])
 
 
 def _decayed_products_full_width(s, stage, scale, tap=None):
@@ -419,7 +421,7 @@ def _decayed_products_split(s, stage, scale, tap=None):
 
 VARIANTS = {
     "production": {},
-    "unfenced_reads": {"_read": _read_unfenced},
+    "barrier_reads": {"_read": _read_through_barrier},
     "full_width": {"_decayed_products": _decayed_products_full_width},
     "hoist_prefix": {"_decayed_products": _decayed_products_hoisted},
     "split_acc": {"_decayed_products": _decayed_products_split},

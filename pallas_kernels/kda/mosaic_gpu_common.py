@@ -37,33 +37,15 @@ def mma(acc, a, b, stage):
     plgpu.wgmma(acc, a, b)
 
 
-def fenced(values):
-    """``values`` (a pytree of register arrays just read from wgmma accumulators) passed through an optimization
-    barrier, so no use of them is scheduled above the ``wgmma.wait_group`` of the read.
-
-    Pallas reads an accumulator as a side-effecting wait followed by its raw registers: nothing ties the uses to
-    the wait, and LLVM may move pure arithmetic on them above it, where the asynchronous wgmma has not yet
-    written them (the PTX model leaves such reads undefined). The barrier is an asm statement with side effects
-    whose outputs replace the registers, ordered after the wait like any other side effect. Every accumulator
-    read of these kernels goes through here."""
-    return lax.optimization_barrier(values)
-
-
-def read(acc):
-    """The value of a wgmma accumulator ref (waits for every wgmma in flight), fenced (:func:`fenced`)."""
-    return fenced(acc[...])
-
-
 def accumulate(products, inits, interpret: bool):
-    """Run ``products(*acc_refs)`` (wgmma into accumulators starting at ``inits``) and return the accumulators
-    (fenced, :func:`fenced`). The interpreter has no pre-initialised accumulators: there they start at zero and
-    ``inits`` are added."""
+    """Run ``products(*acc_refs)`` (wgmma into accumulators starting at ``inits``) and return the accumulators.
+    The interpreter has no pre-initialised accumulators: there they start at zero and ``inits`` are added."""
     if not interpret:
-        return fenced(pl.run_state(lambda refs: products(*refs))(tuple(plgpu.ACC.init(x) for x in inits)))
+        return pl.run_state(lambda refs: products(*refs))(tuple(plgpu.ACC.init(x) for x in inits))
 
     def run(*accs):
         products(*accs)
-        return tuple(read(a) for a in accs)
+        return tuple(a[...] for a in accs)
 
     outs = pl.run_scoped(run, *(plgpu.ACC(x.shape, x.dtype) for x in inits))
     return tuple(x + o for x, o in zip(inits, outs, strict=True))

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, SUB, mma, read, tiled
+from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, SUB, mma, tiled
 
 NEUMANN_STEPS = 5
 """``(I + N)^-1 = (I - N)(I + N^2)...(I + N^32)`` for a strictly lower ``64 x 64`` N: five multiply steps."""
@@ -81,8 +81,8 @@ def _emit(tap: Tap, name: str, value) -> None:
 
 
 def _read(acc):
-    """The value of a wgmma accumulator (waits for every wgmma in flight), fenced (``mosaic_gpu_common.read``)."""
-    return read(acc)
+    """The value of a wgmma accumulator (waits for every wgmma in flight)."""
+    return acc[...]
 
 
 def _iota(dim: int):

@@ -24,18 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu_common import (
-    BF16,
-    CHUNK,
-    F32,
-    HEAD_DIM,
-    VTILE,
-    accumulate,
-    bcast_cols,
-    mma,
-    read,
-    tiled,
-)
+from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, VTILE, accumulate, bcast_cols, mma, tiled
 
 SLOTS = 2
 REGISTERS = {"memory": 40, "state": 232}
@@ -103,7 +92,7 @@ def _state_step(c, s_t, j: int, s: _Slots, bars: _Bars, stage, o_ref, at: _Where
         plgpu.wgmma(acc_v, vj, s.x.at[slot].T)
         mma(acc_v, s16, s.wn.at[slot].T, stage)
         mma(acc_o, s16, s.qg.at[slot].T, stage)
-        return read(acc_v), read(acc_o)
+        return acc_v[...], acc_o[...]
 
     vt, o_part = pl.run_scoped(first, plgpu.ACC((VTILE, CHUNK), F32), plgpu.ACC((VTILE, CHUNK), F32))
     vt16 = vt.astype(BF16)
