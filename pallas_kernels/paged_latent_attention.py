@@ -55,9 +55,8 @@ ITEM_TOKENS = 512
 """Default positions per work item of :func:`paged_attention_xla` (``pages_per_item = ITEM_TOKENS // S``)."""
 STEP_TOKENS = 16384
 """Default positions × queries per loop step of :func:`paged_attention_xla` (``items_per_step`` follows)."""
-HEAD_BLOCKS = (32, 16)
-"""Query rows (of the ``T·H``) per program of :func:`paged_attention_triton`, by preference
-(:func:`triton_head_block`)."""
+HEAD_BLOCK = 16
+"""Query rows (of the ``T·H``) per program of :func:`paged_attention_triton`."""
 STEP_POSITIONS = 64
 """Cached positions :func:`paged_attention_triton` reads per loop step (gathered row by row through the table)."""
 SPLIT_POSITIONS = 1024
@@ -103,8 +102,8 @@ def _triton_reason(call: PagedDecodeCall) -> str | None:
     pow2 = lambda n: n >= 16 and n & (n - 1) == 0
     if not (pow2(c) and pow2(dr) and pow2(s)):
         return f"needs C, Dr and the page size to be powers of two >= 16 (tl.dot tiles), got {c}, {dr}, {s}"
-    if (t * h) % HEAD_BLOCKS[-1]:
-        return f"needs T·H divisible by {HEAD_BLOCKS[-1]}, got {t}·{h}"
+    if (t * h) % HEAD_BLOCK:
+        return f"needs T·H divisible by {HEAD_BLOCK}, got {t}·{h}"
     if call.mesh_devices > 1:
         return f"runs on one device (no shard_map wrapper), the active mesh has {call.mesh_devices}"
     return None
@@ -420,32 +419,24 @@ def _triton_kernel(pos_ref, last_ref, base_ref, table_ref, q_lat_ref, q_rot_ref,
     acc_ref[b, sp, rows, :] = acc
 
 
-def triton_head_block(th: int) -> int:
-    """Query rows (of the ``T·H``) per program of :func:`paged_attention_triton`: the largest of
-    :data:`HEAD_BLOCKS` that divides ``th`` (``th`` a multiple of 16)."""
-    return next(hb for hb in HEAD_BLOCKS if th % hb == 0)
-
-
 def paged_attention_triton(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, page_scale: jax.Array | None,
                            table: jax.Array, pos: jax.Array, scale: float, layer: jax.Array | None = None, *,
-                           splits: int | None = None, head_block: int | None = None, step: int = STEP_POSITIONS,
-                           num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                           splits: int | None = None, step: int = STEP_POSITIONS, num_warps: int = 8,
+                           num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """:func:`paged_attention_xla` as a Pallas Triton kernel (forward only): the same arguments and result;
-    ``page_scale`` must be None. Grid ``(T·H / head_block, splits, B)``: program ``(hb, sp, b)`` walks split
+    ``page_scale`` must be None. Grid ``(T·H / HEAD_BLOCK, splits, B)``: program ``(hb, sp, b)`` walks split
     ``sp`` of row ``b``'s visited positions (:func:`visited_pages`, cut into ``splits`` equal runs of ``step``
     positions per row, so a short row's programs finish early), each step gathering its ``step`` positions' rows
     from their pages through the table (pages read in place, a stacked pool at ``layer``), with an online softmax
-    for its ``head_block`` query rows (default :func:`triton_head_block`), and writes its partial (max,
+    for its :data:`HEAD_BLOCK` query rows, and writes its partial (max,
     denominator, fp32 output); the splits are merged by log-sum-exp outside the kernel."""
     _check(q_lat, q_rot, pages, page_scale, table, pos, layer, "paged_attention_triton", fp8_pages=False)
     b, t, h, c = q_lat.shape
     s_len, width = pages.shape[-2], pages.shape[-1]
     dr = width - c
     th = t * h
-    if th % (head_block or HEAD_BLOCKS[-1]):
-        raise ValueError(f"paged_attention_triton: T·H = {t}·{h} must be a multiple of the head block "
-                         f"{head_block or HEAD_BLOCKS[-1]}")
-    hb = head_block or triton_head_block(th)
+    if th % HEAD_BLOCK:
+        raise ValueError(f"paged_attention_triton: T·H = {t}·{h} must be a multiple of {HEAD_BLOCK}")
     if step < 16 or step & (step - 1):
         raise ValueError(f"paged_attention_triton: step must be a power of two >= 16 (tl.dot tiles), got {step}")
     max_pages = table.shape[1]
@@ -462,10 +453,10 @@ def paged_attention_triton(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array,
 
         params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     kernel = functools.partial(_triton_kernel, scale=float(scale), c=c, dr=dr, heads=h, page_size=s_len,
-                               head_block=hb, step=step, splits=ns, interpret=bool(interpret))
+                               head_block=HEAD_BLOCK, step=step, splits=ns, interpret=bool(interpret))
     m, l, acc = forward_only(pl.pallas_call(
         kernel,
-        grid=(th // hb, ns, b),
+        grid=(th // HEAD_BLOCK, ns, b),
         out_shape=[jax.ShapeDtypeStruct((b, ns, th, 1), f32), jax.ShapeDtypeStruct((b, ns, th, 1), f32),
                    jax.ShapeDtypeStruct((b, ns, th, c), f32)],
         compiler_params=params,
