@@ -230,7 +230,6 @@ def tap_references(q, k, g, beta_t, *, scale: float) -> dict:
     lower = jnp.tril(jnp.ones((CHUNK, CHUNK), bool), -1)
     nmat = jnp.where(lower, akk * beta[..., :, None], 0.0)
     out["n"] = nmat
-    out["g_full"] = G
     for h, cols in enumerate(HALVES):
         out[f"p_cum{h}"], out[f"p_last{h}"] = G[..., cols], (G[..., -1:, :] - G)[..., cols]
     out["w_eg"] = kc * jnp.exp(G)
@@ -288,149 +287,20 @@ def patched(module, **attrs):
             setattr(module, name, value)
 
 
-def _mma_then_wait(acc, a, b, stage):
-    """Production ``mma`` followed by a wait for every wgmma in flight."""
+def _mma_register_a(acc, a_ref, b_ref) -> None:
+    """``acc += a @ b`` with ``a`` loaded from shared memory into registers first: wgmma reading its A operand from
+    registers, as the kernel did until session 25 (wrong at some shapes on the H200)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.kda.mosaic_gpu_common import mma
-
-    mma(acc, a, b, stage)
-    plgpu.wgmma_wait(0)
-
-
-def _mma_then_sync(acc, a, b, stage):
-    """Production ``mma``, a wait for every wgmma in flight, then ``commit_smem`` (fence + warpgroup barrier)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    _mma_then_wait(acc, a, b, stage)
-    plgpu.commit_smem()
-
-
-def _mma_smem_a(acc, a, b, stage):
-    """``acc += a @ b`` with ``a`` staged through a scoped shared-memory buffer instead of registers (as the
-    interpreter path does): wait for every wgmma in flight (the buffer's previous reader), store, ``commit_smem``,
-    then the wgmma."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels.kda.mosaic_gpu_common import BF16, tiled
-
-    def staged(st):
-        plgpu.wgmma_wait(0)
-        st[...] = a
-        plgpu.commit_smem()
-        plgpu.wgmma(acc, st, b)
-
-    pl.run_scoped(staged, plgpu.SMEM(a.shape, BF16, transforms=tiled()))
-
-
-def _read_through_barrier(acc):
-    """Production ``_read`` with the value passed through an optimization barrier (an asm statement with side
-    effects: no use of the accumulator registers can be scheduled above the wait of the read)."""
-    from jax import lax
-
-    return lax.optimization_barrier(acc[...])
-
-
-def _decayed_products_full_width(s, stage, scale, tap=None):
-    """``_decayed_products`` without ``N = 16`` accumulator column slices: each column tile's products go to a
-    fresh full-width ``[64, 64]`` accumulator (the column operand all of ``s.w``), whose tile columns are kept in
-    registers."""
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels.kda import mosaic_gpu_intra as mgi
-
-    mgi._column_operand(s, stage)
-    akk = aqk = jnp.zeros((mgi.CHUNK, mgi.CHUNK), mgi.F32)
-    for b in range(mgi.TILES):
-        sel = mgi._selector("row", b)
-
-        def run(acc_kk, acc_qk, sel=sel):
-            for cols in mgi.HALVES:
-                e = jnp.exp(jnp.minimum(mgi._prefix(s, sel, cols, stage), 0.0))
-                col_op = s.w.at[:, cols].T
-                mgi.mma(acc_kk, (mgi._load(s.k, cols) * e).astype(mgi.BF16), col_op, stage)
-                mgi.mma(acc_qk, (mgi._load(s.q, cols) * (e * scale)).astype(mgi.BF16), col_op, stage)
-            return mgi._read(acc_kk), mgi._read(acc_qk)
-
-        pkk, pqk = pl.run_scoped(run, plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32),
-                                 plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32))
-        in_tile = (mgi._iota(1) >= mgi.SUB * b) & (mgi._iota(1) < mgi.SUB * (b + 1))
-        akk, aqk = jnp.where(in_tile, pkk, akk), jnp.where(in_tile, pqk, aqk)
-    return akk, aqk
-
-
-def _decayed_products_hoisted(s, stage, scale, tap=None):
-    """``_decayed_products`` with no prefix product inside the accumulators' scope: ``G`` (both halves) is formed
-    before it, and ``e = exp(min(G - m_b, 0))`` from ``G`` in registers (``m_b``: the row ``16 b - 1`` of ``G``,
-    taken by a masked column sum)."""
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels.kda import mosaic_gpu_intra as mgi
-
-    sel_cum = mgi._selector("cum")
-    mgi._column_operand(s, stage)
-    g_cum = [mgi._prefix(s, sel_cum, cols, stage) for cols in mgi.HALVES]
-    row = mgi._iota(0)
-
-    def run(acc_kk, acc_qk):
-        for b in range(mgi.TILES):
-            out = slice(mgi.SUB * b, mgi.SUB * (b + 1))
-            for h, cols in enumerate(mgi.HALVES):
-                m_b = jnp.sum(jnp.where(row == mgi.SUB * b - 1, g_cum[h], 0.0), axis=0)
-                e = jnp.exp(jnp.minimum(g_cum[h] - lax.broadcast_in_dim(m_b, g_cum[h].shape, [1]), 0.0))
-                col_op = s.w.at[out, cols].T
-                mgi.mma(acc_kk.at[:, out], (mgi._load(s.k, cols) * e).astype(mgi.BF16), col_op, stage)
-                mgi.mma(acc_qk.at[:, out], (mgi._load(s.q, cols) * (e * scale)).astype(mgi.BF16), col_op, stage)
-        return mgi._read(acc_kk), mgi._read(acc_qk)
-
-    return pl.run_scoped(run, plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32), plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32))
-
-
-def _decayed_products_split(s, stage, scale, tap=None):
-    """``_decayed_products`` with one accumulator live at a time: all tiles of ``A_kk``, then all of ``A_qk`` (the
-    prefix products formed twice), halving the registers the tile loop holds."""
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels.kda import mosaic_gpu_intra as mgi
-
-    mgi._column_operand(s, stage)
-
-    def products(src, factor):
-        def run(acc):
-            for b in range(mgi.TILES):
-                sel = mgi._selector("row", b)
-                out = slice(mgi.SUB * b, mgi.SUB * (b + 1))
-                for cols in mgi.HALVES:
-                    e = jnp.exp(jnp.minimum(mgi._prefix(s, sel, cols, stage), 0.0))
-                    mgi.mma(acc.at[:, out], (mgi._load(src, cols) * (e * factor)).astype(mgi.BF16),
-                            s.w.at[out, cols].T, stage)
-            return mgi._read(acc)
-
-        return pl.run_scoped(run, plgpu.ACC((mgi.CHUNK, mgi.CHUNK), mgi.F32))
-
-    return products(s.k, 1.0), products(s.q, scale)
+    plgpu.wgmma(acc, plgpu.layout_cast(a_ref[...], plgpu.Layout.WGMMA), b_ref)
 
 
 VARIANTS = {
     "production": {},
-    "barrier_reads": {"_read": _read_through_barrier},
-    "full_width": {"_decayed_products": _decayed_products_full_width},
-    "hoist_prefix": {"_decayed_products": _decayed_products_hoisted},
-    "split_acc": {"_decayed_products": _decayed_products_split},
-    "smem_a": {"mma": _mma_smem_a},
-    "wait_each": {"mma": _mma_then_wait},
-    "sync_each": {"mma": _mma_then_sync},
+    "register_a": {"_mma": _mma_register_a},
 }
-"""The per-chunk kernel's suspects, each replaced in :mod:`pallas_kernels.kda.mosaic_gpu_intra` while it is
-traced (name -> module attributes)."""
+"""The per-chunk kernel with a suspect changed in :mod:`pallas_kernels.kda.mosaic_gpu_intra` while it is traced
+(name -> module attributes): ``register_a`` puts every A operand back in registers (the known defect)."""
 
 
 def tap_sets() -> dict:

@@ -4,6 +4,8 @@ on a GPU (``-m gpu``)."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.mosaic_gpu_common import interpret_params
 from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks, intra_chunks_reference
 from pallas_kernels.registry import KernelUnavailable
-from tests._mosaic_gpu_lowering import lower_for_sm90
+from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_for_sm90, run_under_jax_0112
 
 K3 = (1, 8192, 96, 128, 128)  # B, T, H, K, V
 
@@ -177,6 +179,23 @@ def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host():
     assert text.count("custom_call @mosaic_gpu") == 2
     assert "wgmma.mma_async" in text
     assert len(int_indices) >= 20 and max(int_indices) == 1, int_indices
+
+
+def test_forward_lowers_under_jax_0112():
+    """The two kernels also lower under the H200's JAX (0.11.2), where a lowering rule may differ."""
+    if not os.path.exists(JAX_0112_PYTHON):
+        pytest.skip(f"no jax 0.11.2 environment at {JAX_0112_PYTHON} (K3_JAX_0112_PYTHON)")
+    out = run_under_jax_0112("""
+        import jax, jax.numpy as jnp
+        from pallas_kernels.kda import mosaic_gpu
+        from tests._mosaic_gpu_lowering import lower_for_sm90
+        s = jax.ShapeDtypeStruct
+        tok = s((2, 200, 3, 128), jnp.bfloat16)
+        args = (tok, tok, tok, s((2, 200, 3, 128), jnp.float32), s((2, 200, 3), jnp.float32))
+        text, ints = lower_for_sm90(lambda *a: mosaic_gpu.chunk_kda_fwd(*a, 128**-0.5, v_split=1), *args)
+        assert text.count("custom_call @mosaic_gpu") == 2 and max(ints) == 1, ints
+    """)
+    assert out.returncode == 0 and "ok 0.11.2" in out.stdout, out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("kwargs, match", [

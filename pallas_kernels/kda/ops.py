@@ -155,10 +155,11 @@ def _mosaic_gpu_decode(call: KdaCall) -> str | None:
 
 
 MOSAIC_GPU_CHUNK_DEFECT = (
-    "its per-chunk kernel gives wrong A_qk / W / X' (sometimes qg) on the H200 at some shapes (B x T x H = "
-    "1x64x1 to 1x64x32, 4x64x8, 2x64x3, 1x128x1, 1x512x1; right at 2x64x2, 1x128x2, 1x256x8, 2x256x3), where the "
-    "Mosaic GPU interpreter is right; with every register-operand wgmma staged through shared memory it is right "
-    "(at 1x64x2, 2x64x2, 1x128x1, 2x256x3) but 1.8x slower: issue #22, benchmarks/RESULTS.md")
+    "its per-chunk kernel, with wgmma reading A operands from registers, gave wrong A_qk / W / X' on the H200 at some "
+    "shapes (B x T x H = 1x64x1 to 1x64x32, 4x64x8, 2x64x3, 1x128x1, 1x512x1; right at 2x64x2, 1x128x2, 1x256x8, "
+    "2x256x3; the Mosaic GPU interpreter right); staging those operands through shared memory was right at 1x64x2, "
+    "2x64x2, 1x128x1, 2x256x3. The kernel now reads every wgmma operand from shared memory, not yet run on a GPU: "
+    "issue #22, benchmarks/RESULTS.md")
 """Why ``auto`` does not pick the Mosaic GPU chunk forward (:data:`CHUNK`), until an H200 run shows it fixed."""
 XLA = Backend("xla", "pure-JAX reference (any g <= 0, any dtype and head dims)", lambda call: None)
 CHUNK = Registry("kda.chunk", (
