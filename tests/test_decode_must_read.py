@@ -78,7 +78,9 @@ def test_known_routing_counts_k_experts_and_must_read_follows(setup):
     assert moved == rec["bytes_uniform"]["routed_experts"] - rec["bytes"]["routed_experts"] > 0
     assert rec["roofline_ms"] == pytest.approx(rec["bytes"]["total"] / 100e9 * 1e3, abs=1e-3)
     assert rec["roofline_fraction"] == pytest.approx(rec["roofline_ms"] / rec["ms_per_step"], abs=2e-3)
-    assert rec["roofline_fraction"] < rec["roofline_fraction_uniform"]
+    # the same time over fewer bytes (both fractions are rounded to 3 decimals: on a slow host they may tie)
+    assert rec["roofline_fraction"] <= rec["roofline_fraction_uniform"]
+    assert rec["roofline_ms"] <= rec["roofline_ms_uniform"]
 
 
 def _capture_router_inputs(next_fun, args, kwargs, context):
