@@ -71,6 +71,21 @@ def page_table(lengths: list[int], page_size: int, gen: int, seed: int = 0):
     return table, num_pages
 
 
+def attention_inputs(lengths: list[int], heads: int, c: int, dr: int, page_size: int, gen: int) -> tuple:
+    """``(q_lat, q_rot, pages, None, table, pos)`` of the attention case: bf16 normal queries (one per row) and a
+    page pool from :func:`page_table`, each row at its length."""
+    import jax
+    import jax.numpy as jnp
+
+    b = len(lengths)
+    table, num_pages = page_table(lengths, page_size, gen)
+    k = jax.random.split(jax.random.key(0), 3)
+    pages = jax.random.normal(k[0], (num_pages, page_size, c + dr), jnp.bfloat16)
+    q_lat = jax.random.normal(k[1], (b, 1, heads, c), jnp.bfloat16)
+    q_rot = jax.random.normal(k[2], (b, 1, heads, dr), jnp.bfloat16)
+    return q_lat, q_rot, pages, None, jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
+
+
 def timed(fn, calls: int) -> float:
     """ms per call of ``fn()`` over ``calls`` back-to-back calls (after the caller's warm-up)."""
     import jax
@@ -85,21 +100,15 @@ def timed(fn, calls: int) -> float:
 
 def attention_case(cfg, lengths: list[int], args, gbps: float) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from pallas_kernels import paged_latent_attention as pla
     from pallas_kernels.registry import selections
 
     b, h, c, dr = len(lengths), cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    table, num_pages = page_table(lengths, args.page_size, args.gen)
-    k = jax.random.split(jax.random.key(0), 3)
-    pages = jax.random.normal(k[0], (num_pages, args.page_size, c + dr), jnp.bfloat16)
-    q_lat = jax.random.normal(k[1], (b, 1, h, c), jnp.bfloat16)
-    q_rot = jax.random.normal(k[2], (b, 1, h, dr), jnp.bfloat16)
-    table, pos = jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
+    args_ = attention_inputs(lengths, h, c, dr, args.page_size, args.gen)
+    table = args_[4]
     scale = (cfg.qk_nope_head_dim + dr) ** -0.5
-    args_ = (q_lat, q_rot, pages, None, table, pos)
     gather = jax.jit(lambda *a: pla.paged_attention_reference(*a[:6], scale))
     want = np.asarray(jax.block_until_ready(gather(*args_)), np.float32)
     nbytes = sum(n + 1 for n in lengths) * (c + dr) * 2

@@ -31,11 +31,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from benchmarks.decode import copy_bandwidth_gbps
-    from benchmarks.paged_decode import LENGTHS, page_table, timed
+    from benchmarks.paged_decode import LENGTHS, attention_inputs, timed
     from pallas_kernels import paged_latent_attention as pla
 
     old = None
@@ -44,14 +43,9 @@ def main() -> None:
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
     lengths = [int(x) for x in LENGTHS.split(",")]
-    b, h, c, dr, s_len = len(lengths), 96, 512, 64, 16
-    table, num_pages = page_table(lengths, s_len, 128)
-    k = jax.random.split(jax.random.key(0), 3)
-    pages = jax.random.normal(k[0], (num_pages, s_len, c + dr), jnp.bfloat16)
-    q_lat = jax.random.normal(k[1], (b, 1, h, c), jnp.bfloat16)
-    q_rot = jax.random.normal(k[2], (b, 1, h, dr), jnp.bfloat16)
+    c, dr = 512, 64
+    operands = attention_inputs(lengths, 96, c, dr, 16, 128)
     scale = 192 ** -0.5
-    operands = (q_lat, q_rot, pages, None, jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
     gather = jax.jit(lambda *a: pla.paged_attention_reference(*a, scale))
     want = np.asarray(gather(*operands), np.float32)
     nbytes = sum(n + 1 for n in lengths) * (c + dr) * 2

@@ -369,8 +369,8 @@ def paged_attention_tpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, pa
 
 
 def _triton_kernel(pos_ref, last_ref, base_ref, table_ref, q_lat_ref, q_rot_ref, rows_ref, m_ref, l_ref, acc_ref,
-                   *, scale: float, c: int, dr: int, heads: int, page_size: int, head_block: int, step: int,
-                   splits: int, interpret: bool):
+                   *, scale: float, c: int, dr: int, heads: int, page_size: int, step: int, splits: int,
+                   interpret: bool):
     hblk, sp, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32, i32 = jnp.float32, jnp.int32
     dt = q_lat_ref.dtype
@@ -382,10 +382,10 @@ def _triton_kernel(pos_ref, last_ref, base_ref, table_ref, q_lat_ref, q_rot_ref,
     chunk = jax.lax.div(n_steps + splits - 1, splits)
     start = sp * chunk
     end = jnp.minimum(start + chunk, n_steps)
-    rows = pl.ds(hblk * head_block, head_block)
+    rows = pl.ds(hblk * HEAD_BLOCK, HEAD_BLOCK)
     q_lat = q_lat_ref[b, rows, :]  # [hb, C]
     q_rot = q_rot_ref[b, rows, :]  # [hb, Dr]
-    row_ids = hblk * head_block + jax.lax.broadcasted_iota(i32, (head_block, 1), 0)
+    row_ids = hblk * HEAD_BLOCK + jax.lax.broadcasted_iota(i32, (HEAD_BLOCK, 1), 0)
     q_at = pos_ref[b] + jax.lax.div(row_ids, i32(heads))  # [hb, 1] position of each query row
     last_pos = pos_ref[b] + q_lat_ref.shape[1] // heads - 1  # of the row's last query
     base = base_ref[0]
@@ -412,7 +412,7 @@ def _triton_kernel(pos_ref, last_ref, base_ref, table_ref, q_lat_ref, q_rot_ref,
         acc = alpha * acc + jax.lax.dot_general(p.astype(dt), lat, nn, precision=prec, preferred_element_type=f32)
         return m_new, l, acc
 
-    init = (jnp.full((head_block, 1), NEG_INF, f32), jnp.zeros((head_block, 1), f32), jnp.zeros((head_block, c), f32))
+    init = (jnp.full((HEAD_BLOCK, 1), NEG_INF, f32), jnp.zeros((HEAD_BLOCK, 1), f32), jnp.zeros((HEAD_BLOCK, c), f32))
     m, l, acc = jax.lax.fori_loop(start, end, body, init)
     m_ref[b, sp, rows, :] = m
     l_ref[b, sp, rows, :] = l
@@ -453,7 +453,7 @@ def paged_attention_triton(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array,
 
         params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     kernel = functools.partial(_triton_kernel, scale=float(scale), c=c, dr=dr, heads=h, page_size=s_len,
-                               head_block=HEAD_BLOCK, step=step, splits=ns, interpret=bool(interpret))
+                               step=step, splits=ns, interpret=bool(interpret))
     m, l, acc = forward_only(pl.pallas_call(
         kernel,
         grid=(th // HEAD_BLOCK, ns, b),
