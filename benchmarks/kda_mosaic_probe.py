@@ -9,8 +9,9 @@ on a ``(chunk, head, sequence)`` grid) against the flattened ``[b * T + rows, h]
 Exit status 1 when a check is off.
 
 ``python3 benchmarks/kda_mosaic_probe.py defect SHAPES``: the per-chunk kernel's five token outputs against its
-reference, twice per shape, on the inputs of the known defect (``pallas_kernels.kda.ops.MOSAIC_GPU_CHUNK_DEFECT``:
-seed ``T``, q not normalised). Exit status 1 when a shape is off.
+reference, twice per shape, on the inputs at which the kernel was wrong while it fed wgmma A operands from registers
+(seed ``T``, q not normalised; wrong at 1x64x1-1x64x32, 4x64x8, 2x64x3, 1x128x1, 1x512x1). Exit status 1 when a
+shape is off.
 
 ``python3 benchmarks/kda_mosaic_probe.py fla-warm SHAPES``: run fla's ``chunk_kda`` forward once per shape (its
 Triton autotuning, cached on disk for the next process), meant to run beside the checks.
@@ -22,6 +23,11 @@ computation of the same intermediate from the same inputs (:func:`tap_references
 the first wrong one; (2) the kernel's five token outputs under each variant of :data:`VARIANTS` (a suspect changed,
 the rest as in production; ``--variants a,b`` picks some). One JSON line per taps build and variant. Exit status 1
 when anything is off. ``--interpret`` runs it in the Mosaic GPU interpreter (CPU).
+
+``python3 benchmarks/kda_mosaic_probe.py time SHAPES [--variants a,b]``: per shape, the per-chunk kernel's time
+under each variant of :data:`VARIANTS` (outputs not checked), then the state pass and the whole forward
+(production). One JSON line each. Run it under ``MOSAIC_GPU_DUMP_PTXAS=1`` to see each kernel's registers and
+spills.
 """
 
 from __future__ import annotations
@@ -303,6 +309,52 @@ VARIANTS = {
 (name -> module attributes): ``register_a`` puts every A operand back in registers (the known defect)."""
 
 
+def _median_ms(fn, *args, iters: int = 20, repeats: int = 5) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters * 1e3)
+    return float(np.median(times))
+
+
+def main_time(arg: str, variants: tuple[str, ...]) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.kda import mosaic_gpu as mg
+    from pallas_kernels.kda import mosaic_gpu_intra as mgi
+    from pallas_kernels.kda.mosaic_gpu_state import state_pass
+
+    print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}), flush=True)
+    for B, T, H in shapes(arg):
+        shape = f"{B}x{T}x{H}"
+        q, k, v, g, beta, _ = inputs(B, T, H, seed=T)
+        args = (q, k, g, jnp.swapaxes(beta, 1, 2))
+        for name in variants:
+            with patched(mgi, **VARIANTS[name]):
+                t0 = time.perf_counter()
+                try:
+                    fn = jax.jit(lambda *a: mgi.intra_chunks(*a, scale=SCALE)).lower(*args).compile()
+                    res = {"compile_s": round(time.perf_counter() - t0, 1), "intra_ms": _median_ms(fn, *args)}
+                except Exception as e:  # noqa: BLE001 - a probe: the failure is reported, the next one runs
+                    res = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            print(json.dumps({"time": shape, "variant": name, **res}), flush=True)
+        parts = jax.jit(lambda *a: mgi.intra_chunks(*a, scale=SCALE))(*args)
+        h0_t = jnp.zeros((B, H, 128, 128), jnp.float32)
+        v_split = mg.default_v_split(B, H)
+        state = jax.jit(lambda p, v, h, vs=v_split: state_pass(*p[:3], v, *p[3:], h, v_split=vs))
+        fwd = jax.jit(lambda *a: mg.chunk_kda_fwd(*a, SCALE))
+        print(json.dumps({"time": shape, "state_pass_ms": _median_ms(state, parts, v, h0_t), "v_split": v_split,
+                          "forward_ms": _median_ms(fwd, q, k, v, g, beta)}), flush=True)
+    return 0
+
+
 def tap_sets() -> dict:
     """The taps builds a shape is probed with: ``all``, and ``outside_tile_loop`` (no tap inside the scope of the
     tile products' accumulators, whose instruction stream then stays as in production)."""
@@ -396,6 +448,13 @@ def main_fla_warm(arg: str) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "time":
+        opts = sys.argv[3:]
+        chosen = opts[opts.index("--variants") + 1].split(",") if "--variants" in opts else list(VARIANTS)
+        unknown = sorted(set(chosen) - set(VARIANTS))
+        if unknown:
+            sys.exit(f"--variants: unknown {unknown}; expected names from {list(VARIANTS)}")
+        sys.exit(main_time(sys.argv[2], tuple(chosen)))
     if sys.argv[1] == "stages":
         opts = sys.argv[3:]
         chosen = opts[opts.index("--variants") + 1].split(",") if "--variants" in opts else list(VARIANTS)

@@ -10,10 +10,6 @@ description of the call (target platform, dtype, head dims, gate bound, ...). Se
   is never silent), else at INFO; :func:`selections` lists every choice made in this process (benchmark output).
 * a backend name: that backend, or :class:`KernelUnavailable` with its reason.
 
-A backend with a known defect is *withheld* (:attr:`Backend.withheld` = the defect): ``"auto"`` passes over it
-(its reason: why it cannot run the call, else the defect), and an explicit choice still runs it (benchmarks, the
-fix's tests), logged at WARNING with the defect.
-
 Backend names say what runs: ``xla`` (the plain-JAX reference, compiled by XLA), ``mosaic_tpu`` (Pallas on
 Mosaic TPU), ``triton`` (Pallas on Triton, GPU), ``mosaic_gpu`` (Pallas on Mosaic GPU, sm_90: the MoE grouped
 matmul, the KDA chunk forward), ``cudnn`` (cuDNN fused attention). The Triton backends exist only while this JAX
@@ -66,13 +62,11 @@ class KernelUnavailable(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """One implementation of an op: ``supports(call)`` is None when it can run ``call``, else the reason.
-    ``withheld``: None, or a known defect for which ``"auto"`` never picks it (module docstring)."""
+    """One implementation of an op: ``supports(call)`` is None when it can run ``call``, else the reason."""
 
     name: str
     summary: str
     supports: Callable[[Any], str | None]
-    withheld: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +148,6 @@ class Registry:
         passed: list[tuple[str, str]] = []
         for b in self.backends:
             reason = b.supports(call)
-            if reason is None and b.withheld:
-                reason = f"withheld from auto: {b.withheld}"
             if reason is None:
                 return Selection(self.op, "auto", b.name, call, tuple(passed))
             passed.append((b.name, reason))
@@ -167,9 +159,7 @@ class Registry:
             _SELECTIONS[key] = sel
             platform = getattr(sel.call, "platform", None)
             fallback = sel.backend == "xla" and sel.requested == "auto" and platform in KERNEL_PLATFORMS
-            withheld = self._by_name[sel.backend].withheld
-            logger.log(logging.WARNING if fallback or withheld else logging.INFO, "kernel choice %s%s",
-                       sel.describe(), f" [known defect: {withheld}]" if withheld else "")
+            logger.log(logging.WARNING if fallback else logging.INFO, "kernel choice %s", sel.describe())
         return sel
 
 

@@ -28,15 +28,15 @@ def _call(platform="gpu", cc=9.0, dtype="bfloat16", shape=K3, chunk=64, gate_bou
 
 
 @pytest.mark.parametrize("call, want, why", [
-    (_call(), "triton", "withheld from auto"),  # sm_90+: the Mosaic forward has a known defect (ops docstring)
-    (_call(shape=(8, 4096, 32, 128, 128)), "triton", "withheld from auto"),
+    (_call(), "mosaic_gpu", None),  # sm_90+
+    (_call(shape=(8, 4096, 32, 128, 128)), "mosaic_gpu", None),
     (_call(cc=8.0), "triton", "compute capability >= 9.0"),  # A100 / L4 / T4 class
     (_call(packed=True), "triton", "packed sequences"),
     (_call(dtype="float32"), "triton", "bfloat16"),
     (_call(platform="cpu", cc=None), "xla", "target is cpu"),
 ])
 def test_auto_order_with_triton_shipped(monkeypatch, caplog, call, want, why):
-    """While JAX ships Triton: triton on a GPU (the withheld mosaic_gpu passed over with its defect, or with why it
+    """While JAX ships Triton: mosaic_gpu on sm_90+, else triton on a GPU (mosaic_gpu passed over with why it
     cannot run the call), else the XLA reference; the choice is logged with each passed-over backend's reason."""
     monkeypatch.setattr(registry, "TRITON_SHIPPED", True)
     monkeypatch.setattr(registry, "_SELECTIONS", {})
@@ -44,12 +44,13 @@ def test_auto_order_with_triton_shipped(monkeypatch, caplog, call, want, why):
         sel = ops.CHUNK.select("auto", call)
     assert sel.backend == want
     assert f"kernel choice kda.chunk: {want} (auto" in caplog.text, caplog.text
-    assert why in dict(sel.passed_over)["mosaic_gpu"]
+    if why is not None:
+        assert why in dict(sel.passed_over)["mosaic_gpu"]
 
 
 @pytest.mark.parametrize("call, want, why", [
-    (_call(), "xla", "withheld from auto"),
-    (_call(shape=(2, 100, 3, 128, 128)), "xla", "withheld from auto"),
+    (_call(), "mosaic_gpu", None),
+    (_call(shape=(2, 100, 3, 128, 128)), "mosaic_gpu", None),
     (_call(cc=8.0), "xla", "compute capability >= 9.0"),  # A100 / L4 / T4 class
     (_call(cc=None), "xla", "unknown"),
     (_call(packed=True), "xla", "packed sequences"),
@@ -60,26 +61,17 @@ def test_auto_order_with_triton_shipped(monkeypatch, caplog, call, want, why):
     (_call(platform="cpu", cc=None), "xla", "target is cpu"),
 ])
 def test_auto_order_once_jax_drops_triton(monkeypatch, call, want, why):
-    """Without the Pallas Triton backend: the XLA reference (mosaic_gpu withheld, or unable to run the call), each
-    passed-over backend with its reason."""
+    """Without the Pallas Triton backend: mosaic_gpu on sm_90+, else the XLA reference, each passed-over backend
+    with its reason."""
     monkeypatch.setattr(registry, "TRITON_SHIPPED", False)
     sel = ops.CHUNK.select("auto", call, record=False)
     assert sel.backend == want
     passed = dict(sel.passed_over)
+    if why is None:
+        return
     if call.platform == "gpu":
         assert "no longer ships" in passed["triton"]
     assert why in passed["mosaic_gpu"]
-
-
-def test_withheld_mosaic_gpu_runs_when_named_with_a_warning(monkeypatch, caplog):
-    """The withheld chunk forward still runs when named (benchmarks, the fix's tests), logged at WARNING with the
-    defect."""
-    monkeypatch.setattr(registry, "_SELECTIONS", {})
-    with caplog.at_level("INFO", logger=registry.logger.name):
-        sel = ops.CHUNK.select("mosaic_gpu", _call())
-    assert sel.backend == "mosaic_gpu"
-    [rec] = [r for r in caplog.records if "kda.chunk" in r.getMessage()]
-    assert rec.levelname == "WARNING" and "known defect" in rec.getMessage() and "1x64x2" in rec.getMessage()
 
 
 def check_explicit_mosaic_gpu(registry, make_call) -> None:
@@ -223,12 +215,10 @@ def test_gpu_per_chunk_kernel_matches_its_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="known defect (ops.MOSAIC_GPU_CHUNK_DEFECT): a pass means it is fixed, and "
-                   "mosaic_gpu may return to auto")
 @pytest.mark.parametrize("B, T, H", [(1, 64, 2), (1, 128, 1), (1, 512, 1), (4, 64, 8)])
 def test_gpu_per_chunk_kernel_at_the_defect_shapes(B, T, H):
     """The shapes (and inputs: seed ``T``, q not normalised) at which the H200 gave wrong ``A_qk`` / ``W`` / ``X'``
-    (benchmarks/RESULTS.md, 2026-12-02)."""
+    while the kernel fed wgmma A operands from registers (benchmarks/RESULTS.md)."""
     if not _hopper():
         pytest.skip("needs an sm_90+ GPU")
     from benchmarks.kda_mosaic_probe import inputs

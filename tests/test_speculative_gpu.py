@@ -3,11 +3,12 @@
 * the plain engine's cached forward (two prompts served at once: prefill pieces of 64 + 1 and 32 + 8 + 4 + 1 tokens,
   with ``auto`` also 64 · 3 + 8 and 64 · 2 + 32 + 16 + 4; then decode steps) against the uncached full forward of the
   prompt and the generated tokens (KDA and experts in plain XLA), teacher-forced on the engine's tokens, per
-  backend, so a failure names it: KDA ``auto`` (the Triton kernels: the Mosaic GPU chunk forward is withheld) and
+  backend, so a failure names it: KDA ``auto`` (on sm_90+ the Mosaic GPU chunk forward, else Triton) and
   ``xla``; experts ``auto`` (the Triton kernel, which reads the stacked expert weights in place in every cached
   forward on one device) and ``xla``;
 * the Mosaic GPU chunk forward at the engine's prefill-piece shapes (one chunk: T = 64, 33, 1, with an initial
-  state and the final state) against the fp32 reference: T = 64 and 33 are its known defect (strict xfail);
+  state and the final state) against the fp32 reference (T = 64 and 33 were wrong while its per-chunk kernel fed
+  wgmma A operands from registers);
 * the speculative engine with a random draft: finite log-probabilities, an acceptance a random draft can reach
   (a degenerate forward accepts every draft), and greedy output equal to the plain engine's up to a near-tie.
 
@@ -105,12 +106,8 @@ def test_gpu_engine_matches_full_forward_per_backend(kda, moe, prompt_len):
     check_engine_against_full_forward(kda, moe, prompt_len)
 
 
-_DEFECT = pytest.mark.xfail(strict=True, reason="the Mosaic GPU per-chunk kernel's known defect at one-chunk "
-                             "shapes (pallas_kernels.kda.ops.MOSAIC_GPU_CHUNK_DEFECT): a pass means it is fixed")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [pytest.param(64, marks=_DEFECT), pytest.param(33, marks=_DEFECT), 1])
+@pytest.mark.parametrize("t", [64, 33, 1])
 def test_gpu_mosaic_chunk_forward_at_prefill_piece_shapes(t):
     from pallas_kernels.attention import visible_gpu_compute_capability
     from pallas_kernels.kda import mosaic_gpu

@@ -5,12 +5,14 @@ views (rows ``b * Tp + 64 c``), ``beta`` as ``[B * H, Tp]``, ``decay`` as ``[B *
 
 Per chunk of 64 tokens (TMA loads of ``q, k, g, beta``; every product on wgmma with **both operands in shared
 memory** (bf16, fp32 accumulation): wgmma reading its A operand from registers gave wrong results on the H200 at
-some shapes, ``kda.ops.MOSAIC_GPU_CHUNK_DEFECT``):
+some shapes (1x64x2, 1x128x1, 4x64x8, ...: ``benchmarks/kda_mosaic_probe.py defect``)):
 
 * ``G`` = the chunk-local cumulative sums of ``g``, one product ``S g`` with the ``[64, 64]`` 0 / 1 selector ``S``
   (``S[i, t] = [t <= i]``); ``g`` is split into two bf16 terms, ``g_hi + g_lo``, so each sum is exact to ~2^-17
   relative. Every other decay exponent is a difference of ``G`` and one of its rows (``m_b`` = ``G`` at the token
-  before 16-token tile ``b``, 0 for tile 0; ``G_C`` = its last row), taken in registers.
+  before 16-token tile ``b``, 0 for tile 0; ``G_C`` = its last row), taken in registers. The rows are read back
+  through shared memory (``G`` stored once, four rows copied to a small buffer and loaded where used), not by
+  reductions over the rows of a register value: those cross warps and cost more than the rest of the kernel.
 * The 16-token tiles of ``A_kk`` and ``A_qk`` with factored decay (the K3 gate bound ``g >= -5``): column tile
   ``b`` takes the reference point ``m_b``; rows ``k_i e^{min(G_i - m_b, 0)}`` (exact for the rows ``i >= 16 b``
   that the causal mask keeps, where ``G_i <= m_b``) meet columns ``k_j e^{m_b - G_j}`` (exponent ``<= 80``) in
@@ -66,7 +68,8 @@ register value."""
 class _Smem:
     """Shared memory of one CTA. ``ghi`` / ``glo`` (``g`` split) alias the four staging buffers ``st`` (A operands
     of the tile products and of the Neumann steps), first written after ``G`` is formed. ``g`` (the loaded
-    log-decay) aliases ``w`` and ``x``, first written after ``g`` was split. ``aqk``: the ``"cum"`` selector ->
+    log-decay) aliases ``gs`` (``G``, untiled, written after ``g`` was split and read once to fill ``rows``) and
+    ``w`` and ``x`` (first written after that). ``aqk``: the ``"cum"`` selector ->
     the causal ``A_qk``; ``w``: the column operand of ``A`` -> ``e^G k`` -> ``-W``; ``x``: the Neumann powers ->
     ``X'``; ``q``: ``q`` -> ``qg``; ``k``: ``k`` -> ``kd``."""
 
@@ -79,6 +82,8 @@ class _Smem:
     glo: object  # [64, 128] bf16: g - ghi
     st: tuple  # 4 x [64, 64] bf16 (alias ghi, glo)
     g: object  # [64, 128] f32
+    gs: object  # [64, 128] f32 untiled (aliases g)
+    rows: object  # [4 * 128] f32: G at tokens 15, 31, 47, 63
     w: object  # [64, 128] bf16 (aliases g)
     x: object  # [64, 64] bf16 (aliases g)
 
@@ -99,11 +104,6 @@ def _iota(dim: int):
 
 def _ones(cond):
     return jnp.where(cond, 1.0, 0.0)
-
-
-def _row(x, r: int):
-    """Row ``r`` of a ``[64, n]`` register value, as a per-column ``[n]`` vector."""
-    return jnp.sum(jnp.where(_iota(0) == r, x, 0.0), axis=0)
 
 
 def _load(ref, cols):
@@ -133,21 +133,45 @@ def _split_gate(s: _Smem) -> None:
     plgpu.commit_smem()
 
 
+def _store_with_conflicts(ref, value) -> None:
+    """``ref[...] = value`` into an untiled ref from the WGMMA layout (bank conflicts allowed: no conflict-free
+    pattern exists there). jax 0.12 needs ``plgpu.store(..., optimized=False)`` for that; 0.11 has no
+    ``plgpu.store`` and stores untiled refs that way already."""
+    store = getattr(plgpu, "store", None)
+    if store is None:
+        ref[...] = value
+    else:
+        store(ref, value, optimized=False)
+
+
 def _cumsums(s: _Smem, tap: Tap):
-    """``(G, m)``: per half of K, ``G`` ``[64, 64]`` f32 and ``m[b]`` (``[64]``: ``G`` at the token before tile
-    ``b``; None for tile 0, where it is 0)."""
+    """``G``: per half of K, ``[64, 64]`` f32; its rows at the last token of each tile into ``s.rows``."""
     G = [_products(s.aqk, (s.ghi.at[:, cols], s.glo.at[:, cols]), HALF) for cols in HALVES]
-    for h in range(2):
+    for h, cols in enumerate(HALVES):
         _emit(tap, f"p_cum{h}", G[h])
-    m = [[None] + [_row(G[h], SUB * b - 1) for b in range(1, TILES)] for h in range(2)]
-    return G, m
+        _store_with_conflicts(s.gs.at[:, cols], G[h])
+    plgpu.commit_smem()
+    for b in range(TILES):
+        s.rows.at[pl.ds(b * HEAD_DIM, HEAD_DIM)][...] = s.gs[SUB * (b + 1) - 1]
+    plgpu.commit_smem()  # every thread's reads of gs are done before w / x (aliasing it) are written
+    return G
 
 
-def _column_operand(s: _Smem, G, m, tap: Tap) -> None:
+def _tile_row(s: _Smem, b: int, h: int):
+    """``G`` at the last token of tile ``b``, half ``h`` of K: a per-column ``[64]`` vector."""
+    return plgpu.layout_cast(s.rows[pl.ds(b * HEAD_DIM + h * HALF, HALF)], plgpu.Layout.WGMMA.reduce(0))
+
+
+def _m(s: _Smem, b: int, h: int):
+    """``m_b`` (``G`` at the token before tile ``b``) for half ``h``; None for tile 0, where it is 0."""
+    return None if b == 0 else _tile_row(s, b - 1, h)
+
+
+def _column_operand(s: _Smem, G, tap: Tap) -> None:
     """``s.w <- k e^{m_{tile(i)} - G_i}``: the column operand of every ``A`` tile (committed for wgmma)."""
     tile = lax.div(_iota(0), SUB)
     for h, cols in enumerate(HALVES):
-        start = sum(jnp.where(tile == b, bcast_cols(m[h][b]), 0.0) for b in range(1, TILES))
+        start = sum(jnp.where(tile == b, bcast_cols(_m(s, b, h)), 0.0) for b in range(1, TILES))
         p_col = start - G[h]
         _emit(tap, f"p_col{h}", p_col)
         s.w[:, cols] = (_load(s.k, cols) * jnp.exp(p_col)).astype(BF16)
@@ -156,7 +180,7 @@ def _column_operand(s: _Smem, G, m, tap: Tap) -> None:
         tap("w_col", _load(s.w, slice(0, HEAD_DIM)))
 
 
-def _decayed_products(s: _Smem, G, m, scale: float, tap: Tap):
+def _decayed_products(s: _Smem, G, scale: float, tap: Tap):
     """The 16-token tiles of ``A_kk`` and ``A_qk`` (``[64, 64]`` f32 each, entries above the diagonal tile
     undefined): column tile ``b`` = ``(k e^{G - m_b}) (k e^{m_b - G})^T`` over the tile's columns. The row
     operands go through the staging pairs ``st[0:2]``, ``st[2:4]`` in turn."""
@@ -166,7 +190,7 @@ def _decayed_products(s: _Smem, G, m, scale: float, tap: Tap):
         for b in range(TILES):
             out = slice(SUB * b, SUB * (b + 1))
             for h, cols in enumerate(HALVES):
-                p_row = G[h] if m[h][b] is None else G[h] - bcast_cols(m[h][b])
+                p_row = G[h] if b == 0 else G[h] - bcast_cols(_m(s, b, h))
                 e = jnp.exp(jnp.minimum(p_row, 0.0))  # rows above tile b: masked later
                 _emit(tap, f"p_row{b}_{h}", p_row)
                 _emit(tap, f"e{b}_{h}", e)
@@ -215,9 +239,9 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
     wg = plgpu.Layout.WGMMA
     r64, c64 = _iota(0), _iota(1)
     _split_gate(s)
-    G, m = _cumsums(s, tap)
-    _column_operand(s, G, m, tap)
-    akk, aqk = _decayed_products(s, G, m, scale, tap)
+    G = _cumsums(s, tap)
+    _column_operand(s, G, tap)
+    akk, aqk = _decayed_products(s, G, scale, tap)
     _emit(tap, "akk", akk)
     _emit(tap, "aqk", aqk)
     beta_row = plgpu.layout_cast(s.beta[...], wg.reduce(1))
@@ -225,7 +249,7 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
     _emit(tap, "n", n)
     s.aqk[...] = jnp.where(r64 >= c64, aqk, 0.0).astype(BF16)
     for h, cols in enumerate(HALVES):
-        g_last = _row(G[h], CHUNK - 1)
+        g_last = _tile_row(s, TILES - 1, h)
         s.decay.at[cols][...] = jnp.exp(g_last)
         e_g = jnp.exp(G[h])
         kf = _load(s.k, cols)
@@ -267,7 +291,8 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None, taps: tuple[s
     smem = (
         (buf(K), buf(K), buf(CHUNK), plgpu.SMEM((CHUNK,), F32), plgpu.SMEM((K,), F32)),
         plgpu.RefUnion((buf(K), buf(K)), tuple(buf(CHUNK) for _ in range(4))),
-        plgpu.RefUnion((buf(K, F32),), (buf(K), buf(CHUNK))),
+        plgpu.RefUnion((buf(K, F32),), (plgpu.SMEM((CHUNK, K), F32),), (buf(K), buf(CHUNK))),
+        plgpu.SMEM((TILES * K,), F32),
     )
     rows_view = lambda x: x.reshape(B * Tp, H, x.shape[-1])
     n_outs = 6 + len(taps or ())
@@ -276,8 +301,8 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None, taps: tuple[s
         qg_ref, kd_ref, wn_ref, x_ref, aqk_ref, decay_ref = refs[:6]
         tap_refs = dict(zip(taps or (), refs[6:n_outs], strict=True))
         smem_refs, loaded = refs[n_outs:]
-        fixed, ((ghi, glo), st), ((g,), (w, x)) = smem_refs
-        s = _Smem(*fixed, ghi=ghi, glo=glo, st=tuple(st), g=g, w=w, x=x)
+        fixed, ((ghi, glo), st), ((g,), (gs,), (w, x)), rows = smem_refs
+        s = _Smem(*fixed, ghi=ghi, glo=glo, st=tuple(st), g=g, gs=gs, rows=rows, w=w, x=x)
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         h = lax.rem(bh, H)
         rows = pl.ds(lax.div(bh, H) * Tp + c * CHUNK, CHUNK)  # this chunk's rows of the [B * Tp, H, D] views

@@ -13,8 +13,7 @@ the call, an explicit name that cannot run raises with the reason):
   ``xla``.
 
 Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`; faster than the Triton forward on
-the H200 in a same-run comparison, benchmarks/RESULTS.md) -- but it is *withheld* from ``auto``
-(:data:`MOSAIC_GPU_CHUNK_DEFECT`: wrong results at some shapes on the H200) and runs only when named --, then
+the H200 in a same-run comparison, benchmarks/RESULTS.md), then
 ``triton`` while JAX ships the Pallas Triton backend (``registry.TRITON_SHIPPED``), then ``xla``. The decode table
 puts ``triton`` ahead of ``mosaic_gpu``.
 
@@ -154,19 +153,12 @@ def _mosaic_gpu_decode(call: KdaCall) -> str | None:
     return _first(arch, _decode_reason(call), mosaic_gpu_decode.supports_reason(dtype=call.dtype, k=k, v=v))
 
 
-MOSAIC_GPU_CHUNK_DEFECT = (
-    "its per-chunk kernel, with wgmma reading A operands from registers, gave wrong A_qk / W / X' on the H200 at some "
-    "shapes (B x T x H = 1x64x1 to 1x64x32, 4x64x8, 2x64x3, 1x128x1, 1x512x1; right at 2x64x2, 1x128x2, 1x256x8, "
-    "2x256x3; the Mosaic GPU interpreter right); staging those operands through shared memory was right at 1x64x2, "
-    "2x64x2, 1x128x1, 2x256x3. The kernel now reads every wgmma operand from shared memory, not yet run on a GPU: "
-    "issue #22, benchmarks/RESULTS.md")
-"""Why ``auto`` does not pick the Mosaic GPU chunk forward (:data:`CHUNK`), until an H200 run shows it fixed."""
 XLA = Backend("xla", "pure-JAX reference (any g <= 0, any dtype and head dims)", lambda call: None)
 CHUNK = Registry("kda.chunk", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU chunk forward + backward kernels", _tpu_chunk),
     Backend("mosaic_gpu", "Pallas Mosaic GPU chunk forward (sm_90 wgmma + TMA: a per-chunk kernel over all chunks, "
             "then a warp-specialised state pass); backward: the Triton kernels while shipped, else the reference "
-            "VJP", _mosaic_gpu_chunk, withheld=MOSAIC_GPU_CHUNK_DEFECT),
+            "VJP", _mosaic_gpu_chunk),
     Backend("triton", "Pallas Triton chunk forward (5 kernels) + backward (9 kernels)", _triton_chunk),
     XLA,
 ), ALIASES)
