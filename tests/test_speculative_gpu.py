@@ -158,5 +158,6 @@ def check_speculative_engine(dtype: str = "bfloat16") -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(420)  # compiles the most programs of the GPU suite, each with the Mosaic GPU KDA kernels
 def test_gpu_speculative_engine_with_a_random_draft():
     check_speculative_engine()
