@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import resource
 import sys
 import time
@@ -105,7 +106,9 @@ def test_notebook_executes_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("XLA_FLAGS", "")  # one host device (conftest asks for 8 for the sharding tests)
+    # one host device (conftest asks for 8 for the sharding tests); conftest's compile flags (-O0) stay
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")  # plots render as in Jupyter
     monkeypatch.setenv("K3_NOTEBOOK_OUT", str(tmp_path / "out"))
     for k, v in TEST_ENV.items():

@@ -101,7 +101,9 @@ def test_pruned_draft_train_step_on_a_mesh_equals_one_device(monkeypatch):
     placed = draft_training.place_on_mesh(K3ForCausalLM(cfg), (jnp.zeros((1, 1), jnp.int32),), target, mesh, "train")
     sharded_losses, sharded = run(mesh, placed)
     np.testing.assert_allclose(sharded_losses, losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), sharded["params"],
+    # Adam divides by the gradients' own scale, so the step of an entry whose gradient is near zero follows its
+    # rounding (seen: 3.3e-6 on one of 8,192): the tolerance is 0.1% of a step at lr (a wrong gradient moves ~lr)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3 * dtc.lr), sharded["params"],
                  state["params"])
     init = draft_training.init_state(cfg, dcfg, dtc, target, vocab_map)["params"]
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(state["params"]),
