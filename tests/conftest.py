@@ -55,17 +55,8 @@ def pytest_configure(config):
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
-LONGEST_FILES = ("test_notebook.py", "test_multihost.py", "test_serving_paged_engine.py", "test_kda_ops.py",
-                 "test_model.py", "test_speculative.py", "test_sharding_model.py")
-"""The files that take longest on two CPU workers (``--durations``), longest first: collected first, so that with
-``--dist loadfile`` they start at once and the short files fill in around them instead of queueing behind."""
-
-
 def pytest_collection_modifyitems(config, items):
-    """:data:`LONGEST_FILES` first (the rest in their usual order); tests marked ``gpu`` skip, with one reason,
-    unless JAX's default backend is a GPU."""
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+    """Tests marked ``gpu`` skip, with one reason, unless JAX's default backend is a GPU."""
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
