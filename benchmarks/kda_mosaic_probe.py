@@ -309,27 +309,16 @@ VARIANTS = {
 (name -> module attributes): ``register_a`` puts every A operand back in registers (the known defect)."""
 
 
-def _median_ms(fn, *args, iters: int = 20, repeats: int = 5) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters * 1e3)
-    return float(np.median(times))
-
-
 def main_time(arg: str, variants: tuple[str, ...]) -> int:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.kda import time_jax
     from pallas_kernels.kda import mosaic_gpu as mg
     from pallas_kernels.kda import mosaic_gpu_intra as mgi
     from pallas_kernels.kda.mosaic_gpu_state import state_pass
+
+    median_ms = lambda fn, *a: time_jax(fn, *a, iters=20, repeats=5)
 
     print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}), flush=True)
     for B, T, H in shapes(arg):
@@ -341,7 +330,7 @@ def main_time(arg: str, variants: tuple[str, ...]) -> int:
                 t0 = time.perf_counter()
                 try:
                     fn = jax.jit(lambda *a: mgi.intra_chunks(*a, scale=SCALE)).lower(*args).compile()
-                    res = {"compile_s": round(time.perf_counter() - t0, 1), "intra_ms": _median_ms(fn, *args)}
+                    res = {"compile_s": round(time.perf_counter() - t0, 1), "intra_ms": median_ms(fn, *args)}
                 except Exception as e:  # noqa: BLE001 - a probe: the failure is reported, the next one runs
                     res = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             print(json.dumps({"time": shape, "variant": name, **res}), flush=True)
@@ -350,8 +339,8 @@ def main_time(arg: str, variants: tuple[str, ...]) -> int:
         v_split = mg.default_v_split(B, H)
         state = jax.jit(lambda p, v, h, vs=v_split: state_pass(*p[:3], v, *p[3:], h, v_split=vs))
         fwd = jax.jit(lambda *a: mg.chunk_kda_fwd(*a, SCALE))
-        print(json.dumps({"time": shape, "state_pass_ms": _median_ms(state, parts, v, h0_t), "v_split": v_split,
-                          "forward_ms": _median_ms(fwd, q, k, v, g, beta)}), flush=True)
+        print(json.dumps({"time": shape, "state_pass_ms": median_ms(state, parts, v, h0_t), "v_split": v_split,
+                          "forward_ms": median_ms(fwd, q, k, v, g, beta)}), flush=True)
     return 0
 
 
@@ -447,19 +436,19 @@ def main_fla_warm(arg: str) -> int:
     return 0
 
 
+def _variants_option(opts: list[str]) -> tuple[str, ...]:
+    """``--variants a,b`` from ``opts`` (every variant when absent); exits naming any unknown one."""
+    chosen = opts[opts.index("--variants") + 1].split(",") if "--variants" in opts else list(VARIANTS)
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        sys.exit(f"--variants: unknown {unknown}; expected names from {list(VARIANTS)}")
+    return tuple(chosen)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "time":
-        opts = sys.argv[3:]
-        chosen = opts[opts.index("--variants") + 1].split(",") if "--variants" in opts else list(VARIANTS)
-        unknown = sorted(set(chosen) - set(VARIANTS))
-        if unknown:
-            sys.exit(f"--variants: unknown {unknown}; expected names from {list(VARIANTS)}")
-        sys.exit(main_time(sys.argv[2], tuple(chosen)))
+        sys.exit(main_time(sys.argv[2], _variants_option(sys.argv[3:])))
     if sys.argv[1] == "stages":
         opts = sys.argv[3:]
-        chosen = opts[opts.index("--variants") + 1].split(",") if "--variants" in opts else list(VARIANTS)
-        unknown = sorted(set(chosen) - set(VARIANTS))
-        if unknown:
-            sys.exit(f"--variants: unknown {unknown}; expected names from {list(VARIANTS)}")
-        sys.exit(main_stages(sys.argv[2], interpret="--interpret" in opts, variants=tuple(chosen)))
+        sys.exit(main_stages(sys.argv[2], interpret="--interpret" in opts, variants=_variants_option(opts)))
     sys.exit({"check": main_check, "defect": main_defect, "fla-warm": main_fla_warm}[sys.argv[1]](sys.argv[2]))
