@@ -418,7 +418,8 @@ def jax_part(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     cfg, params = load_checkpoint(args.ckpt, dtype=dtype)
     if args.jax_impl == "reference":
-        cfg = cfg.replace(kda_implementation="reference", moe_implementation="reference")
+        cfg = cfg.replace(kda_implementation="reference", kda_decode_implementation="reference",
+                          kda_verify_implementation="reference", moe_implementation="reference")
     if dtype == "float32":  # XLA:CPU cannot run the bf16 dots; bf16 -> f32 is exact
         params = jax.tree.map(lambda x: np.asarray(x, np.float32) if x.dtype == jnp.bfloat16 else x, params)
     params = jax.device_put(params)
@@ -594,7 +595,8 @@ def jax_part(args: argparse.Namespace) -> None:
                 )
                 if attempt or run_cfg.moe_implementation == "reference" or not args.jax_fallback:
                     break
-                run_cfg = cfg.replace(kda_implementation="reference", moe_implementation="reference")
+                run_cfg = cfg.replace(kda_implementation="reference", kda_decode_implementation="reference",
+                                      kda_verify_implementation="reference", moe_implementation="reference")
         last = time.perf_counter() - tb
     if not checked and deadline - time.perf_counter() > last:
         try:
@@ -603,7 +605,9 @@ def jax_part(args: argparse.Namespace) -> None:
             emit({"part": "jax", "event": "check", "error": f"{type(e).__name__}: {e}"[:600]})
     if dtype != args.check_dtype:  # the compared check: pure-JAX reference kernels, fp32 with HIGHEST dots
         try:
-            ccfg = cfg.replace(dtype=args.check_dtype, kda_implementation="reference", moe_implementation="reference")
+            ccfg = cfg.replace(dtype=args.check_dtype, kda_implementation="reference",
+                               kda_decode_implementation="reference", kda_verify_implementation="reference",
+                               moe_implementation="reference")
             cparams = jax.tree.map(lambda x: x.astype(args.check_dtype) if x.dtype == jnp.bfloat16 else x, params)
             precision = "highest" if args.check_dtype == "float32" else None
             with jax.default_matmul_precision(precision):

@@ -232,7 +232,8 @@ def main() -> None:
     p.add_argument("--pipelined-calls", type=int, default=8)
     p.add_argument("--dtype", default="")
     p.add_argument("--kda-implementation", default="",
-                   help="the engines' K3Config.kda_implementation (default: the config's, auto)")
+                   help="the engines' K3Config.kda_implementation: the chunked form of prefill "
+                        "(decode and verify keep their own fields; default: the config's, auto)")
     p.add_argument("--moe-implementation", default="",
                    help="the engines' K3Config.moe_implementation (default: the config's, auto)")
     p.add_argument("--head-vocab", type=int, default=0,

@@ -95,7 +95,12 @@ class K3Config:
     kda_chunk_size: int = 64
     # Kernel choices: "auto" (the first backend of the op's registry that supports the call; logged) or a backend
     # name, which raises with the reason when it cannot run. `python -m k3_jax.kernels CONFIG` explains them.
-    kda_implementation: str = "auto"  # pallas_kernels.kda.ops.CHUNK / DECODE: mosaic_tpu | triton | xla
+    # KDA, one field per op: the chunked form (training, prefill): pallas_kernels.kda.ops.CHUNK; the one-token
+    # decode step on the state pool: kda.ops.DECODE; the speculative verify pass (T tokens, every state kept):
+    # kda.verify.VERIFY
+    kda_implementation: str = "auto"  # mosaic_tpu | mosaic_gpu | triton | xla
+    kda_decode_implementation: str = "auto"  # mosaic_tpu | triton | mosaic_gpu | xla
+    kda_verify_implementation: str = "auto"  # mosaic_tpu | triton | xla
     moe_implementation: str = "auto"  # pallas_kernels.moe.ops.EXPERT_FFN: mosaic_tpu | triton | xla
     # expert parallelism over the `expert` mesh axis: "auto" = "allgather" when that axis has size > 1 and the
     # expert FFN is not explicitly "xla" (then XLA partitions the pure-JAX MoE), "none" otherwise
@@ -268,12 +273,15 @@ def _validate_kernel_choices(c: K3Config) -> None:
     """The kernel fields name backends of their registries (imported here: the registries import jax)."""
     from pallas_kernels.attention import ATTENTION  # noqa: PLC0415
     from pallas_kernels.kda.ops import CHUNK  # noqa: PLC0415
+    from pallas_kernels.kda.ops import DECODE as KDA_DECODE  # noqa: PLC0415
+    from pallas_kernels.kda.verify import VERIFY  # noqa: PLC0415
     from pallas_kernels.mla_decode import DECODE as MLA_DECODE  # noqa: PLC0415
     from pallas_kernels.moe.ops import EXPERT_FFN  # noqa: PLC0415
     from pallas_kernels.paged_latent_attention import PAGED_DECODE  # noqa: PLC0415
     from pallas_kernels.prefix_attention import PREFIX_ATTENTION  # noqa: PLC0415
 
-    for key, reg in (("kda_implementation", CHUNK), ("moe_implementation", EXPERT_FFN),
+    for key, reg in (("kda_implementation", CHUNK), ("kda_decode_implementation", KDA_DECODE),
+                     ("kda_verify_implementation", VERIFY), ("moe_implementation", EXPERT_FFN),
                      ("mla_attention_implementation", ATTENTION),
                      ("mla_prefix_attention_implementation", PREFIX_ATTENTION),
                      ("mla_decode_attention_implementation", (MLA_DECODE, PAGED_DECODE))):

@@ -89,9 +89,9 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
                                     compute_capability=cc)
             out.append(_choose("kda (train/prefill)", kda_ops.CHUNK, cfg.kda_implementation, chunk))
             decode = dataclasses.replace(chunk, shape=(batch, 1, h, dk, dk))
-            out.append(_choose("kda (decode)", kda_ops.DECODE, cfg.kda_implementation, decode))
+            out.append(_choose("kda (decode)", kda_ops.DECODE, cfg.kda_decode_implementation, decode))
             verify = dataclasses.replace(chunk, shape=(batch, 5, h, dk, dk))  # k + 1 = 5 verified tokens
-            out.append(_choose("kda (spec. verify)", kda_verify.VERIFY, cfg.kda_implementation, verify))
+            out.append(_choose("kda (spec. verify)", kda_verify.VERIFY, cfg.kda_verify_implementation, verify))
         if has_mla:
             call = attention.AttentionCall(p, dt, (batch, seq_len, cfg.num_attention_heads, cfg.q_head_dim,
                                                    cfg.v_head_dim), True, cc)

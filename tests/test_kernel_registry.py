@@ -145,10 +145,20 @@ def test_explain_per_layer_kind_and_platform():
     refused = explain(cfg.replace(mla_attention_implementation="cudnn"), "cpu")
     assert [c.error for c in refused if c.layer == "mla (train/prefill)"][0].startswith("mla.attention")
     assert "-> xla" in rows[0].line() and "passed over" in rows[0].line()
-    # a name one KDA registry lacks (VERIFY has no mosaic_gpu) is an error line, not a crash of explain
-    named = {c.layer: c for c in explain(cfg.replace(kda_implementation="mosaic_gpu"), "gpu", compute_capability=9.0)}
-    assert named["kda (spec. verify)"].backend is None and "kda.verify" in named["kda (spec. verify)"].error
-    assert "ERROR" in named["kda (spec. verify)"].line()
+    # one field per KDA op: naming the chunk backend leaves decode and verify to their own fields (VERIFY has no
+    # mosaic_gpu, which used to make the one shared field an error there)
+    k128 = cfg.replace(kda_head_dim=128)  # the Mosaic GPU kernels' head dim
+    named = {c.layer: c for c in explain(k128.replace(kda_implementation="mosaic_gpu"), "gpu", compute_capability=9.0)}
+    assert named["kda (train/prefill)"].backend == "mosaic_gpu" and named["kda (decode)"].requested == "auto"
+    assert named["kda (decode)"].backend == "triton" and named["kda (spec. verify)"].backend == "triton"
+    named = {c.layer: c for c in explain(k128.replace(kda_decode_implementation="mosaic_gpu"), "gpu",
+                                         compute_capability=9.0)}
+    assert named["kda (decode)"].backend == "mosaic_gpu"
+    assert named["kda (train/prefill)"].backend == "mosaic_gpu"  # auto on sm_90+
+    refused = {c.layer: c for c in explain(k128.replace(kda_decode_implementation="mosaic_gpu"), "gpu",
+                                           compute_capability=8.0)}
+    assert refused["kda (decode)"].backend is None and "compute capability >= 9.0" in refused["kda (decode)"].error
+    assert "ERROR" in refused["kda (decode)"].line()
 
 
 def test_attention_choice_in_the_layer_raises_off_gpu():
@@ -163,9 +173,12 @@ def test_attention_choice_in_the_layer_raises_off_gpu():
     assert sel.backend == "xla" and "even T <= 16384" in dict(sel.passed_over)["cudnn"]
 
 
-@pytest.mark.parametrize("key, value", [("kda_implementation", "pallas_gpu"), ("moe_implementation", "ep_allgather"),
-                                        ("mla_attention_implementation", "flash"), ("moe_expert_parallel", "ring"),
-                                        ("platform", "cuda")])
+BAD_FIELDS = [("kda_implementation", "pallas_gpu"), ("kda_decode_implementation", "cuda"),
+              ("kda_verify_implementation", "mosaic_gpu"), ("moe_implementation", "ep_allgather"),
+              ("mla_attention_implementation", "flash"), ("moe_expert_parallel", "ring"), ("platform", "cuda")]
+
+
+@pytest.mark.parametrize("key, value", BAD_FIELDS)
 def test_config_fields_are_validated_against_the_registries(key, value):
     with pytest.raises(ConfigError, match=f"config key '{key}': expected one of"):
         load_config(TINY, **{key: value})

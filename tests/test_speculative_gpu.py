@@ -39,7 +39,7 @@ constant logits miss by ~0.9."""
 
 def _config(kda: str = "auto", dtype: str = "bfloat16", moe: str = "auto"):
     return tiny_config(dtype=dtype, kda_head_dim=128, kda_num_heads=2, kda_implementation=kda,
-                       moe_implementation=moe)
+                       kda_decode_implementation=kda, kda_verify_implementation=kda, moe_implementation=moe)
 
 
 @functools.cache

@@ -1,8 +1,9 @@
 """Kimi Delta Attention layer: projections, causal short conv, lower-bounded gate, delta rule, gated norm.
 
 The delta-rule recurrence itself lives in ``pallas_kernels.kda`` (reference + kernels, chosen through the
-registries ``pallas_kernels.kda.ops.CHUNK`` / ``DECODE`` and ``pallas_kernels.kda.verify.VERIFY`` (speculative
-verification) by ``cfg.kda_implementation`` on ``cfg.platform``, with the gate bound ``cfg.gate_lower_bound``); this
+registries ``pallas_kernels.kda.ops.CHUNK`` (``cfg.kda_implementation``), ``DECODE``
+(``cfg.kda_decode_implementation``) and ``pallas_kernels.kda.verify.VERIFY`` (speculative verification,
+``cfg.kda_verify_implementation``) on ``cfg.platform``, with the gate bound ``cfg.gate_lower_bound``); this
 module is the layer around it and matches the checkpoint's ``self_attn.*`` names for KDA layers.
 """
 
@@ -153,7 +154,7 @@ def _states_per_shard(q, k, v, g, beta, initial_state, cfg: K3Config) -> tuple[j
     """:func:`pallas_kernels.kda.verify.recurrent_kda_states` per shard of the active mesh (as
     :func:`_kernel_per_shard`): ``(o [B, T, H, V], states [B, T, H, K, V] f32)``."""
     def call(q, k, v, g, beta, s0):
-        return kda_verify.recurrent_kda_states(q, k, v, g, beta, s0, implementation=cfg.kda_implementation,
+        return kda_verify.recurrent_kda_states(q, k, v, g, beta, s0, implementation=cfg.kda_verify_implementation,
                                                platform=cfg.platform)
 
     return per_shard(call, (q, k, v, g, beta, initial_state),
@@ -247,10 +248,10 @@ class KimiDeltaAttention(nn.Module):
             pool = initial_state.reshape(r * b, *initial_state.shape[2:])
             slots = cache_index.astype(jnp.int32) * b + jnp.arange(b, dtype=jnp.int32)
             o, pool = kda_ops.recurrent_kda(q, k, v, g, beta, initial_state=pool, state_slots=slots,
-                                            implementation=cfg.kda_implementation, platform=cfg.platform)
+                                            implementation=cfg.kda_decode_implementation, platform=cfg.platform)
             final_state = pool.reshape(initial_state.shape)
         elif cache is not None and t == 1:  # decode step: one token per sequence, the recurrent form
-            o, final_state = _kernel_per_shard(kda_ops.recurrent_kda, q, k, v, g, beta, cfg.kda_implementation,
+            o, final_state = _kernel_per_shard(kda_ops.recurrent_kda, q, k, v, g, beta, cfg.kda_decode_implementation,
                                                **kwargs)
         elif trace:  # T decode steps in one call, keeping every state (see record_position_states)
             o, state_trace = _states_per_shard(q, k, v, g, beta, initial_state, cfg)

@@ -6,7 +6,7 @@ prefix of the ``T`` tokens (:mod:`k3_jax.serving.speculative` rolls a rejected s
 arithmetic per token is that of the one-token decode step (:data:`pallas_kernels.kda.ops.DECODE`), so keeping
 ``n`` tokens gives the state ``n`` decode steps give.
 
-:data:`VERIFY` is the op's registry (``cfg.kda_implementation`` names its backend, as for the decode step):
+:data:`VERIFY` is the op's registry (``cfg.kda_verify_implementation`` names its backend):
 
 * ``mosaic_tpu``: one Pallas Mosaic TPU kernel for all ``T`` tokens (:mod:`pallas_kernels.kda.verify_tpu`), grid
   ``(B, H / hb)``: a program keeps its heads' ``[K, V]`` fp32 states in VMEM across the tokens and writes the output
