@@ -180,6 +180,20 @@ def test_decode_on_state_pool(backend):
     assert jnp.array_equal(new_pool[untouched], pool[untouched])
 
 
+def test_triton_decode_flat_grid_with_several_v_slices_interpret():
+    """The Triton decode's flat grid (V slices fastest, then heads, then rows) with two V slices per state: every
+    (row, head, slice) program lands on its own part of its slot."""
+    B, H, K, V, P = 3, 5, 32, 64, 4
+    q, k, v, g, beta, _ = make_inputs(B, 1, H, K, V, seed=4)
+    pool = jax.random.normal(jax.random.PRNGKey(3), (P, H, K, V))
+    slots = jnp.array([2, 3, 0], jnp.int32)
+    ro, rh = ref.recurrent_kda(q, k, v, g, beta, None, pool[slots], True)
+    o, new_pool = gpu.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], K**-0.5, pool, slots, block_v=32,
+                                  interpret=True)
+    assert rel(o, ro[:, 0]) < 1e-5 and rel(new_pool[slots], rh) < 1e-5
+    assert jnp.array_equal(new_pool[1], pool[1])
+
+
 def test_triton_launch_knobs_interpret():
     """The Triton forward and backward with non-default blocks (K / V blocks of 32, a BV=32 state slice), B=2,
     H=2 and different documents per row (per-(sequence, head) indexing of the [B, T, H, D] tiles)."""
