@@ -50,6 +50,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 CHECK_STEPS = 16  # teacher-forced decode steps of the correctness check
 CHECK_TOP = 5  # the engine's top log-probs per step (Engine(max_logprobs=5))
+REFERENCE_KERNELS = {f"{op}_implementation": "reference" for op in ("kda", "kda_decode", "kda_verify", "moe")}
+"""The config fields that put KDA (chunk, decode, verify) and the experts on the pure-JAX reference kernels."""
 
 
 def emit(rec: dict[str, Any]) -> None:
@@ -418,8 +420,7 @@ def jax_part(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     cfg, params = load_checkpoint(args.ckpt, dtype=dtype)
     if args.jax_impl == "reference":
-        cfg = cfg.replace(kda_implementation="reference", kda_decode_implementation="reference",
-                          kda_verify_implementation="reference", moe_implementation="reference")
+        cfg = cfg.replace(**REFERENCE_KERNELS)
     if dtype == "float32":  # XLA:CPU cannot run the bf16 dots; bf16 -> f32 is exact
         params = jax.tree.map(lambda x: np.asarray(x, np.float32) if x.dtype == jnp.bfloat16 else x, params)
     params = jax.device_put(params)
@@ -595,8 +596,7 @@ def jax_part(args: argparse.Namespace) -> None:
                 )
                 if attempt or run_cfg.moe_implementation == "reference" or not args.jax_fallback:
                     break
-                run_cfg = cfg.replace(kda_implementation="reference", kda_decode_implementation="reference",
-                                      kda_verify_implementation="reference", moe_implementation="reference")
+                run_cfg = cfg.replace(**REFERENCE_KERNELS)
         last = time.perf_counter() - tb
     if not checked and deadline - time.perf_counter() > last:
         try:
@@ -605,9 +605,7 @@ def jax_part(args: argparse.Namespace) -> None:
             emit({"part": "jax", "event": "check", "error": f"{type(e).__name__}: {e}"[:600]})
     if dtype != args.check_dtype:  # the compared check: pure-JAX reference kernels, fp32 with HIGHEST dots
         try:
-            ccfg = cfg.replace(dtype=args.check_dtype, kda_implementation="reference",
-                               kda_decode_implementation="reference", kda_verify_implementation="reference",
-                               moe_implementation="reference")
+            ccfg = cfg.replace(dtype=args.check_dtype, **REFERENCE_KERNELS)
             cparams = jax.tree.map(lambda x: x.astype(args.check_dtype) if x.dtype == jnp.bfloat16 else x, params)
             precision = "highest" if args.check_dtype == "float32" else None
             with jax.default_matmul_precision(precision):
