@@ -180,9 +180,9 @@ def test_decode_on_state_pool(backend):
     assert jnp.array_equal(new_pool[untouched], pool[untouched])
 
 
-def test_triton_decode_with_several_v_slices_interpret():
-    """The Triton decode with two V slices per state (the pool test above has one): every (row, head, slice)
-    program lands on its own part of its slot."""
+def test_triton_decode_flat_grid_with_several_v_slices_interpret():
+    """The Triton decode's flat grid (V slices fastest, then heads, then rows) with two V slices per state: every
+    (row, head, slice) program lands on its own part of its slot."""
     B, H, K, V, P = 3, 5, 32, 64, 4
     q, k, v, g, beta, _ = make_inputs(B, 1, H, K, V, seed=4)
     pool = jax.random.normal(jax.random.PRNGKey(3), (P, H, K, V))

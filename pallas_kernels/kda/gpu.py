@@ -378,10 +378,13 @@ def chunk_kda_fwd(
 
 
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref,
-                   *, scale: float, block_v: int):
-    b = pl.program_id(0)
-    h = pl.program_id(1)
-    j = pl.program_id(2)
+                   *, scale: float, block_v: int, heads: int):
+    # one flat grid, V slices fastest, then heads, then rows: the CTAs that read one state run side by side
+    pid = pl.program_id(0)
+    n_v = v_ref.shape[-1] // block_v
+    j = pid % n_v
+    h = (pid // n_v) % heads
+    b = pid // (n_v * heads)
     f32 = jnp.float32
     slot = slots_ref[b]
     vs = pl.ds(j * block_v, block_v)
@@ -413,8 +416,8 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, block_v
     V = v.shape[-1]
     BV = min(block_v, V)
     o, pool = forward_only(pl.pallas_call(
-        functools.partial(_decode_kernel, scale=float(scale), block_v=BV),
-        grid=(B, H, V // BV),
+        functools.partial(_decode_kernel, scale=float(scale), block_v=BV, heads=H),
+        grid=(B * H * (V // BV),),
         out_shape=[jax.ShapeDtypeStruct((B, H, 1, V), v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
         input_output_aliases={6: 1},
         compiler_params=None if interpret else _compiler_params(num_warps, 1),
