@@ -100,6 +100,7 @@ def check_engine_against_full_forward(kda: str, moe: str, prompt_len: int, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(420)  # the auto cases compile the Mosaic GPU KDA kernels for each prefill piece
 @pytest.mark.parametrize("kda, moe, prompt_len", [("auto", "auto", 65), ("auto", "auto", 200), ("xla", "auto", 65),
                                                   ("xla", "xla", 65)])
 def test_gpu_engine_matches_full_forward_per_backend(kda, moe, prompt_len):
@@ -158,6 +159,6 @@ def check_speculative_engine(dtype: str = "bfloat16") -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(420)  # compiles the most programs of the GPU suite, each with the Mosaic GPU KDA kernels
+@pytest.mark.timeout(600)  # compiles the most programs of the GPU suite, each with the Mosaic GPU KDA kernels
 def test_gpu_speculative_engine_with_a_random_draft():
     check_speculative_engine()

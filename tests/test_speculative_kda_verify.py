@@ -51,6 +51,20 @@ def test_triton_kernel_equals_decode_steps_interpret(dtype):
     np.testing.assert_allclose(np.asarray(states), np.asarray(st_ref), rtol=1e-5, atol=1e-5)
 
 
+def test_triton_kernel_at_both_slice_widths_interpret():
+    """Both V slice widths the kernel takes (32 and 64 columns: four and two programs per state on the flat grid)
+    give the reference's outputs and states; the width follows the program count."""
+    args = _inputs(4, b=3, t=2, h=3, k=16, v=128)
+    o_ref, st_ref = verify.recurrent_kda_states(*args, implementation="xla")
+    for bv in (32, 64):
+        o, states = verify.triton_states(*args[:5], 16**-0.5, args[5], block_v=bv, interpret=True)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5, err_msg=f"block_v={bv}")
+        np.testing.assert_allclose(np.asarray(states), np.asarray(st_ref), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"block_v={bv}")
+    assert verify.slice_width(1, 96, 128) == 32 and verify.slice_width(16, 96, 128) == 64
+    assert verify.slice_width(64, 96, 32) == 32 and verify.slice_width(1, 2, 16) == 16
+
+
 def test_reference_states_equal_the_scan():
     """The ``xla`` backend's last state and outputs are the reference recurrence's over the T tokens."""
     args = _inputs(1, t=4)

@@ -12,10 +12,12 @@ arithmetic per token is that of the one-token decode step (:data:`pallas_kernels
   ``(B, H / hb)``: a program keeps its heads' ``[K, V]`` fp32 states in VMEM across the tokens and writes the output
   and the state after every token; each token's update is the TPU decode kernel's
   (:func:`pallas_kernels.kda.tpu.decode_update`). Refused when its blocks do not fit the scoped VMEM (long ``T``).
-* ``triton``: one Pallas Triton kernel for all ``T`` tokens, grid ``(B, H, V / BV)``: a program keeps its
-  ``[K, BV]`` fp32 state slice in registers across the tokens (a static loop over ``T``) and writes the output
-  and the state slice after every token; each token's update is the decode kernel's
-  (:func:`pallas_kernels.kda.gpu.decode_step`, same slice width and warps).
+* ``triton``: one Pallas Triton kernel for all ``T`` tokens on one flat grid of ``B * H * (V / BV)`` programs,
+  the V slices of one state fastest, then heads, then rows: a program keeps its ``[K, BV]`` fp32 state slice in
+  registers across the tokens (a static loop over ``T``) and writes the output and the state slice after every
+  token; each token's update is the decode kernel's arithmetic (:func:`pallas_kernels.kda.gpu.decode_step`).
+  ``BV`` is 32 below :data:`WIDE_SLICE_PROGRAMS` programs of 64 columns (few rows: more, smaller programs fill
+  the GPU), else 64; 4 warps.
 * ``xla``: the reference one-token step (:func:`pallas_kernels.kda.reference.recurrent_kda`) once per token.
 
 Shapes: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` f32.
@@ -36,8 +38,10 @@ from pallas_kernels.kda import ops
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.registry import Backend, Registry, platform_reason
 
-BLOCK_V = 64
-NUM_WARPS = 8
+NUM_WARPS = 4
+WIDE_SLICE_PROGRAMS = 2048
+"""At or above this many programs of 64 V columns (``B * H * V / 64``) the Triton kernel takes 64-column slices,
+below it 32 (``benchmarks/RESULTS.md``, the verify kernel's row)."""
 
 
 def _triton_verify(call: ops.KdaCall) -> str | None:
@@ -62,49 +66,56 @@ VERIFY = Registry("kda.verify", (
 
 
 def _verify_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, states_ref, *, scale: float, block_v: int,
-                   num_tokens: int):
-    b = pl.program_id(0)
-    h = pl.program_id(1)
-    j = pl.program_id(2)
+                   num_tokens: int, heads: int):
+    pid = pl.program_id(0)  # V slices fastest, then heads, then rows: the programs of one state run side by side
+    n_v = v_ref.shape[-1] // block_v
+    j = pid % n_v
+    h = (pid // n_v) % heads
+    b = pid // (n_v * heads)
     f32 = jnp.float32
     vs = pl.ds(j * block_v, block_v)
     s = h0_ref[b, h, :, vs]  # [K, BV]
     for t in range(num_tokens):  # the decode kernel's update, token by token
-        qc = q_ref[b, t, h, :, :].astype(f32)  # [K, 1]
-        kc = k_ref[b, t, h, :, :].astype(f32)
-        gc = g_ref[b, t, h, :, :].astype(f32)
-        vr = v_ref[b, t, h, :, vs].astype(f32)  # [1, BV]
-        bb = beta_ref[b, t, h, :, :].astype(f32)  # [1, 1]
+        qc = q_ref[b, t, h, :].astype(f32)[:, None]  # [K, 1]
+        kc = k_ref[b, t, h, :].astype(f32)[:, None]
+        gc = g_ref[b, t, h, :].astype(f32)[:, None]
+        vr = v_ref[b, t, h, vs].astype(f32)[None, :]  # [1, BV]
+        bb = beta_ref[b, t, h].astype(f32)
         s = s * jnp.exp(gc)
         pred = jnp.sum(kc * s, axis=0, keepdims=True)  # [1, BV]
         s = s + (bb * kc) * (vr - pred)
-        o = jnp.sum((qc * scale) * s, axis=0, keepdims=True)
-        o_ref[b, t, h, :, vs] = o.astype(o_ref.dtype)
+        o = jnp.sum((qc * scale) * s, axis=0)  # [BV]
+        o_ref[b, t, h, vs] = o.astype(o_ref.dtype)
         states_ref[b, t, h, :, vs] = s
 
 
-def triton_states(q, k, v, g, beta, scale: float, initial_state, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
-                  interpret: bool = False):
-    """The ``triton`` backend (module docstring); ``interpret=True`` runs Pallas's interpreter (CPU tests)."""
+def slice_width(batch: int, heads: int, v: int) -> int:
+    """The Triton kernel's V slice: 64 columns at or above :data:`WIDE_SLICE_PROGRAMS` such programs, else 32
+    (never wider than ``v``)."""
+    return min(v, 64 if batch * heads * max(v // 64, 1) >= WIDE_SLICE_PROGRAMS else 32)
+
+
+def triton_states(q, k, v, g, beta, scale: float, initial_state, block_v: int | None = None,
+                  num_warps: int = NUM_WARPS, interpret: bool = False):
+    """The ``triton`` backend (module docstring); ``block_v`` ``None`` takes :func:`slice_width`;
+    ``interpret=True`` runs Pallas's interpreter (CPU tests)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    bv = min(block_v, V)
-    col = lambda x: x[..., None]  # noqa: E731 - [B, T, H, K] -> [B, T, H, K, 1]: 2-D tiles inside the kernel
+    bv = slice_width(B, H, V) if block_v is None else min(block_v, V)
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
 
         params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     o, states = forward_only(pl.pallas_call(
-        functools.partial(_verify_kernel, scale=float(scale), block_v=bv, num_tokens=T),
-        grid=(B, H, V // bv),
-        out_shape=[jax.ShapeDtypeStruct((B, T, H, 1, V), v.dtype), jax.ShapeDtypeStruct((B, T, H, K, V), jnp.float32)],
+        functools.partial(_verify_kernel, scale=float(scale), block_v=bv, num_tokens=T, heads=H),
+        grid=(B * H * (V // bv),),
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, V), v.dtype), jax.ShapeDtypeStruct((B, T, H, K, V), jnp.float32)],
         compiler_params=params,
         interpret=bool(interpret),
         name="kda_verify_gpu",
-    ), col(q), col(k), v[:, :, :, None, :], col(g), beta[..., None, None], initial_state.astype(jnp.float32),
-        name="kda.verify.triton_states")
-    return o[:, :, :, 0, :], states
+    ), q, k, v, g, beta, initial_state.astype(jnp.float32), name="kda.verify.triton_states")
+    return o, states
 
 
 def _per_token(step, q, k, v, g, beta, initial_state):
