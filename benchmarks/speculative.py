@@ -233,7 +233,12 @@ def main() -> None:
     p.add_argument("--dtype", default="")
     p.add_argument("--kda-implementation", default="",
                    help="the engines' K3Config.kda_implementation: the chunked form of prefill "
-                        "(decode and verify keep their own fields; default: the config's, auto)")
+                        "(default: the config's, auto)")
+    p.add_argument("--kda-decode-implementation", default="",
+                   help="the engines' K3Config.kda_decode_implementation: the one-token step (default: the config's)")
+    p.add_argument("--kda-verify-implementation", default="",
+                   help="the engines' K3Config.kda_verify_implementation: the speculative verify pass's KDA over "
+                        "the k + 1 tokens (default: the config's)")
     p.add_argument("--moe-implementation", default="",
                    help="the engines' K3Config.moe_implementation (default: the config's, auto)")
     p.add_argument("--head-vocab", type=int, default=0,
@@ -275,8 +280,9 @@ def main() -> None:
         v = jax.jit(K3ForCausalLM(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
         return nn.unbox(v)["params"]
 
-    overrides = {f"{op}_implementation": name for op, name in (("kda", args.kda_implementation),
-                                                                ("moe", args.moe_implementation)) if name}
+    overrides = {f"{op}_implementation": name for op, name in (
+        ("kda", args.kda_implementation), ("kda_decode", args.kda_decode_implementation),
+        ("kda_verify", args.kda_verify_implementation), ("moe", args.moe_implementation)) if name}
     if args.config or args.target:
         dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "")
         cfg = load_config(args.config or "configs/k3-tiny.json", **({"dtype": dtype} if dtype else {}), **overrides)
@@ -590,6 +596,8 @@ def main() -> None:
     best1 = max((r for r in spec_rows if r["batch"] == 1), key=lambda r: r["speedup_vs_best"], default=None)
     emit({"summary": True, "device": str(jax.devices()[0].device_kind), "target": args.target or "random",
           "config": args.config or "micro", "kda_implementation": cfg.kda_implementation,
+          "kda_decode_implementation": cfg.kda_decode_implementation,
+          "kda_verify_implementation": cfg.kda_verify_implementation,
           "moe_implementation": cfg.moe_implementation, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
           "block": args.block,
           "best_batch1": None if best1 is None else {x: best1.get(x) for x in (
