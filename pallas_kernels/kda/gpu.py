@@ -377,6 +377,18 @@ def chunk_kda_fwd(
 # ------------------------------------------------------------------------------------------------------
 
 
+def decode_update(s, q, k, g, v, beta, scale: float):
+    """One recurrent KDA step on a state slice inside a Triton kernel body (the decode and verify kernels' math).
+
+    ``s [K, BV]`` f32 state slice; ``q, k, g [K, 1]`` f32 (``g`` the log-decay); ``v [1, BV]`` f32; ``beta`` f32,
+    ``[1, 1]`` or a scalar. Returns ``(o [1, BV] f32, new state [K, BV] f32)``: decay, delta-rule write, read.
+    """
+    s = s * jnp.exp(g)
+    pred = jnp.sum(k * s, axis=0, keepdims=True)  # [1, BV]
+    s = s + (beta * k) * (v - pred)
+    return jnp.sum((q * scale) * s, axis=0, keepdims=True), s
+
+
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref,
                    *, scale: float, block_v: int, heads: int):
     # one flat grid, V slices fastest, then heads, then rows: the CTAs that read one state run side by side
@@ -394,10 +406,7 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref,
     gc = g_ref[b, h, :, :].astype(f32)
     vr = v_ref[b, h, :, vs].astype(f32)  # [1, BV]
     bb = beta_ref[b, h, :, :].astype(f32)  # [1, 1]
-    s = s * jnp.exp(gc)
-    pred = jnp.sum(kc * s, axis=0, keepdims=True)  # [1, BV]
-    s = s + (bb * kc) * (vr - pred)
-    o = jnp.sum((qc * scale) * s, axis=0, keepdims=True)
+    o, s = decode_update(s, qc, kc, gc, vr, bb, scale)
     o_ref[b, h, :, vs] = o.astype(o_ref.dtype)
     pool_out_ref[slot, h, :, vs] = s
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.forward_only import forward_only
-from pallas_kernels.kda import ops
+from pallas_kernels.kda import gpu, ops
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.registry import Backend, Registry, platform_reason
 
@@ -75,17 +75,14 @@ def _verify_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, states_r
     f32 = jnp.float32
     vs = pl.ds(j * block_v, block_v)
     s = h0_ref[b, h, :, vs]  # [K, BV]
-    for t in range(num_tokens):  # the decode kernel's update, token by token
+    for t in range(num_tokens):  # the decode kernel's update (gpu.decode_update), token by token
         qc = q_ref[b, t, h, :].astype(f32)[:, None]  # [K, 1]
         kc = k_ref[b, t, h, :].astype(f32)[:, None]
         gc = g_ref[b, t, h, :].astype(f32)[:, None]
         vr = v_ref[b, t, h, vs].astype(f32)[None, :]  # [1, BV]
         bb = beta_ref[b, t, h].astype(f32)
-        s = s * jnp.exp(gc)
-        pred = jnp.sum(kc * s, axis=0, keepdims=True)  # [1, BV]
-        s = s + (bb * kc) * (vr - pred)
-        o = jnp.sum((qc * scale) * s, axis=0)  # [BV]
-        o_ref[b, t, h, vs] = o.astype(o_ref.dtype)
+        o, s = gpu.decode_update(s, qc, kc, gc, vr, bb, scale)
+        o_ref[b, t, h, vs] = o[0].astype(o_ref.dtype)
         states_ref[b, t, h, :, vs] = s
 
 
