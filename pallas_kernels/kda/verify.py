@@ -15,7 +15,7 @@ arithmetic per token is that of the one-token decode step (:data:`pallas_kernels
 * ``triton``: one Pallas Triton kernel for all ``T`` tokens on one flat grid of ``B * H * (V / BV)`` programs,
   the V slices of one state fastest, then heads, then rows: a program keeps its ``[K, BV]`` fp32 state slice in
   registers across the tokens (a static loop over ``T``) and writes the output and the state slice after every
-  token; each token's update is the decode kernel's arithmetic (:func:`pallas_kernels.kda.gpu.decode_step`).
+  token; each token's update is the decode kernel's (:func:`pallas_kernels.kda.gpu.decode_update`).
   ``BV`` is 32 below :data:`WIDE_SLICE_PROGRAMS` programs of 64 columns (few rows: more, smaller programs fill
   the GPU), else 64; 4 warps.
 * ``xla``: the reference one-token step (:func:`pallas_kernels.kda.reference.recurrent_kda`) once per token.
