@@ -107,7 +107,7 @@ def test_kda_kernels_lower(verified_modules, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_kda_bwd_kernels_lower(verified_modules, dtype):
-    """The nine chunk-backward kernels (pallas_kernels.kda.gpu_bwd), K=V=64 and 128, T not a multiple of the
+    """The ten chunk-backward kernels (pallas_kernels.kda.gpu_bwd), K=V=64 and 128, T not a multiple of the
     chunk, with segment ids; bf16 and fp32 (3xTF32) operands."""
     b, h = 1, 2
     for t, d in ((128, 64), (200, 128)):

@@ -25,10 +25,11 @@ axis is the fastest, so a chunk's row-tile / K-block programs run together and s
    (-> dv), ``dB_k = X^T dW`` (written out), ``dX = dV~ B_v^T + dW B_k^T`` (through HBM), then
    ``dL = -X^T dX X^T`` (strictly lower, same document), ``dA_kk = diag(beta) dL``, ``dA_qk = dO V~^T``
    (masked), dbeta. For bf16 inputs the products with ``X`` and ``dX`` take one TF32 pass.
-8. ``_da_kernel``, grid ``(K/BK, B*H, N)``: the decay products differentiated as matmuls on the 16x16 tiles
-   (row part at the reference point before the tile, column part at the tile's last token), summed with
-   the partial dq, dk, dG of steps 6 and 7; ``dg`` = reverse cumsum of ``dG`` inside the chunk (tiles in
-   reverse order with a running suffix sum).
+8. ``_da_tile_kernel``, grid ``(K/BK * C/16, B*H, N)``: one 16-row tile of one K block per program: the decay
+   products differentiated as matmuls on the 16x16 tiles (row part over the column tiles at or before it, at
+   the reference point before the tile; column part over the row tiles at or after it, at the tile's last
+   token; dynamic loops), summed with the partial dq, dk, dG of steps 6 and 7; writes dq, dk and ``dG``.
+9. ``_dg_cumsum_kernel``, grid ``(K/BK, B*H, N)``: ``dg`` = reverse cumsum of ``dG`` inside the chunk.
 
 Precision as the forward: bf16 inputs take bf16 matmul operands with fp32 accumulation for ``A``,
 ``W``/``U``, the sweeps and the state products; the inverse ``X`` (fp32 storage), the ``dX -> dL`` chain and
@@ -63,9 +64,10 @@ TN = (((0,), (0,)), ((), ()))
 
 KERNEL_NAMES = (
     "kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_wu_gpu", "kda_bwd_h_gpu", "kda_bwd_ds_gpu",
-    "kda_bwd_dqkw_gpu", "kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu", "kda_bwd_da_gpu",
+    "kda_bwd_dqkw_gpu", "kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu", "kda_bwd_da_gpu", "kda_bwd_dg_gpu",
 )
-"""The kernels one backward launches, in launch order (step 7 is two kernels: ``wy_dx``, ``wy_dl``)."""
+"""The kernels one backward launches, in launch order (step 7 is two kernels: ``wy_dx``, ``wy_dl``; step 8 is
+``da`` then the cumsum ``dg``)."""
 DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES, 4) | {
     "kda_bwd_solve_gpu": 2, "kda_bwd_wy_dx_gpu": 8, "kda_bwd_dqkw_gpu": 8}
 """Launch widths: 2 warps for the solve, 8 for the step-7 X-product kernel (with 4 it spills registers) and for
@@ -338,63 +340,69 @@ def _wy_dl_kernel(x_ref, akk_ref, beta_ref, segc_ref, segr_ref, dx_ref, dbp_ref,
     daqk_ref[...] = jnp.where(same & (row >= col), daqk, 0.0)
 
 
-def _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale: float, q_ref, k_ref, beta_ref, segc_ref, dbk_ref,
-                dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref):
-    """Final ``dq, dk, dg`` of one 16-row tile of the decay kernels: the row/column decay-product parts
-    ``rq, rk, cq, ck [16, BK] f32`` plus step 6's partials and the ``B_k = beta e^G k`` terms (``d B_k / d k``);
-    ``dg`` = reverse cumsum of ``dG`` inside the chunk, ``suffix [1, BK]`` = the sum over later tiles.
-    Returns the new suffix."""
+def _tile_terms(rows, ga, rq, rk, cq, ck, scale: float, q_ref, k_ref, beta_ref, segc_ref, dbk_ref, dqp_ref,
+                dkp_ref, dgp_ref):
+    """``dq, dk`` (fp32) and ``dG`` (before the reverse cumsum) of one 16-row tile of the decay kernels: the
+    row/column decay-product parts ``rq, rk, cq, ck [16, BK] f32`` plus step 6's partials and the
+    ``B_k = beta e^G k`` terms (``d B_k / d k``). ``rows`` index the chunk-blocked refs."""
     f32 = jnp.float32
     qa = q_ref[rows, :].astype(f32) * scale
     ka = k_ref[rows, :].astype(f32)
     beg = beta_ref[rows, :] * jnp.where(segc_ref[rows, :] == 0, jnp.exp(ga), 0.0)
     dbk = dbk_ref[rows, :]
-    dq_ref[rows, :] = ((dqp_ref[rows, :].astype(f32) + rq) * scale).astype(dq_ref.dtype)
-    dk_ref[rows, :] = (dkp_ref[rows, :].astype(f32) + dbk * beg + rk + cq + ck).astype(dk_ref.dtype)
+    dq = (dqp_ref[rows, :].astype(f32) + rq) * scale
+    dk = dkp_ref[rows, :].astype(f32) + dbk * beg + rk + cq + ck
     dgt = dgp_ref[rows, :] + dbk * beg * ka + qa * rq + ka * (rk - cq - ck)
-    tot = jnp.sum(dgt, axis=0, keepdims=True)
-    dg_ref[rows, :] = (suffix + tot - jnp.cumsum(dgt, axis=0) + dgt).astype(dg_ref.dtype)
-    return suffix + tot
+    return dq, dk, dgt
 
 
-def _da_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref,
-                   dbk_ref, dq_ref, dk_ref, dg_ref, *, scale: float, mm_dtype, interpret: bool):
-    """K-block of the decay-product gradients plus the partial terms (``dqp, dkp, dgp`` from step 6, the
-    ``B_k = beta e^G k`` terms from ``dB_k``); ``dg`` = reverse cumsum of ``dG`` inside the chunk. Works on
-    16x16 sub-tiles of ``dA`` on or below the diagonal only (``dA_kk``, ``dA_qk`` are lower triangular), each
-    operand ``[16, BK]``: per row tile, the row part at the reference point before the tile and the column part
-    at the tile's last token (exponents ``<= 0`` or clamped at 80)."""
+def _da_tile_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref, dqp_ref, dkp_ref, dgp_ref,
+                    dbk_ref, dq_ref, dk_ref, dgt_ref, *, scale: float, mm_dtype, interpret: bool):
+    """One 16-row tile ``a`` (grid axis 0 mod ``C / 16``) of one K block of the decay-product gradients
+    (``dA_kk``, ``dA_qk`` are lower triangular, so only 16x16 sub-tiles on or below the diagonal enter): the
+    row part sums over the column tiles ``b <= a`` at the reference point before the tile, the column part
+    over the row tiles ``b >= a`` at the tile's last token (exponents ``<= 0``, or at most 80 on the diagonal
+    tile, clamped there). Inputs are chunk blocks ``[C, BK]`` / ``[C, C]``; outputs the tile's
+    ``dq, dk [16, BK]`` and ``dG [16, BK] f32`` before the in-chunk reverse cumsum (:func:`_dg_cumsum_kernel`)."""
     f32 = jnp.float32
     C, BK = k_ref.shape
     nt = C // SUB
     mm = _make_mm(interpret)
-    ds = lambda i: pl.ds(i * SUB, SUB)
-    suffix = jnp.zeros((1, BK), f32)
-    for a in reversed(range(nt)):
-        rows = ds(a)
-        ga = g_ref[rows, :]
-        m = _row(g_ref, a * SUB - 1)  # G before the tile
-        rq = jnp.zeros((SUB, BK), f32)
-        rk = jnp.zeros((SUB, BK), f32)
-        for b in range(a + 1):  # column tiles j <= the row tile
-            right = k_ref[ds(b), :].astype(f32) * jnp.exp(jnp.minimum(m - g_ref[ds(b), :], EXP_CLAMP))
-            rq = rq + mm(daqk_ref[rows, ds(b)], right, NN, mm_dtype)
-            rk = rk + mm(dakk_ref[rows, ds(b)], right, NN, mm_dtype)
-        left = jnp.exp(ga - m)
-        rq = left * rq
-        rk = left * rk
-        mb = _row(g_ref, a * SUB + SUB - 1)  # G at the tile's last token
-        cq = jnp.zeros((SUB, BK), f32)
-        ck = jnp.zeros((SUB, BK), f32)
-        for b in range(a, nt):  # row tiles i >= the column tile
-            up = jnp.exp(jnp.minimum(g_ref[ds(b), :] - mb, EXP_CLAMP))
-            cq = cq + mm(daqk_ref[ds(b), rows], (q_ref[ds(b), :].astype(f32) * scale) * up, TN, mm_dtype)
-            ck = ck + mm(dakk_ref[ds(b), rows], k_ref[ds(b), :].astype(f32) * up, TN, mm_dtype)
-        back = jnp.exp(mb - ga)
-        cq = back * cq
-        ck = back * ck
-        suffix = _tile_grads(rows, ga, rq, rk, cq, ck, suffix, scale, q_ref, k_ref, beta_ref, segc_ref, dbk_ref,
-                           dqp_ref, dkp_ref, dgp_ref, dq_ref, dk_ref, dg_ref)
+    a = jax.lax.rem(pl.program_id(0), nt)
+    start = pl.multiple_of(a * SUB, SUB)
+    rows = pl.ds(start, SUB)
+    tile = lambda b: pl.ds(pl.multiple_of(b * SUB, SUB), SUB)
+    ga = g_ref[rows, :]
+    m = jnp.where(a > 0, g_ref[pl.ds(jnp.maximum(start - 1, 0), 1), :], 0.0)  # G before the tile
+    zero = jnp.zeros((SUB, BK), f32)
+
+    def row_part(b, acc):
+        right = k_ref[tile(b), :].astype(f32) * jnp.exp(jnp.minimum(m - g_ref[tile(b), :], EXP_CLAMP))
+        return (acc[0] + mm(daqk_ref[rows, tile(b)], right, NN, mm_dtype),
+                acc[1] + mm(dakk_ref[rows, tile(b)], right, NN, mm_dtype))
+
+    rq, rk = jax.lax.fori_loop(0, a + 1, row_part, (zero, zero))
+    left = jnp.exp(ga - m)
+    mb = g_ref[pl.ds(start + SUB - 1, 1), :]  # G at the tile's last token
+
+    def col_part(b, acc):
+        up = jnp.exp(jnp.minimum(g_ref[tile(b), :] - mb, EXP_CLAMP))
+        return (acc[0] + mm(daqk_ref[tile(b), rows], (q_ref[tile(b), :].astype(f32) * scale) * up, TN, mm_dtype),
+                acc[1] + mm(dakk_ref[tile(b), rows], k_ref[tile(b), :].astype(f32) * up, TN, mm_dtype))
+
+    cq, ck = jax.lax.fori_loop(a, nt, col_part, (zero, zero))
+    back = jnp.exp(mb - ga)
+    dq, dk, dgt = _tile_terms(rows, ga, left * rq, left * rk, back * cq, back * ck, scale, q_ref, k_ref, beta_ref,
+                              segc_ref, dbk_ref, dqp_ref, dkp_ref, dgp_ref)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dgt_ref[...] = dgt
+
+
+def _dg_cumsum_kernel(dgt_ref, dg_ref):
+    """``dg`` = reverse cumsum of ``dG [C, BK] f32`` inside one chunk."""
+    x = dgt_ref[...]
+    dg_ref[...] = (jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x).astype(dg_ref.dtype)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -438,7 +446,7 @@ def chunk_kda_bwd(
     chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int = 64,
     num_warps: dict | None = None, num_stages: int | None = None, state_dtype=None, da_block_k: int = 32,
 ):
-    """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), nine Triton kernels.
+    """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), ten Triton kernels.
 
     Args: forward inputs as :func:`pallas_kernels.kda.reference.chunk_kda` (``q, k, g [B, T, H, K]``,
     ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` or None, ``segment_ids [B, T]``
@@ -449,7 +457,7 @@ def chunk_kda_bwd(
     :data:`DEFAULT_WARPS`); ``state_dtype``: storage of the per-chunk states
     ``h`` and state cotangents ``dh`` (default: the matmul dtype, bf16 for bf16 inputs - they only enter
     bf16 matmuls there - else fp32). ``interpret``: generic Pallas interpreter.
-    ``da_block_k``: step 8's K block (grid axis). ``num_stages``: the sweeps' pipeline stages, None = the most
+    ``da_block_k``: steps 8-9's K block (grid axis). ``num_stages``: the sweeps' pipeline stages, None = the most
     (up to 2) whose shared-memory estimate fits the GPU (:func:`pallas_kernels.kda.launch.fit_num_stages`).
     Returns ``(dq, dk, dv, dg, dbeta)`` in the dtypes of ``q, k, v, g, beta`` and ``dh0 [B, H, K, V] f32``.
     """
@@ -581,19 +589,28 @@ def chunk_kda_bwd(
         [sds((BH, Tp, C), f32), sds((BH, Tp, C), f32), sds((B, Tp, H, 1), f32)],
     )(xm, akk, x.beta, x.seg_col, x.seg_row, dxm, dbp, x.do, vt)
 
-    # 8. Decay products and the reverse cumsum.
-    ktok = lambda d: pl.BlockSpec((None, C, d), lambda kb, bh, c: (bh, c, 0))
-    kin = lambda: pl.BlockSpec((None, C, None, BKD), lambda kb, bh, c: (bi(bh), c, hi(bh), kb))
-    kout = lambda: pl.BlockSpec((None, C, BKD), lambda kb, bh, c: (bh, c, kb))
-    dq, dk, dg = call(
-        functools.partial(_da_kernel, scale=float(scale), mm_dtype=da_dtype, interpret=interp),
-        "kda_bwd_da_gpu", (K // BKD, BH, N),
-        [kin(), kin(), kin(), pl.BlockSpec((None, C, None, 1), lambda kb, bh, c: (bi(bh), c, hi(bh), 0)),
-         pl.BlockSpec((None, C, 1), lambda kb, bh, c: (bi(bh), c, 0)), ktok(C), ktok(C), kout(), kout(), kout(),
-         kout()],
-        [kin(), kin(), kin()],
-        [sds((B, Tp, H, K), q.dtype), sds((B, Tp, H, K), k.dtype), sds((B, Tp, H, K), g.dtype)],
+    # 8. Decay products per (K block, 16-row tile), then the in-chunk reverse cumsum of dG. Grid axis 0 =
+    # K block * (C / 16) + row tile: a chunk's tiles and K blocks run side by side.
+    kb_of = lambda i: i // nt
+    tile_of = lambda i: i % nt
+    t_in = lambda d, kb: pl.BlockSpec((None, C, None, d), lambda i, bh, c: (bi(bh), c, hi(bh), kb(i)))
+    t_tok = lambda: pl.BlockSpec((None, C, C), lambda i, bh, c: (bh, c, 0))
+    t_part = lambda: pl.BlockSpec((None, C, BKD), lambda i, bh, c: (bh, c, kb_of(i)))
+    t_out = lambda: pl.BlockSpec((None, SUB, None, BKD),
+                                 lambda i, bh, c: (bi(bh), c * nt + tile_of(i), hi(bh), kb_of(i)))
+    dq, dk, dgt = call(
+        functools.partial(_da_tile_kernel, scale=float(scale), mm_dtype=da_dtype, interpret=interp),
+        "kda_bwd_da_gpu", (K // BKD * nt, BH, N),
+        [t_in(BKD, kb_of), t_in(BKD, kb_of), t_in(BKD, kb_of), t_in(1, lambda i: 0),
+         pl.BlockSpec((None, C, 1), lambda i, bh, c: (bi(bh), c, 0)), t_tok(), t_tok(), t_part(), t_part(),
+         t_part(), t_part()],
+        [t_out(), t_out(), pl.BlockSpec((None, SUB, BKD), lambda i, bh, c: (bh, c * nt + tile_of(i), kb_of(i)))],
+        [sds((B, Tp, H, K), q.dtype), sds((B, Tp, H, K), k.dtype), sds((BH, Tp, K), f32)],
     )(x.q, x.k, x.gam, x.beta, x.seg_col, dakk, daqk, dqp, dkp, dgp, dbk)
+    dg = call(_dg_cumsum_kernel, "kda_bwd_dg_gpu", (K // BKD, BH, N),
+              [pl.BlockSpec((None, C, BKD), lambda kb, bh, c: (bh, c, kb))],
+              pl.BlockSpec((None, C, None, BKD), lambda kb, bh, c: (bi(bh), c, hi(bh), kb)),
+              sds((B, Tp, H, K), g.dtype))(dgt)
 
     cut = (lambda y: y) if Tp == T else (lambda y: y[:, :T])
     dh0 = jnp.swapaxes(dh0t.reshape(B, H, V, K), -1, -2)
