@@ -132,12 +132,17 @@ def test_bf16_model_carries_bf16_sources_and_stays_close_to_fp32_sources(monkeyp
     import k3_jax.model as model_mod
     from k3_jax.config import load_config
     from k3_jax.model import K3ForCausalLM
-    from tests._model_fixtures import REPO
+    from tests._model_fixtures import REPO, tiny_model_and_params
 
     cfg = load_config(REPO / "configs" / "k3-tiny.json", dtype="bfloat16")
     tokens = jax.random.randint(jax.random.PRNGKey(9), (2, 16), 0, cfg.vocab_size)
     model = K3ForCausalLM(cfg)
-    variables = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens))
+    # the fp32 tiny model's init with PRNGKey(0) (tests/_model_fixtures.py, shared with tests/test_model.py): the
+    # params this bf16 model's init gives, value for value (fp32 params; neither the compute dtype nor the token
+    # shape enters the init)
+    variables = tiny_model_and_params()[2]
+    abstract = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens))
+    assert jax.tree.structure(variables) == jax.tree.structure(abstract)
 
     def hidden(t):
         return model.apply(variables, t, return_hidden=True)

@@ -8,6 +8,7 @@ import numpy as np
 from flax import linen as nn
 
 from k3_jax.config import load_config
+from k3_jax.convert.fixture import random_params
 from k3_jax.model import K3ForCausalLM
 from k3_jax.training.compute_cast import cast_for_compute, compute_cast_mask
 from k3_jax.training.step import StepConfig, make_loss_fn
@@ -43,7 +44,15 @@ def test_precast_gradients_equal_per_use_casts():
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(2, 33)), jnp.int32)
     seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 13], 2, axis=0), jnp.int32)
-    params = nn.unbox(model.init(jax.random.key(0), tokens[:, :-1])["params"])
+    # the init tree with random values (numpy, no init compile); every leaf gets fp32 noise, so the fp32 masters
+    # of the cast leaves are not bf16 numbers (random_params stores GEMM weights in bf16, their checkpoint dtype)
+    params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float32)
+                                                * (1 + 1e-2 * rng.standard_normal(x.shape, dtype=np.float32))),
+                          random_params(cfg, seed=0))
+    abstract = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])["params"])
+    assert jax.tree.structure(params) == jax.tree.structure(abstract)
+    assert all(a.shape == b.shape and a.dtype == b.dtype
+               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(abstract), strict=True))
     loss_fn = make_loss_fn(model, StepConfig())
     grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     batch = {"tokens": tokens, "segment_ids": seg}

@@ -38,8 +38,15 @@ KERNEL_MODULES = {"gpu": (kda_gpu, moe_gpu), "tpu": (kda_tpu, moe_tpu)}
 def _small_cfg(**changes):
     """k3-tiny cut to 3 layers (KDA dense, KDA MoE, MLA MoE), 8 experts top-2, fp32."""
     cfg = load_config("configs/k3-tiny.json")
-    return cfg.replace(num_hidden_layers=3, kda_layers=(0, 1), mla_layers=(2,), num_experts=8,
-                       num_experts_per_token=2, dtype="float32", **changes)
+    return cfg.replace(**{"num_hidden_layers": 3, "kda_layers": (0, 1), "mla_layers": (2,), "num_experts": 8,
+                          "num_experts_per_token": 2, "dtype": "float32", **changes})
+
+
+def _engine_cfg(**changes):
+    """The engine tests' model: :func:`_small_cfg` without its dense layer (KDA MoE, MLA MoE): every kernel
+    ``"auto"`` picks (KDA chunk and decode, MoE grouped matmul, MLA decode) still runs, in 2 segments instead
+    of 3 (a dense FFN has no kernel)."""
+    return _small_cfg(num_hidden_layers=2, kda_layers=(0,), mla_layers=(1,), first_k_dense_replace=0, **changes)
 
 
 def _interpret_kernels(monkeypatch, platform: str) -> None:
@@ -133,7 +140,7 @@ def _greedy(cfg, params, prompts, steps):
 def test_engine_gpu_kernels_interpret_equal_reference_greedy(monkeypatch):
     """Engine prefill (4 tokens: KDA chunk kernels, MoE grouped-matmul kernel) + 3 decode steps (KDA decode
     kernel on the state pool, MoE kernel) with the GPU choices of "auto" in interpret mode == the reference."""
-    cfg = _small_cfg()
+    cfg = _engine_cfg()
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), random_params(cfg, seed=1))
     prompts = [[5, 17, 200, 3], [9, 1000, 64, 12]]
     want = _greedy(cfg.replace(kda_implementation="xla", moe_implementation="xla"), params, prompts, 4)
@@ -146,7 +153,7 @@ def test_engine_tpu_kernels_interpret_equal_reference_greedy(monkeypatch):
     """The same with the TPU choices of "auto" and MXFP4 experts: the Mosaic TPU KDA kernels, the MXFP4
     grouped matmul on the HF-layout experts (read in place in the segment's stacked weights at decode) and the MLA
     decode kernel over the stacked latent cache."""
-    cfg = _small_cfg(expert_format="mxfp4")
+    cfg = _engine_cfg(expert_format="mxfp4")
     params = jax.tree.map(lambda x: np.asarray(x, np.uint8 if x.dtype == jnp.uint8 else np.float32),
                           random_params(cfg, seed=1, experts="mxfp4"))
     prompts = [[5, 17, 200, 3], [9, 1000, 64, 12]]

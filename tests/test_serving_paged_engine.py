@@ -8,23 +8,18 @@ from k3_jax.serving.engine import Engine, RequestError
 from k3_jax.serving.sampling import SamplingParams
 from tests.serving_common import MAX_LEN, reference_greedy_check, tiny_setup
 
+# one paged-engine layout for both tests, so the single-device engine's programs compile once per run (the
+# persistent compilation cache): 3 slots but only 6 usable pages of 8 tokens; prefill in pieces of 16 + single
+# tokens (2 prefill shapes: a multi-token piece on the row's gathered view, a single token in place)
+PAGED = dict(max_batch=3, max_len=MAX_LEN, page_size=8, num_pages=7, prefill_chunk=16, prefill_mode="unit",
+             paged=True, eos_ids=())
+
 
 @pytest.mark.slow
 def test_paged_engine_greedy_exact_and_page_accounting():
     cfg, variables, _, fwd = tiny_setup()
     # 3 slots but only 6 usable pages of 8 tokens: two 20-token requests fill the pool, the third waits
-    engine = Engine(
-        cfg,
-        variables["params"],
-        max_batch=3,
-        max_len=MAX_LEN,
-        page_size=8,
-        num_pages=7,
-        prefill_chunk=16,
-        prefill_mode="unit",
-        paged=True,
-        eos_ids=(),
-    )
+    engine = Engine(cfg, variables["params"], **PAGED)
     rs = np.random.RandomState(1)
     prompts = [rs.randint(3, cfg.vocab_size, n).tolist() for n in (1, 20, 9)]
     params = SamplingParams(max_tokens=12)
@@ -45,20 +40,21 @@ def test_paged_engine_greedy_exact_and_page_accounting():
 @pytest.mark.skipif(__import__("jax").device_count() < 2, reason="needs 2 (virtual) devices; see tests/conftest.py")
 def test_paged_engine_on_a_mesh_equals_one_device():
     """The paged engine with the model split over a tensor=2 mesh (serve preset): greedy output equals the
-    single-device paged engine's, and the pages go back to the pool."""
+    single-device paged engine's, and the pages go back to the pool. The prompts (5 and 17 tokens) run both
+    prefill shapes (17 = 16 + 1) and decode on the mesh, and need 2 + 3 of the 6 pages (no request waits)."""
     import jax
 
     from sharding.mesh import make_mesh
 
     cfg, variables, _, _ = tiny_setup()
-    kw = dict(max_batch=2, max_len=MAX_LEN, page_size=8, prefill_chunk=16, paged=True, eos_ids=())
     rs = np.random.RandomState(2)
-    prompts = [rs.randint(3, cfg.vocab_size, n).tolist() for n in (5, 13)]
+    prompts = [rs.randint(3, cfg.vocab_size, n).tolist() for n in (5, 17)]
     outs = []
     for mesh in (None, make_mesh("tensor=2", devices=jax.devices()[:2])):
-        engine = Engine(cfg, variables["params"], mesh=mesh, **kw)
+        engine = Engine(cfg, variables["params"], mesh=mesh, **PAGED)
         outs.append(engine.generate(prompts, max_new_tokens=6))
-        assert not engine.allocator.table.any()
+        assert engine.stats["waits_for_pages"] == 0
+        assert not engine.allocator.table.any() and engine.allocator.num_free == 6
         if mesh is not None:  # the model really is split
             assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(engine.variables))
     assert outs[0] == outs[1]
