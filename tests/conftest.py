@@ -8,9 +8,6 @@
 * One persistent compilation cache per test run, shared by the xdist workers and the processes tests start (the
   notebook kernel, launched multi-process runs), in the run's pytest temp directory, so each program compiles
   once per run; nothing is reused across runs. The entry points' own cache (``~/.cache``) stays off.
-* The longest files first (:data:`LONG_FILES`, in that order; xdist's own reordering by test count off): with
-  ``--dist loadfile`` a long file with few tests left to the end would run alone while the other worker idles.
-  Only the order changes; every test runs.
 """
 
 import importlib.util
@@ -20,14 +17,6 @@ import pkgutil
 import pytest
 
 _FLAGS = ["--xla_force_host_platform_device_count=8"]
-
-LONG_FILES = (
-    "test_kda_ops.py", "test_notebook.py", "test_multihost.py", "test_speculative.py", "test_model.py",
-    "test_serving_paged_engine.py", "test_sharding_model.py", "test_serving_engine.py", "test_lora.py",
-    "test_train_loop.py", "test_sharding_train.py", "test_serving_hardening.py", "test_serving_prefix_cache.py",
-    "test_train_kill.py", "test_speculative_paged.py", "test_train_aot.py",
-)
-"""Test files by wall time on a 2-core host (longest first; about a minute or more each), scheduled first."""
 
 
 def _has_cuda_plugin() -> bool:
@@ -53,10 +42,7 @@ os.environ.setdefault("K3_COMPILATION_CACHE", "off")
 
 @pytest.hookimpl(trylast=True)  # after the tmpdir plugin's configure made ``config._tmp_path_factory``
 def pytest_configure(config):
-    """Point JAX's persistent cache at ``<run basetemp>/xla-cache`` (one directory for all workers of a run);
-    xdist keeps the collection order of the files."""
-    if hasattr(config.option, "loadscopereorder"):  # xdist: keep the collection order (LONG_FILES first)
-        config.option.loadscopereorder = False
+    """Point JAX's persistent cache at ``<run basetemp>/xla-cache`` (one directory for all workers of a run)."""
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return
     base = config._tmp_path_factory.getbasetemp()
@@ -70,10 +56,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """:data:`LONG_FILES` first (a stable sort: each file's tests stay together and in order); tests marked
-    ``gpu`` skip, with one reason, unless JAX's default backend is a GPU."""
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+    """Tests marked ``gpu`` skip, with one reason, unless JAX's default backend is a GPU."""
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
