@@ -377,6 +377,14 @@ def chunk_kda_fwd(
 # ------------------------------------------------------------------------------------------------------
 
 
+def flat_slice_ids(n_v: int, heads: int):
+    """``(row, head, V slice)`` of this program on the decode / verify kernels' flat grid of
+    ``rows * heads * n_v`` programs: the V slices of one state fastest, then heads, then rows, so the programs that
+    read one state run side by side."""
+    pid = pl.program_id(0)
+    return pid // (n_v * heads), (pid // n_v) % heads, pid % n_v
+
+
 def decode_update(s, q, k, g, v, beta, scale: float):
     """One recurrent KDA step on a state slice inside a Triton kernel body (the decode and verify kernels' math).
 
@@ -391,12 +399,7 @@ def decode_update(s, q, k, g, v, beta, scale: float):
 
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref,
                    *, scale: float, block_v: int, heads: int):
-    # one flat grid, V slices fastest, then heads, then rows: the CTAs that read one state run side by side
-    pid = pl.program_id(0)
-    n_v = v_ref.shape[-1] // block_v
-    j = pid % n_v
-    h = (pid // n_v) % heads
-    b = pid // (n_v * heads)
+    b, h, j = flat_slice_ids(v_ref.shape[-1] // block_v, heads)
     f32 = jnp.float32
     slot = slots_ref[b]
     vs = pl.ds(j * block_v, block_v)

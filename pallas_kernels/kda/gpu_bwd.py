@@ -102,11 +102,10 @@ def _make_mm(interpret: bool):
     return mm
 
 
-def _row(ref_, i: int):
-    """Row ``i`` of a ``[C, D]`` ref as ``[1, D]`` (static ``i``; zeros for ``i = -1``)."""
-    if i < 0:
-        return jnp.zeros((1, ref_.shape[-1]), jnp.float32)
-    return ref_[pl.ds(i, 1), :]
+def _g_before_tile(g_ref, a, start, cols=slice(None)):
+    """``G`` at the token before 16-row tile ``a`` (rows from ``start = 16 a``) as ``[1, D]``, 0 for tile 0: the
+    tile's reference point for the factored decay."""
+    return jnp.where(a == 0, 0.0, g_ref[pl.ds(jnp.maximum(start - 1, 0), 1), cols])
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -134,7 +133,7 @@ def _a_kernel(q_ref, k_ref, g_ref, segc_ref, segr_ref, akk_ref, aqk_ref, qg_ref,
     for kb in range(K // block_k):
         cols = pl.ds(kb * block_k, block_k)
         gall = g_ref[:, cols]
-        m = jnp.where(a == 0, 0.0, g_ref[pl.ds(jnp.maximum(r0 - 1, 0), 1), cols])  # G before the tile
+        m = _g_before_tile(g_ref, a, r0, cols)
         glast = g_ref[pl.ds(C - 1, 1), cols]
         ga = g_ref[rows, cols]
         left = jnp.exp(ga - m)  # <= 1
@@ -373,7 +372,7 @@ def _da_tile_kernel(q_ref, k_ref, g_ref, beta_ref, segc_ref, dakk_ref, daqk_ref,
     rows = pl.ds(start, SUB)
     tile = lambda b: pl.ds(pl.multiple_of(b * SUB, SUB), SUB)
     ga = g_ref[rows, :]
-    m = jnp.where(a > 0, g_ref[pl.ds(jnp.maximum(start - 1, 0), 1), :], 0.0)  # G before the tile
+    m = _g_before_tile(g_ref, a, start)
     zero = jnp.zeros((SUB, BK), f32)
 
     def row_part(b, acc):

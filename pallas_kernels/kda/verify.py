@@ -67,11 +67,7 @@ VERIFY = Registry("kda.verify", (
 
 def _verify_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, states_ref, *, scale: float, block_v: int,
                    num_tokens: int, heads: int):
-    pid = pl.program_id(0)  # V slices fastest, then heads, then rows: the programs of one state run side by side
-    n_v = v_ref.shape[-1] // block_v
-    j = pid % n_v
-    h = (pid // n_v) % heads
-    b = pid // (n_v * heads)
+    b, h, j = gpu.flat_slice_ids(v_ref.shape[-1] // block_v, heads)
     f32 = jnp.float32
     vs = pl.ds(j * block_v, block_v)
     s = h0_ref[b, h, :, vs]  # [K, BV]
