@@ -6,17 +6,18 @@ Prints one JSON line on stdout (progress on stderr). Times are ms per call (medi
 ``speed_vs_fla_bwd`` = fla time / our time.
 
     python benchmarks/kda_bwd.py                                  # T=8192, H=96, default launch config
-    python benchmarks/kda_bwd.py --configs 64:64,32:64,64:32,64:64:8 --profile-dir /tmp/prof
+    python benchmarks/kda_bwd.py --configs 64:128,64:64,64:128:abk=128,64:64:8 --profile-dir /tmp/prof
 
 Example sweep of the launch parameters (each config costs its compile plus ~1 s of timing):
 
-    python benchmarks/kda_bwd.py --no-fla --configs 64:64,64:64:wdx=4,64:64:dabk=64,64:64:wda=8:wdq=4 \
+    python benchmarks/kda_bwd.py --no-fla --configs 64:128,64:128:wdx=4,64:128:dabk=64,64:128:wda=8:wdq=4 \
         --profile-dir /tmp/prof
 
 ``--configs``: comma list of ``block_v:block_k[:warps][:key=value...]`` (``warps`` = num_warps of the per-chunk
 gradient kernels dqkw / wy_dx / wy_dl / da; the others keep ``gpu_bwd.DEFAULT_WARPS``); keys: ``dabk``
-(``da_block_k``) and per-kernel warps ``wda``, ``wdx``, ``wdl``, ``wdq`` (da, wy_dx, wy_dl, dqkw). A config that
-fails prints its error in the sweep and the sweep goes on; the fastest on the first shape is used for the rest.
+(``da_block_k``), ``abk`` (``a_block_k``) and per-kernel warps ``wda``, ``wdx``, ``wdl``, ``wdq`` (da, wy_dx,
+wy_dl, dqkw). A config that fails prints its error in the sweep and the sweep goes on; the fastest on the first
+shape is used for the rest.
 bf16 q/k/v/beta, fp32 log-decay in (-5, 0), K = V = 128, random output and final-state cotangents.
 ``rel_err_vs_ref`` compares our gradients with the fp32 VJP of the pure-JAX reference (first shape only).
 """
@@ -43,7 +44,7 @@ from pallas_kernels.kda import reference as ref  # noqa: E402
 
 PER_CHUNK = ("kda_bwd_dqkw_gpu", "kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu", "kda_bwd_da_gpu")
 WARP_KEYS = {"wda": "kda_bwd_da_gpu", "wdx": "kda_bwd_wy_dx_gpu", "wdl": "kda_bwd_wy_dl_gpu", "wdq": "kda_bwd_dqkw_gpu"}
-VARIANT_KEYS = {"dabk": ("da_block_k", int)}
+VARIANT_KEYS = {"dabk": ("da_block_k", int), "abk": ("a_block_k", int)}
 
 
 def bwd_kwargs(cfg: str) -> dict:
@@ -108,7 +109,7 @@ def bench_fla_bwd(q, k, v, g, beta, do, dht):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x8192x96")
-    p.add_argument("--configs", default="64:64")
+    p.add_argument("--configs", default="64:128")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--profile-dir", default=None)

@@ -195,8 +195,9 @@ def test_triton_decode_flat_grid_with_several_v_slices_interpret():
 
 
 def test_triton_launch_knobs_interpret():
-    """The Triton forward and backward with non-default blocks (K / V blocks of 32, a BV=32 state slice), B=2,
-    H=2 and different documents per row (per-(sequence, head) indexing of the [B, T, H, D] tiles)."""
+    """The Triton forward and backward with non-default blocks (K / V blocks of 32, a BV=32 state slice, the
+    backward's A kernel on K blocks of 16), B=2, H=2 and different documents per row (per-(sequence, head) indexing
+    of the [B, T, H, D] tiles)."""
     name = "fp32-K64-B2H2"
     args, seg, chunk, (do, dht) = case_inputs(name)
     q, k, v, g, beta, h0 = args
@@ -205,7 +206,8 @@ def test_triton_launch_knobs_interpret():
 
     def run(args, seg, do, dht):
         o, ht = gpu.chunk_kda_fwd(*args[:5], K**-0.5, args[5], seg, chunk, interpret=True, **knobs)
-        grads = gpu_bwd.chunk_kda_bwd(*args[:5], K**-0.5, args[5], seg, do, dht, chunk, interpret=True, **knobs)
+        grads = gpu_bwd.chunk_kda_bwd(*args[:5], K**-0.5, args[5], seg, do, dht, chunk, interpret=True,
+                                      a_block_k=16, **knobs)
         return (o, ht, *grads)
 
     check(jax.jit(run)(args, seg, do, dht), reference_result(name), args, 1e-4, 1e-3)
@@ -215,6 +217,8 @@ def test_triton_argument_checks():
     q, k, v, g, beta, h0 = make_inputs(1, 32, 1, 32, 32)
     with pytest.raises(ValueError, match="da_block_k"):
         gpu_bwd.chunk_kda_bwd(q, k, v, g, beta, 0.2, h0, None, v, None, interpret=True, da_block_k=24)
+    with pytest.raises(ValueError, match="a_block_k"):
+        gpu_bwd.chunk_kda_bwd(q, k, v, g, beta, 0.2, h0, None, v, None, interpret=True, a_block_k=24)
     with pytest.raises(ValueError, match="num_warps keys"):
         gpu_bwd.chunk_kda_bwd(q, k, v, g, beta, 0.2, h0, None, v, None, interpret=True, num_warps={"wy": 8})
     with pytest.raises(ValueError, match="power of two"):

@@ -442,8 +442,9 @@ def _pow2(name: str, d: int) -> None:
 
 def chunk_kda_bwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
-    chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int = 64,
+    chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int = 128,
     num_warps: dict | None = None, num_stages: int | None = None, state_dtype=None, da_block_k: int = 32,
+    a_block_k: int = 64,
 ):
     """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), ten Triton kernels.
 
@@ -451,7 +452,8 @@ def chunk_kda_bwd(
     ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` or None, ``segment_ids [B, T]``
     or None), ``do [B, T, H, V]`` (output cotangent), ``dht [B, H, K, V]`` (final-state cotangent; None =
     zeros). ``block_v``: V slice of the two sweeps (grid axis; default ``min(V, 64)``); ``block_k``: K block
-    of the per-chunk gradient kernels (grid axis), their V loop block and the A kernel's K loop;
+    of the per-chunk gradient kernels (grid axis), their V loop block and the W/U kernel's K loop;
+    ``a_block_k``: the A kernel's K loop block;
     ``num_warps``: per-kernel override ``{kernel name: warps}`` (names in :data:`KERNEL_NAMES`; default
     :data:`DEFAULT_WARPS`); ``state_dtype``: storage of the per-chunk states
     ``h`` and state cotangents ``dh`` (default: the matmul dtype, bf16 for bf16 inputs - they only enter
@@ -473,11 +475,13 @@ def chunk_kda_bwd(
     BK = min(block_k, K)
     BL = min(block_k, V)  # V loop block of the per-chunk kernels
     BKD = min(da_block_k, K)
-    for nm, d in (("K", K), ("V", V), ("block_v", BV), ("block_k", BK), ("da_block_k", BKD), ("chunk_size", C)):
+    BKA = min(a_block_k, K)
+    for nm, d in (("K", K), ("V", V), ("block_v", BV), ("block_k", BK), ("da_block_k", BKD), ("a_block_k", BKA),
+                  ("chunk_size", C)):
         _pow2(nm, d)
-    if V % BV or K % BK or V % BL or K % BKD:
+    if V % BV or K % BK or V % BL or K % BKD or K % BKA:
         raise ValueError(f"{name}: block_v={BV} must divide V={V}, block_k={block_k} K={K} and V, and "
-                         f"da_block_k={BKD} K")
+                         f"da_block_k={BKD} and a_block_k={BKA} K")
     mm_dtype = jnp.float32 if jnp.promote_types(q.dtype, v.dtype) == jnp.float32 else jnp.bfloat16
     st_dtype = jnp.dtype(state_dtype or mm_dtype)
     da_dtype = jnp.float32 if mm_dtype == jnp.float32 else TF32
@@ -515,7 +519,7 @@ def chunk_kda_bwd(
     chunk_in3 = lambda d: pl.BlockSpec((None, C, None, d), lambda a, bh, c: (bi(bh), c, hi(bh), 0))
     row_out = lambda d: pl.BlockSpec((None, SUB, d), lambda a, bh, c: (bh, c * nt + a, 0))
     akk, aqk, qg, kdec = call(
-        functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BK, interpret=interp),
+        functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BKA, interpret=interp),
         "kda_bwd_a_gpu", (nt, BH, N),
         [row_in(K), chunk_in3(K), chunk_in3(K), pl.BlockSpec((None, C, 1), lambda a, bh, c: (bi(bh), c, 0)),
          pl.BlockSpec((None, None, 1, C), lambda a, bh, c: (bi(bh), c, 0, 0))],
