@@ -1,7 +1,7 @@
 """Decode step at the memory roofline: the engine's jitted decode step timed against the bytes it must read.
 
     python benchmarks/decode.py --config configs/k3-slice.json --cases 64:128,1:128,256:128,16:32768 \
-        --experts bf16,mxfp4 --decode-block 8 [--profile-dir DIR] [--xla-flags "..."]
+        --experts bf16,mxfp4 --decode-block 8 [--profile-dir DIR] [--xla-flags="--xla_..."]
 
 One JSON line per case (``batch:prompt_len``, expert format, steps per call):
 
@@ -38,7 +38,8 @@ One JSON line per case (``batch:prompt_len``, expert format, steps per call):
 
 Every row is greedy: the step is compiled as the engine compiles it for an all-greedy batch (``sampling=False``).
 
-``--xla-flags`` is appended to ``XLA_FLAGS`` before JAX starts (compare XLA options in separate processes).
+``--xla-flags`` is appended to ``XLA_FLAGS`` before JAX starts (compare XLA options in separate processes); pass it
+as ``--xla-flags=--xla_...``: argparse reads a separate value that starts with ``--`` as an option.
 ``--layers kda,mla`` builds a config of those layers at the config's widths (e.g. the release's exact shapes
 from ``configs/k3.json``: one KDA and one MLA layer, 896 experts top-16) instead of the config's own layers.
 
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-batches", default=None,
                     help="comma list of batch sizes whose first case is profiled (default: the first case)")
     ap.add_argument("--hlo-out", default=None, help="write the first case's optimised HLO text here")
-    ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before JAX starts")
+    ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before JAX starts (--xla-flags=--xla_...)")
     ap.add_argument("--label", default="", help="free text copied into every line (e.g. the tree measured)")
     return ap.parse_args(argv)
 
