@@ -281,6 +281,8 @@ class Trainer:
                 return replicated(x, rep)
 
             state = jax.tree.map(place, state)
+        else:  # committed to the device, as a restored state is: the train step then compiles once for both
+            state = jax.device_put(state, jax.devices()[0])
         return state
 
     def precompile(self) -> dict[str, Any]:
