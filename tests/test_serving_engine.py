@@ -10,7 +10,7 @@ step where decoding diverges.
 import numpy as np
 import pytest
 
-from k3_jax.serving.engine import Engine, RequestError, _prefill_pieces
+from k3_jax.serving.engine import RequestError, _prefill_pieces
 from k3_jax.serving.sampling import SamplingParams
 from tests.serving_common import MAX_LEN, reference_greedy_check, tiny_setup
 
@@ -131,10 +131,12 @@ def test_prefill_pieces():
 def test_multi_step_decode_equals_single_steps(setup):
     """``decode_block=4`` (4 decode steps per device call) gives the single-step engine's tokens exactly:
     greedy and seeded sampling, requests joining mid-flight, max_tokens not a multiple of 4, a stop token
-    inside a block."""
+    inside a block.
+
+    The block engine is the shared engine with ``decode_block`` set to 4 for this test (the engine reads it at
+    every step, as test_speculative does for its rounds): same prefill programs, so only the block decode
+    compiles; its ``_decode_multi`` cache grows by exactly the two block programs."""
     cfg, variables, engine, fwd = setup
-    blk = Engine(cfg, variables["params"], max_batch=3, max_len=MAX_LEN, prefill_chunk=16, prefill_mode="unit",
-                 eos_ids=(cfg.eos_token_id,), max_logprobs=5, decode_block=4)
     prompts = _prompts(cfg)
     params = [
         SamplingParams(max_tokens=13, ignore_eos=True),
@@ -142,12 +144,17 @@ def test_multi_step_decode_equals_single_steps(setup):
         SamplingParams(max_tokens=9, temperature=1.2, top_k=20, seed=7, ignore_eos=True),
     ]
     want = _run_with_joins(engine, prompts, params, join_after=[0, 1, 3])
-    got = _run_with_joins(blk, prompts, params, join_after=[0, 1, 3])
-    assert got == want
-    # the block path ran, compiled once with sampling and once all-greedy (request 0 alone at the end)
-    assert blk._decode_multi._cache_size() == 2
-    reference_greedy_check(fwd, variables, prompts[0], got[0])
-    stop = want[0][6]
-    evs = list(blk.generate_stream([prompts[0]], max_new_tokens=12, stop_token_ids=(stop,)))
-    assert [e.token for e in evs] == want[0][: want[0].index(stop) + 1] and evs[-1].finish_reason == "stop"
-    assert not blk.has_work
+    multi_before = engine._decode_multi._cache_size()
+    engine.decode_block = 4
+    try:
+        got = _run_with_joins(engine, prompts, params, join_after=[0, 1, 3])
+        assert got == want
+        # the block path ran, compiled once with sampling and once all-greedy (request 0 alone at the end)
+        assert engine._decode_multi._cache_size() - multi_before == 2
+        reference_greedy_check(fwd, variables, prompts[0], got[0])
+        stop = want[0][6]
+        evs = list(engine.generate_stream([prompts[0]], max_new_tokens=12, stop_token_ids=(stop,)))
+        assert [e.token for e in evs] == want[0][: want[0].index(stop) + 1] and evs[-1].finish_reason == "stop"
+        assert not engine.has_work
+    finally:
+        engine.decode_block = 1
