@@ -306,11 +306,13 @@ class Trainer:
         state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
                  "opt_state": jax.eval_shape(init_opt, params),
                  "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))}
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # init_state's placement: committed
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), state)
         rows = jax.ShapeDtypeStruct((self.tc.batch_size, self.tc.seq_len + 1), jnp.int32)
         batch = {"tokens": rows, "segment_ids": rows}
         train_step, eval_step = self.compiled_steps(state)
         train = train_step.lower(state, batch).compile()
-        eval_step.lower(params, batch).compile()
+        eval_step.lower(state["params"], batch).compile()
         return {"train": train, "compile_s": time.time() - t0}
 
     def _sharded_init_from(self, rng: jax.Array) -> dict:
