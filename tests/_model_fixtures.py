@@ -86,30 +86,3 @@ def scanned_segment_config_and_params(seed: int):
     cfg = tiny_config(num_hidden_layers=4, kda_layers=(0, 2), mla_layers=(1, 3), first_k_dense_replace=0)
     assert [(s.period, s.repeats) for s in layer_plan(cfg)] == [(2, 2)]
     return cfg, jax.tree.map(lambda x: np.asarray(x, np.float32), random_params(cfg, seed=seed))
-
-
-def host_init_params(cfg: K3Config, seed: int = 0) -> dict:
-    """Fresh parameters of ``K3ForCausalLM(cfg)`` drawn on the host (numpy, no init compile), fp32, with the model
-    init's distributions: kernels and embeddings N(0, 0.02²), norm gains 1, ``dt_bias`` and the router's
-    correction bias 0, ``A_log`` = log U(1, 16), short-conv kernels U(-0.5, 0.5). The tree is ``random_params``'
-    (equal to the init tree; ``tests/test_convert.py`` checks it). Values differ from ``model.init``'s."""
-    from k3_jax.convert.fixture import random_params
-
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        name, shape = jax.tree_util.keystr(path), np.shape(leaf)
-        if name.endswith("['A_log']"):
-            x = np.log(rng.uniform(1.0, 16.0, shape))
-        elif name.endswith("['dt_bias']") or name.endswith("['e_score_correction_bias']"):
-            x = np.zeros(shape)
-        elif "conv1d" in name:
-            x = rng.uniform(-0.5, 0.5, shape)
-        elif name.endswith("['weight']") and "proj" not in name.rsplit("[", 2)[-2]:
-            x = np.ones(shape)
-        else:
-            x = 0.02 * rng.standard_normal(shape)
-        return jax.numpy.asarray(x, jax.numpy.float32)
-
-    return jax.tree_util.tree_map_with_path(draw, random_params(cfg, seed=seed))
-

@@ -45,8 +45,10 @@ FIG5_SCORES = np.array(
 _loads = jax.jit(expert_loads, static_argnums=2)
 
 
+@functools.cache
 def _update(**kw) -> Callable:
-    """``qb_bias_update`` jitted with its static arguments ``kw`` (k, method, ...): ``(scores, bias) -> bias``."""
+    """``qb_bias_update`` jitted with its static arguments ``kw`` (k, method, ...): ``(scores, bias) -> bias``; one
+    jitted function per argument set, so repeated calls reuse its trace."""
     return jax.jit(functools.partial(qb_bias_update, **kw))
 
 
