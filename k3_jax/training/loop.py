@@ -153,6 +153,7 @@ def _one_device() -> jax.sharding.SingleDeviceSharding:
     :meth:`Trainer.precompile` lowers for it, and a restored state arrives there."""
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
+
 class Trainer:
     def __init__(self, tc: TrainConfig):
         if tc.qb is None:
