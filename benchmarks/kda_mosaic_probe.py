@@ -13,8 +13,9 @@ reference, twice per shape, on the inputs at which the kernel was wrong while it
 (seed ``T``, q not normalised; wrong at 1x64x1-1x64x32, 4x64x8, 2x64x3, 1x128x1, 1x512x1). Exit status 1 when a
 shape is off.
 
-``python3 benchmarks/kda_mosaic_probe.py fla-warm SHAPES``: run fla's ``chunk_kda`` forward once per shape (its
-Triton autotuning, cached on disk for the next process), meant to run beside the checks.
+``python3 benchmarks/kda_mosaic_probe.py fla-warm SHAPES``: run fla's ``chunk_kda`` forward and backward once per
+shape (its Triton compiles, and its autotuning under ``TRITON_CACHE_AUTOTUNING=1``, cached on disk for the next
+process), meant to run before a benchmark that times fla.
 
 ``python3 benchmarks/kda_mosaic_probe.py stages SHAPES``: on the inputs of ``defect``, per shape: (1) the per-chunk
 kernel built with debug taps (``intra_chunks(..., taps=...)``: its intermediates written to extra outputs; every
@@ -426,11 +427,12 @@ def main_fla_warm(arg: str) -> int:
     for B, T, H in shapes(arg):
         t0 = time.perf_counter()
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(B, T, H, 128, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
-        g = -5 * torch.rand(B, T, H, 128, device="cuda", generator=gen)
-        beta = torch.rand(B, T, H, device="cuda", generator=gen).to(torch.bfloat16)
-        with torch.no_grad():
-            chunk_kda(q, k, v, g, beta, output_final_state=True, safe_gate=True, lower_bound=-5.0)
+        q, k, v = (torch.randn(B, T, H, 128, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+                   for _ in range(3))
+        g = (-5 * torch.rand(B, T, H, 128, device="cuda", generator=gen)).requires_grad_()
+        beta = torch.rand(B, T, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+        o, _ = chunk_kda(q, k, v, g, beta, output_final_state=True, safe_gate=True, lower_bound=-5.0)
+        o.float().sum().backward()
         torch.cuda.synchronize()
         print(json.dumps({"fla_warm": f"{B}x{T}x{H}", "s": round(time.perf_counter() - t0, 1)}), flush=True)
     return 0

@@ -442,7 +442,7 @@ def _pow2(name: str, d: int) -> None:
 
 def chunk_kda_bwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
-    chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int = 128,
+    chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int | None = None,
     num_warps: dict | None = None, num_stages: int | None = None, state_dtype=None, da_block_k: int = 32,
     a_block_k: int = 64,
 ):
@@ -452,7 +452,8 @@ def chunk_kda_bwd(
     ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` or None, ``segment_ids [B, T]``
     or None), ``do [B, T, H, V]`` (output cotangent), ``dht [B, H, K, V]`` (final-state cotangent; None =
     zeros). ``block_v``: V slice of the two sweeps (grid axis; default ``min(V, 64)``); ``block_k``: K block
-    of the per-chunk gradient kernels (grid axis), their V loop block and the W/U kernel's K loop;
+    of the per-chunk gradient kernels (grid axis), their V loop block and the W/U kernel's K loop (default 128 for
+    16-bit inputs, 64 for fp32, whose 128-wide tiles pass the H200's 227 KiB of shared memory per block);
     ``a_block_k``: the A kernel's K loop block;
     ``num_warps``: per-kernel override ``{kernel name: warps}`` (names in :data:`KERNEL_NAMES`; default
     :data:`DEFAULT_WARPS`); ``state_dtype``: storage of the per-chunk states
@@ -472,6 +473,7 @@ def chunk_kda_bwd(
     if dht is not None and dht.shape != (B, H, K, V):
         raise ValueError(f"{name}: dht must be [B, H, K, V]={(B, H, K, V)}, got {dht.shape}")
     BV = block_v or min(V, 64)
+    block_k = block_k or (128 if jnp.dtype(q.dtype).itemsize <= 2 else 64)
     BK = min(block_k, K)
     BL = min(block_k, V)  # V loop block of the per-chunk kernels
     BKD = min(da_block_k, K)
