@@ -5,10 +5,13 @@ speculative path keeps the target distribution (the acceptance rule as a pure fu
 draws; one engine-level check with top-k 1), the LK loss and gradient equal numpy, and draft training resumes
 exactly."""
 
+import dataclasses
 import functools
+import gc
 import threading
 import time
 import types
+import weakref
 
 import flax.linen as nn
 import jax
@@ -175,6 +178,27 @@ def test_kda_draft_greedy_identical():
     assert spec.spec.accepted > 0
 
 
+def test_speculative_engines_of_one_layout_share_their_rounds_and_hold_no_engine(spec_mla):
+    """Another draft length, same target layout and draft config: the rounds' and draft's jitted functions are
+    spec_mla's; the prefill that collects prompt features stays per engine; another draft mixer gets its own
+    rounds; the shared functions keep no engine alive."""
+    cfg, params, _ = _setup()
+    dcfg, dparams = _draft("mla", 1)
+    other = SpeculativeEngine(cfg, params, dparams, dcfg, num_draft_tokens=2, max_batch=2, max_len=MAX_LEN)
+    names = ("_round", "_rounds", "_draft_prefill", "_draft_reset", "_draft_pending", "_prefill_with_features")
+    assert all(getattr(other, n) is getattr(spec_mla, n) for n in names)
+    assert other._prefill is not spec_mla._prefill
+    kcfg, kparams = _draft("kda", 2)
+    # the same draft, its MLP width spelled out: a layout no other test builds
+    kcfg = dataclasses.replace(kcfg, intermediate_size=cfg.intermediate_size)
+    kda = SpeculativeEngine(cfg, params, kparams, kcfg, num_draft_tokens=2, max_batch=2, max_len=MAX_LEN)
+    assert kda._round is not spec_mla._round
+    gone = weakref.ref(kda)  # the engine that built its layout's functions
+    del kda
+    gc.collect()
+    assert gone() is None, "a shared jitted function holds the engine that built it"
+
+
 def test_engine_rejects_bad_draft_tokens(spec_mla):
     cfg, params, _ = _setup()
     with pytest.raises(ValueError, match="draft_tokens"):
@@ -329,6 +353,10 @@ def test_draft_training_resumes_exactly(tmp_path, monkeypatch):
     waited = draft_training.train(draft_training.DraftTrainConfig(out=str(tmp_path / "d"), wait_for=str(flag),
                                                                   **common), say=said.append)
     assert waited["losses"] == straight["losses"] and any("waiting for" in line for line in said)
+    dtc = draft_training.DraftTrainConfig(**common)
+    step = draft_training._compiled_step(cfg, draft_training.draft_config_of(cfg, dtc),
+                                         draft_training._step_options(dtc))
+    assert step._cache_size() == 1  # one compile for fresh, resumed, timed and precompiled runs
     dcfg, dparams = load_draft(straight["draft_dir"], cfg)
     assert dcfg == draft_training.draft_config_of(cfg, draft_training.DraftTrainConfig())
     assert jax.tree.structure(dparams) is not None

@@ -20,7 +20,10 @@ leaves it when it finishes; nothing recompiles when requests come and go:
   endpoints, and the state after such a piece is stored as a new entry (no second prefill); so is the state
   after a decode step that reaches an endpoint (prompt + generated tokens: the next turn of a conversation
   reuses its reply; a multi-step decode block is cut to single steps up to the endpoint);
-* sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`).
+* sampling parameters are per-slot arrays (:mod:`k3_jax.serving.sampling`);
+* engines of one layout (model config, cache axes, compute dtype, mesh and preset, XLA options) share their
+  jitted functions, so a second engine of that layout in the process reuses the first one's compiled programs
+  (:func:`shared_functions`); the functions hold no engine, only the layout.
 * images (a vision model): a request's ``media`` (:class:`k3_jax.serving.media.RequestMedia`, its prompt holding
   one ``<|media_pad|>`` per media token) is encoded once, at its first prefill piece (not at all when a prefix-cache
   hit covers every item), and each prefill chunk splices the embeddings of its own pad positions into the token
@@ -154,6 +157,61 @@ def _prefill_pieces(n: int, chunk: int, mode: str = "pow2") -> list[int]:
             rest -= bit
         bit >>= 1
     return pieces
+
+
+_SHARED_FUNCTIONS: collections.OrderedDict[Any, dict[str, Any]] = collections.OrderedDict()
+SHARED_FUNCTION_SETS = 8
+"""Most layouts whose jitted functions :func:`shared_functions` keeps (least recently built or used dropped)."""
+
+
+def shared_functions(key: Any, build: Any) -> dict[str, Any]:
+    """The jitted functions of layout ``key`` (hashable): ``build()`` (``-> {attribute name: function}``) the first
+    time, the same objects (so the same compiled programs) after. ``build`` must not capture an engine: the set
+    outlives the engine that built it."""
+    fns = _SHARED_FUNCTIONS.get(key)
+    if fns is None:
+        fns = _SHARED_FUNCTIONS[key] = build()
+        while len(_SHARED_FUNCTIONS) > SHARED_FUNCTION_SETS:
+            _SHARED_FUNCTIONS.popitem(last=False)
+    else:
+        _SHARED_FUNCTIONS.move_to_end(key)
+    return fns
+
+
+def _frozen(tree: Any) -> Any:
+    """A hashable copy of a tree of dicts / lists / tuples of hashable leaves (the cache axes)."""
+    if isinstance(tree, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in tree.items()))
+    if isinstance(tree, list | tuple):
+        return tuple(_frozen(v) for v in tree)
+    return tree
+
+
+def pin_to_cache_placement(mesh: Mesh | None, preset: str) -> Any:
+    """``tree -> tree`` for traced functions: ``tree`` constrained to the placement :meth:`Engine._place` gives it on
+    ``mesh`` (identity off a mesh), so a jitted function's outputs keep their inputs' layout (no recompile,
+    donation in place)."""
+    if mesh is None:
+        return lambda tree: tree
+    return lambda tree: jax.lax.with_sharding_constraint(tree, cache_shardings(tree, mesh, preset))
+
+
+def jit_on_mesh(mesh: Mesh | None, preset: str) -> Any:
+    """``(fn, pin=None, **jit_kwargs) -> jax.jit(fn, **jit_kwargs)``; on ``mesh``, ``fn`` is traced with the mesh
+    and ``preset``'s rules active and ``pin`` (outputs -> outputs) applied to its outputs."""
+
+    def jit(fn: Any, pin: Any = None, **kwargs: Any) -> Any:
+        if mesh is None:
+            return jax.jit(fn, **kwargs)
+
+        @functools.wraps(fn)
+        def pinned(*args: Any, **kw: Any) -> Any:
+            out = fn(*args, **kw)
+            return out if pin is None else pin(out)
+
+        return jax.jit(rules.on_input_mesh(pinned, preset), **kwargs)
+
+    return jit
 
 
 class Engine:
@@ -320,29 +378,23 @@ class Engine:
         return cache if self.mesh is None else jax.device_put(cache, cache_shardings(cache, self.mesh,
                                                                                       self.sharding_preset))
 
-    def _pin(self, tree: Any) -> Any:
-        """Inside a traced function: ``tree`` constrained to the placement :meth:`_place` gives it (no-op off a
-        mesh), so a jitted function's outputs keep their inputs' layout (no recompile, donation in place)."""
-        if self.mesh is None:
-            return tree
-        return jax.lax.with_sharding_constraint(tree, cache_shardings(tree, self.mesh, self.sharding_preset))
-
-    def _jit(self, fn: Any, pin: Any = None, **kwargs: Any) -> Any:
-        """``jax.jit(fn, **kwargs)``; on a mesh ``fn`` is traced with the mesh and the preset's rules active and
-        ``pin`` (outputs -> outputs, e.g. :meth:`_pin` on the cache) applied to its outputs."""
-        if self.mesh is None:
-            return jax.jit(fn, **kwargs)
-
-        @functools.wraps(fn)
-        def pinned(*args: Any, **kw: Any) -> Any:
-            out = fn(*args, **kw)
-            return out if pin is None else pin(out)
-
-        return jax.jit(rules.on_input_mesh(pinned, self.sharding_preset), **kwargs)
-
     # ------------------------------------------------------------------ jitted functions
+    def _layout_key(self) -> tuple:
+        """What the jitted functions depend on (:func:`shared_functions`): the model config, the cache axes,
+        the compute dtype, the mesh and preset, and the model steps' XLA options."""
+        opts = tuple(sorted((self.model_compiler_options or {}).items()))
+        return (self.cfg, _frozen(self._axes), str(self.compute_dtype), self.mesh, self.sharding_preset, opts)
+
     def _build_fns(self) -> None:
-        model, axes = self.model, self._axes
+        """Set the engine's jitted functions (``_prefill``, ``_decode``, ...), shared by engines of its layout."""
+        for name, fn in shared_functions((Engine, self._layout_key()), self._engine_functions).items():
+            setattr(self, name, fn)
+
+    def _engine_functions(self) -> dict[str, Any]:
+        """The engine's jitted functions; they capture the layout, never ``self``."""
+        model, axes, cfg = self.model, self._axes, self.cfg
+        jit = jit_on_mesh(self.mesh, self.sharding_preset)
+        pin = pin_to_cache_placement(self.mesh, self.sharding_preset)
 
         take_row = functools.partial(take_cache_row, axes=axes)
         put_row = functools.partial(put_cache_row, axes=axes)
@@ -363,7 +415,7 @@ class Engine:
             returns (logits of the last token [V] f32, cache)."""
             row = take_row(cache, slot)
             row_table = None if table is None else jax.lax.dynamic_slice_in_dim(table, slot, 1, 0)
-            hook = media_lib.media_embeds_hook(media, tokens, self.cfg.pad_token_id)
+            hook = media_lib.media_embeds_hook(media, tokens, cfg.pad_token_id)
             # a multi-token piece runs on the row's gathered view: the layer scan would pass every slot's pages
             # through the call (one token reads the pages in place, like decode)
             logits, row = run(variables, row, tokens, row_table, jnp.ones((1,), bool), hook, tokens.shape[1] > 1)
@@ -409,17 +461,19 @@ class Engine:
                 return {k: v.at[:, dst].set(v[:, src]) for k, v in e.items()}
             return {**cache, "segments": [{k: entry(v) for k, v in seg.items()} for seg in cache["segments"]]}
 
-        pin, pin_second = self._pin, lambda out: (out[0], self._pin(out[1]))
-        self._take_kda = self._jit(take_kda)
-        self._put_kda = self._jit(put_kda, pin, donate_argnums=(0,))
-        self._copy_page = self._jit(copy_page, pin, donate_argnums=(0,))
-        self._reset = self._jit(reset, pin, donate_argnums=(0,))
+        pin_second = lambda out: (out[0], pin(out[1]))  # noqa: E731
         # the model steps: XLA options of serving on this platform (k3_jax.xla_flags.serving_compiler_options)
         opts = {"compiler_options": self.model_compiler_options}
-        self._decode_multi = self._jit(decode_multi, pin_second, donate_argnums=(1,), static_argnums=(5, 7, 8), **opts)
-        self._prefill = self._jit(prefill, pin_second, donate_argnums=(1,), **opts)
-        self._decode = self._jit(decode, pin_second, donate_argnums=(1,), static_argnums=(5, 7), **opts)
-        self._sample = self._jit(sample, static_argnames=("num_top_logprobs", "sampling"))
+        return {
+            "_take_kda": jit(take_kda),
+            "_put_kda": jit(put_kda, pin, donate_argnums=(0,)),
+            "_copy_page": jit(copy_page, pin, donate_argnums=(0,)),
+            "_reset": jit(reset, pin, donate_argnums=(0,)),
+            "_decode_multi": jit(decode_multi, pin_second, donate_argnums=(1,), static_argnums=(5, 7, 8), **opts),
+            "_prefill": jit(prefill, pin_second, donate_argnums=(1,), **opts),
+            "_decode": jit(decode, pin_second, donate_argnums=(1,), static_argnums=(5, 7), **opts),
+            "_sample": jit(sample, static_argnames=("num_top_logprobs", "sampling")),
+        }
 
     # ------------------------------------------------------------------ request management
     def validate(self, prompt: Sequence[int], params: SamplingParams,

@@ -75,8 +75,11 @@ from k3_jax.serving.engine import (
     RequestError,
     _prefill_pieces,
     apply_on_cache,
+    jit_on_mesh,
+    pin_to_cache_placement,
     put_cache_row,
     shard_variables,
+    shared_functions,
     take_cache_row,
 )
 from k3_jax.serving.sampling import (
@@ -432,8 +435,28 @@ class SpeculativeEngine(Engine):
 
     # ------------------------------------------------------------------ jitted functions
     def _build_fns(self) -> None:
+        """The engine's functions, then the rounds' and the draft's (shared by engines of one layout and draft
+        config, :func:`~k3_jax.serving.engine.shared_functions`), and the per-engine prefill that collects the
+        prompt's target features."""
         super()._build_fns()
+        key = (SpeculativeEngine, self._layout_key(), self.dcfg)
+        for name, fn in shared_functions(key, self._speculative_functions).items():
+            setattr(self, name, fn)
+
+        def prefill_collecting(variables, cache, slot, tokens, table, media=None):
+            logits, cache, feats = self._prefill_with_features(variables, cache, slot, tokens, table, media)
+            self._prefill_feats.append(feats)
+            return logits, cache
+
+        self._prefill = prefill_collecting
+        self._prefill_feats: list[jax.Array] = []
+
+    def _speculative_functions(self) -> dict[str, Any]:
+        """The rounds' and the draft's jitted functions; they capture the layout and draft config, never
+        ``self``."""
         model, draft, dcfg, cfg, axes, cdt = self.model, self.draft, self.dcfg, self.cfg, self._axes, self.compute_dtype
+        jit = jit_on_mesh(self.mesh, self.sharding_preset)
+        pin = pin_to_cache_placement(self.mesh, self.sharding_preset)
 
         def prefill(variables, cache, slot, tokens, table, media=None):
             """As the engine's prefill, also returning the prompt piece's target features [1, T, F]."""
@@ -477,23 +500,16 @@ class SpeculativeEngine(Engine):
             return speculative_rounds(model, draft, dcfg, variables, dvars, cache, dcache, last, pend, active,
                                       draft_len, left, samp, num_top, sampling, n, table, cdt)
 
-        pin, opts = self._pin, {"compiler_options": self.model_compiler_options}  # the model steps' XLA options
-        jit_prefill = self._jit(prefill, lambda o: (o[0], pin(o[1]), o[2]), donate_argnums=(1,), **opts)
-
-        def prefill_collecting(variables, cache, slot, tokens, table, media=None):
-            logits, cache, feats = jit_prefill(variables, cache, slot, tokens, table, media)
-            self._prefill_feats.append(feats)
-            return logits, cache
-
-        self._prefill = prefill_collecting
-        self._prefill_feats: list[jax.Array] = []
+        opts = {"compiler_options": self.model_compiler_options}  # the model steps' XLA options
         pin_state = lambda o: (o[0], pin(o[1]), pin(o[2]), pin(o[3]))  # noqa: E731 - (out, cache, dcache, pend)
-        self._draft_prefill = self._jit(draft_prefill, pin, donate_argnums=(2,), **opts)
-        self._draft_reset = self._jit(draft_reset, lambda o: (pin(o[0]), pin(o[1])), donate_argnums=(0, 1))
-        self._draft_pending = self._jit(draft_pending, pin, donate_argnums=(0,))
-        self._round = self._jit(round_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(9, 10), **opts)
-        self._rounds = self._jit(rounds_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(10, 11, 12),
-                                 **opts)
+        return {
+            "_prefill_with_features": jit(prefill, lambda o: (o[0], pin(o[1]), o[2]), donate_argnums=(1,), **opts),
+            "_draft_prefill": jit(draft_prefill, pin, donate_argnums=(2,), **opts),
+            "_draft_reset": jit(draft_reset, lambda o: (pin(o[0]), pin(o[1])), donate_argnums=(0, 1)),
+            "_draft_pending": jit(draft_pending, pin, donate_argnums=(0,)),
+            "_round": jit(round_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(9, 10), **opts),
+            "_rounds": jit(rounds_fn, pin_state, donate_argnums=(2, 3, 5), static_argnums=(10, 11, 12), **opts),
+        }
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: Sequence[int], params: SamplingParams, media: Any = None) -> None:

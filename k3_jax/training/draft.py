@@ -312,8 +312,9 @@ def placed_step(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, state: 
     for one device) and the jitted step for it, ``step(state, target_params, tokens [B, S+1], segment_ids [B, S+1])
     -> (state, loss, per-TTT-step losses [ttt_steps])`` (``state`` donated; on a mesh the target's params placed by
     :func:`place_on_mesh`)."""
-    if mesh is None:
-        return state, _compiled_step(cfg, dcfg, _step_options(dtc))
+    if mesh is None:  # committed, as the step's outputs and a restored state are: the step compiles once
+        return jax.device_put(state, jax.sharding.SingleDeviceSharding(jax.devices()[0])), _compiled_step(
+            cfg, dcfg, _step_options(dtc))
     state = _place_state(cfg, dcfg, dtc, state, mesh)
     return state, _sharded_step(cfg, dcfg, _step_options(dtc), mesh, state)
 
@@ -402,10 +403,9 @@ def _precompile_and_wait(dtc: DraftTrainConfig, say) -> K3Config:
     dcfg = draft_config_of(cfg, dtc)
     target = _uncommitted(_random_target(cfg, dtc.seed + 1))
     tokens = jnp.zeros((dtc.batch_size, dtc.seq_len + 1), jnp.int32)
-    step_fn = _compiled_step(cfg, dcfg, _step_options(dtc))
     shapes_only = None if dcfg.head_vocab is None else np.arange(dcfg.head_vocab, dtype=np.int32)
-    jax.block_until_ready(step_fn(init_state(cfg, dcfg, dtc, target, shapes_only), target, tokens,
-                                  jnp.ones_like(tokens)))
+    state, step_fn = placed_step(cfg, dcfg, dtc, init_state(cfg, dcfg, dtc, target, shapes_only))
+    jax.block_until_ready(step_fn(state, target, tokens, jnp.ones_like(tokens)))
     say(f"draft step compiled on a random target ({time.perf_counter() - t0:.1f}s); waiting for {dtc.wait_for}")
     waited = time.perf_counter()
     while not Path(dtc.wait_for).exists():
