@@ -10,6 +10,7 @@ step where decoding diverges.
 import gc
 import weakref
 
+import jax
 import numpy as np
 import pytest
 
@@ -166,12 +167,20 @@ def test_multi_step_decode_equals_single_steps(setup):
 
 def test_engines_of_one_layout_share_their_jitted_functions_and_hold_no_engine(setup):
     """A second engine of the same model, dtype and cache layout (other slot count) reuses the first one's jitted
-    functions, so their compiled programs; another compute dtype gets its own; the shared functions keep no
-    engine alive."""
+    functions, so their compiled programs; each program compiles once; another compute dtype gets its own
+    functions; the shared functions keep no engine alive."""
     cfg, variables, engine, _ = setup
     other = Engine(cfg, variables["params"], max_batch=2, max_len=MAX_LEN)
     names = ("_prefill", "_decode", "_decode_multi", "_reset", "_take_kda", "_put_kda", "_copy_page", "_sample")
     assert all(getattr(other, n) is getattr(engine, n) for n in names)
+    # committed parameters (as a restored checkpoint's) and a slot count no other test uses: a greedy request
+    # compiles one prefill piece shape and one decode program, once each (a fresh uncommitted cache compiled both
+    # again on the committed outputs of their first call)
+    five = Engine(cfg, jax.device_put(variables["params"], jax.devices()[0]), max_batch=5, max_len=MAX_LEN,
+                  prefill_chunk=16, prefill_mode="unit")
+    before = five._decode._cache_size(), five._prefill._cache_size()
+    five.generate([[5, 6, 7]], max_new_tokens=3, stop_token_ids=())
+    assert (five._decode._cache_size(), five._prefill._cache_size()) == (before[0] + 1, before[1] + 1)
     bf16 = Engine(cfg.replace(dtype="bfloat16"), variables["params"], max_batch=2, max_len=MAX_LEN)
     assert bf16._decode is not engine._decode and bf16._prefill is not engine._prefill
     gone = weakref.ref(bf16)  # the engine that built its layout's functions

@@ -304,6 +304,8 @@ class Engine:
         if mesh is not None:
             self.variables = shard_variables(self.model, (jnp.zeros((1, 1), jnp.int32),), self.variables, mesh,
                                              sharding_preset)
+        else:
+            self.variables = self._place(self.variables)
         self._axes = _batch_axes(cfg, max_len)
         self._cache_dtype = cache_dtype
         self.cache = init_cache(cfg, max_batch, max_len, cache_dtype)
@@ -374,9 +376,13 @@ class Engine:
 
     # ------------------------------------------------------------------ placement on a mesh
     def _place(self, cache: Any) -> Any:
-        """``cache`` (or any tree of the engine's device state) placed on the mesh (:func:`cache_shardings`)."""
-        return cache if self.mesh is None else jax.device_put(cache, cache_shardings(cache, self.mesh,
-                                                                                      self.sharding_preset))
+        """``cache`` (or any tree of the engine's device state) placed on the mesh (:func:`cache_shardings`); off a
+        mesh committed to the default device, like the parameters: a jitted call's outputs are committed once any
+        input is (restored parameters are), and jit compiles committed and uncommitted arguments apart, so a fresh
+        uncommitted cache would compile every step twice (first call, then on its own outputs)."""
+        if self.mesh is None:
+            return jax.device_put(cache, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        return jax.device_put(cache, cache_shardings(cache, self.mesh, self.sharding_preset))
 
     # ------------------------------------------------------------------ jitted functions
     def _layout_key(self) -> tuple:
