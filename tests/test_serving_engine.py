@@ -187,3 +187,17 @@ def test_engines_of_one_layout_share_their_jitted_functions_and_hold_no_engine(s
     del bf16
     gc.collect()
     assert gone() is None, "a shared jitted function holds the engine that built it"
+
+
+def test_one_device_engine_keeps_its_state_on_the_parameters_device(setup):
+    """Parameters committed to another device (one engine per device): the cache is made there, nothing moves to
+    the default device; uncommitted parameters are committed to the default device."""
+    cfg, variables, _, _ = setup
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 (virtual) devices; see tests/conftest.py")
+    dev = jax.devices()[1]
+    engine = Engine(cfg, jax.device_put(variables["params"], dev), max_batch=2, max_len=MAX_LEN)
+    leaves = jax.tree.leaves(engine.cache) + jax.tree.leaves(engine.variables)
+    assert all(x.committed and x.sharding.device_set == {dev} for x in leaves)
+    default = Engine(cfg, variables["params"], max_batch=2, max_len=MAX_LEN)
+    assert all(x.committed and x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(default.cache))

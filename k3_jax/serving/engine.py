@@ -187,6 +187,15 @@ def _frozen(tree: Any) -> Any:
     return tree
 
 
+def _home_device(tree: Any) -> jax.Device:
+    """The device of the first array of ``tree`` committed to one device, else the default device: where a
+    one-device engine keeps its parameters and cache."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and x.committed and len(x.sharding.device_set) == 1:
+            return next(iter(x.sharding.device_set))
+    return jax.devices()[0]
+
+
 def pin_to_cache_placement(mesh: Mesh | None, preset: str) -> Any:
     """``tree -> tree`` for traced functions: ``tree`` constrained to the placement :meth:`Engine._place` gives it on
     ``mesh`` (identity off a mesh), so a jitted function's outputs keep their inputs' layout (no recompile,
@@ -305,6 +314,7 @@ class Engine:
             self.variables = shard_variables(self.model, (jnp.zeros((1, 1), jnp.int32),), self.variables, mesh,
                                              sharding_preset)
         else:
+            self._device = _home_device(self.variables)
             self.variables = self._place(self.variables)
         self._axes = _batch_axes(cfg, max_len)
         self._cache_dtype = cache_dtype
@@ -377,11 +387,12 @@ class Engine:
     # ------------------------------------------------------------------ placement on a mesh
     def _place(self, cache: Any) -> Any:
         """``cache`` (or any tree of the engine's device state) placed on the mesh (:func:`cache_shardings`); off a
-        mesh committed to the default device, like the parameters: a jitted call's outputs are committed once any
-        input is (restored parameters are), and jit compiles committed and uncommitted arguments apart, so a fresh
-        uncommitted cache would compile every step twice (first call, then on its own outputs)."""
+        mesh committed to the parameters' device (:func:`_home_device`), like the parameters: a jitted call's
+        outputs are committed once any input is (restored parameters are), and jit compiles committed and
+        uncommitted arguments apart, so a fresh uncommitted cache would compile every step twice (first call,
+        then on its own outputs)."""
         if self.mesh is None:
-            return jax.device_put(cache, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+            return jax.device_put(cache, jax.sharding.SingleDeviceSharding(self._device))
         return jax.device_put(cache, cache_shardings(cache, self.mesh, self.sharding_preset))
 
     # ------------------------------------------------------------------ jitted functions
