@@ -417,16 +417,14 @@ class SpeculativeEngine(Engine):
                         jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.dtype))
             self.draft_variables = shard_variables(self.draft, abstract, self.draft_variables, self.mesh,
                                                    self.sharding_preset)
-        else:  # committed, as the target's parameters (Engine._place)
-            self.draft_variables = self._place(self.draft_variables)
         head = head_variables(cfg, self.dcfg, self.variables["params"], vocab_map)
         if self.mesh is not None:  # the map replicated, the pruned head split like the lm_head's columns
             placement = rules.logical_to_sharding({"draft": {k: HEAD_AXES[k] for k in head}}, self.mesh,
                                                   self.sharding_preset, {"draft": head})  # warnings name draft/head
             head = jax.device_put(head, placement["draft"])
-        else:
-            head = self._place(head)
         self.draft_variables.update(head)
+        if self.mesh is None:  # committed, as the target's parameters (Engine._place)
+            self.draft_variables = self._place(self.draft_variables)
         self._dcache_len = self.max_len + num_draft_tokens + 1
         self.dcache = self._place(init_draft_cache(cfg, self.dcfg, self.max_batch, self._dcache_len,
                                                    self._cache_dtype))

@@ -84,6 +84,7 @@ from k3_jax.model import FEATURES, K3ForCausalLM
 from k3_jax.serving.engine import shard_variables
 from k3_jax.training.checkpoint import Checkpointer
 from k3_jax.training.data import TOKENS_FILE, DataConfig, DataIterator, load_token_shard, make_dataset
+from k3_jax.training.loop import one_device
 from k3_jax.training.resume import RUN_CONFIG_FORMAT, resume
 from sharding import rules
 from sharding.mesh import make_mesh
@@ -313,8 +314,7 @@ def placed_step(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig, state: 
     -> (state, loss, per-TTT-step losses [ttt_steps])`` (``state`` donated; on a mesh the target's params placed by
     :func:`place_on_mesh`)."""
     if mesh is None:  # committed, as the step's outputs and a restored state are: the step compiles once
-        return jax.device_put(state, jax.sharding.SingleDeviceSharding(jax.devices()[0])), _compiled_step(
-            cfg, dcfg, _step_options(dtc))
+        return jax.device_put(state, one_device()), _compiled_step(cfg, dcfg, _step_options(dtc))
     state = _place_state(cfg, dcfg, dtc, state, mesh)
     return state, _sharded_step(cfg, dcfg, _step_options(dtc), mesh, state)
 

@@ -148,9 +148,9 @@ class TrainConfig:
 
 
 
-def _one_device() -> jax.sharding.SingleDeviceSharding:
+def one_device() -> jax.sharding.SingleDeviceSharding:
     """Where a single-device trainer's state lives (committed): :meth:`Trainer.init_state` places it there,
-    :meth:`Trainer.precompile` lowers for it, and a restored state arrives there."""
+    :meth:`Trainer.precompile` lowers for it, a restored state arrives there (the draft trainer's too)."""
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
@@ -289,7 +289,7 @@ class Trainer:
 
             state = jax.tree.map(place, state)
         else:  # committed to the device, as a restored state is: the train step then compiles once for both
-            state = jax.device_put(state, _one_device())
+            state = jax.device_put(state, one_device())
         return state
 
     def precompile(self) -> dict[str, Any]:
@@ -313,7 +313,7 @@ class Trainer:
         state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
                  "opt_state": jax.eval_shape(init_opt, params),
                  "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))}
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_one_device()), state)
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device()), state)
         rows = jax.ShapeDtypeStruct((self.tc.batch_size, self.tc.seq_len + 1), jnp.int32)
         batch = {"tokens": rows, "segment_ids": rows}
         train_step, eval_step = self.compiled_steps(state)
