@@ -30,7 +30,9 @@ from pallas_kernels.kda import reference as ref
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = ("mosaic_tpu", "triton")
 NAMES = ("o", "ht", "q", "k", "v", "g", "beta", "h0")
-BWD_KERNEL_NAMES = {"mosaic_tpu": ("kda_chunk_bwd",), "triton": gpu_bwd.KERNEL_NAMES}
+# the backward-only kernels (the Triton backward's first kernel, the chunk cumsum of g, is the forward's too)
+BWD_KERNEL_NAMES = {"mosaic_tpu": ("kda_chunk_bwd",),
+                    "triton": tuple(n for n in gpu_bwd.KERNEL_NAMES if n.startswith("kda_bwd_"))}
 
 
 def make_inputs(B, T, H, K, V, dtype=jnp.float32, seed=0, gate="k3"):

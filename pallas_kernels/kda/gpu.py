@@ -99,6 +99,24 @@ def _cumsum_kernel(g_ref, gam_ref, *, block: int):
         gam_ref[:, cols] = jnp.cumsum(g_ref[:, cols], axis=0)
 
 
+def chunk_cumsum(g, chunk: int, block: int = 64, interpret: bool = False, num_warps: int = 4) -> jax.Array:
+    """``G``: the cumulative sums of ``g [B, Tp, H, K] f32`` over the tokens of each chunk of ``chunk`` tokens
+    (``Tp`` a multiple of ``chunk``), one program per ``(sequence * head, chunk)``, ``block`` columns at a time;
+    ``[B, Tp, H, K] f32``. The forward and the backward (:mod:`.gpu_bwd`) both take ``G`` from here."""
+    B, Tp, H, K = g.shape
+    tok = pl.BlockSpec((None, chunk, None, K), lambda bh, c: (jax.lax.div(bh, H), c, jax.lax.rem(bh, H), 0))
+    return pl.pallas_call(
+        functools.partial(_cumsum_kernel, block=min(block, K)),
+        grid=(B * H, Tp // chunk),
+        in_specs=[tok],
+        out_specs=tok,
+        out_shape=jax.ShapeDtypeStruct(g.shape, jnp.float32),
+        compiler_params=None if interpret else _compiler_params(num_warps, 1),
+        interpret=bool(interpret),
+        name="kda_chunk_cumsum_gpu",
+    )(g)
+
+
 def _a_kernel(
     q_ref, k_ref, g_ref, beta_ref, segc_ref, segr_ref,  # q, beta: this row tile; k, g, seg: the chunk
     nkk_ref, aqk_ref, qg_ref, kdec_ref,  # outputs: this row tile
@@ -212,17 +230,16 @@ class _Inputs(NamedTuple):
     q: jax.Array  # [B, Tp, H, K], caller dtype
     k: jax.Array  # [B, Tp, H, K]
     v: jax.Array  # [B, Tp, H, V]
-    gam: jax.Array  # [B, Tp, H, K] f32: log-decay g, or its chunk-local cumsum G (``xla_cumsum``)
+    gam: jax.Array  # [B, Tp, H, K] f32: log-decay g (padded); :func:`chunk_cumsum` makes it G
     beta: jax.Array  # [B, Tp, H, 1] f32
     seg_col: jax.Array  # [B, Tp, 1] i32: document starts inside the chunk up to token i
     seg_row: jax.Array  # [B, N, 1, C] i32: the same, row layout
     h0t: jax.Array  # [B*H, V, K] f32: initial state, transposed
 
 
-def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int, xla_cumsum: bool) -> _Inputs:
+def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int) -> _Inputs:
     """Pad T to a multiple of ``C`` (only when needed: padding tokens have ``g = 0``, ``beta = 0``, zero
-    q/k/v, so they neither decay nor write the state); the chunk-local cumulative decay here if
-    ``xla_cumsum``."""
+    q/k/v, so they neither decay nor write the state); ``gam`` is still the per-token log decay."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = -(-T // C)
@@ -230,8 +247,6 @@ def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int, xla_cumsum: b
     pad = Tp - T
     padt = lambda x: x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     gam = padt(g.astype(jnp.float32))
-    if xla_cumsum:
-        gam = jnp.cumsum(gam.reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
     reset = padt(ref.segment_resets(segment_ids, B, T).astype(jnp.int32))
     seg = jnp.cumsum(reset.reshape(B, N, C), axis=-1)
     if initial_state is None:
@@ -269,7 +284,7 @@ def chunk_kda_fwd(
         _pow2(nm, d)
     if V % BV:
         raise ValueError(f"gpu.chunk_kda_fwd: block_v={BV} must divide V={V}")
-    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, C, xla_cumsum=False)
+    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, C)
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
     nt = C // SUB
@@ -284,16 +299,7 @@ def chunk_kda_fwd(
     hi = lambda bh: jax.lax.rem(bh, H)  # head index
 
     tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
-    x = x._replace(gam=pl.pallas_call(
-        functools.partial(_cumsum_kernel, block=BK),
-        grid=(BH, N),
-        in_specs=[tok_in(K)],
-        out_specs=tok_in(K),
-        out_shape=jax.ShapeDtypeStruct(x.gam.shape, jnp.float32),
-        compiler_params=params(4),
-        interpret=interp,
-        name="kda_chunk_cumsum_gpu",
-    )(x.gam))
+    x = x._replace(gam=chunk_cumsum(x.gam, C, block=BK, interpret=interp))
 
     # 1. A: one program per (16-row tile, sequence/head, chunk); the row tile is the fastest grid axis so the
     #    programs of one chunk run together and share its k / decay tiles in L2.

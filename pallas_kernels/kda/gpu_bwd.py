@@ -5,7 +5,8 @@ split into lean Triton kernels, none of which holds more than a few ``[C, 64]`` 
 (so no program's tiles exceed the register file). Inputs
 are read and ``dq, dk, dv, dg, dbeta`` written in the caller's ``[B, T, H, D]`` layout (strided tiles);
 intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = Tp / C``). The first grid
-axis is the fastest, so a chunk's row-tile / K-block programs run together and share its tiles in L2:
+axis is the fastest, so a chunk's row-tile / K-block programs run together and share its tiles in L2. ``G``, the
+chunk-local cumsum of g, comes first from the forward's kernel (:func:`pallas_kernels.kda.gpu.chunk_cumsum`):
 
 1. ``_a_kernel``, grid ``(C/16, B*H, N)``: rows of ``A_kk`` (strictly lower, same document; fp32, no beta),
    masked ``A_qk``, ``q e^G scale`` and ``e^{G_C - G} k`` per 16-token row tile (the forward's factoring).
@@ -63,11 +64,11 @@ NN = (((1,), (0,)), ((), ()))
 TN = (((0,), (0,)), ((), ()))
 
 KERNEL_NAMES = (
-    "kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_wu_gpu", "kda_bwd_h_gpu", "kda_bwd_ds_gpu",
+    "kda_chunk_cumsum_gpu", "kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_wu_gpu", "kda_bwd_h_gpu", "kda_bwd_ds_gpu",
     "kda_bwd_dqkw_gpu", "kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu", "kda_bwd_da_gpu", "kda_bwd_dg_gpu",
 )
-"""The kernels one backward launches, in launch order (step 7 is two kernels: ``wy_dx``, ``wy_dl``; step 8 is
-``da`` then the cumsum ``dg``)."""
+"""The kernels one backward launches, in launch order (first the forward's chunk cumsum of ``g``; step 7 is two
+kernels: ``wy_dx``, ``wy_dl``; step 8 is ``da`` then the cumsum ``dg``)."""
 DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES, 4) | {
     "kda_bwd_solve_gpu": 2, "kda_bwd_wy_dx_gpu": 8, "kda_bwd_dqkw_gpu": 8}
 """Launch widths: 2 warps for the solve, 8 for the step-7 X-product kernel (with 4 it spills registers) and for
@@ -422,12 +423,15 @@ class _Inputs(NamedTuple):
     dhtt: jax.Array  # [B*H, V, K] f32
 
 
-def _prepare(q, k, v, g, beta, initial_state, segment_ids, do, dht, C: int) -> _Inputs:
-    """The forward's inputs (:func:`pallas_kernels.kda.gpu._prepare` with the cumsum in XLA), plus the padded
-    output cotangent and the transposed final-state cotangent."""
+def _prepare(q, k, v, g, beta, initial_state, segment_ids, do, dht, C: int, interpret: bool,
+             cumsum_warps: int) -> _Inputs:
+    """The forward's inputs (:func:`pallas_kernels.kda.gpu._prepare`, ``G`` from the forward's cumsum kernel
+    :func:`pallas_kernels.kda.gpu.chunk_cumsum`), plus the padded output cotangent and the transposed final-state
+    cotangent."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    fwd = _fwd._prepare(q, k, v, g, beta, initial_state, segment_ids, C, xla_cumsum=True)
+    fwd = _fwd._prepare(q, k, v, g, beta, initial_state, segment_ids, C)
+    fwd = fwd._replace(gam=_fwd.chunk_cumsum(fwd.gam, C, interpret=interpret, num_warps=cumsum_warps))
     pad = fwd.q.shape[1] - T
     do_p = do if pad == 0 else jnp.pad(do, [(0, 0), (0, pad), (0, 0), (0, 0)])
     dhtt = (jnp.zeros((B * H, V, K), jnp.float32) if dht is None
@@ -446,7 +450,7 @@ def chunk_kda_bwd(
     num_warps: dict | None = None, num_stages: int | None = None, state_dtype=None, da_block_k: int = 32,
     a_block_k: int = 64,
 ):
-    """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), ten Triton kernels.
+    """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), eleven Triton kernels.
 
     Args: forward inputs as :func:`pallas_kernels.kda.reference.chunk_kda` (``q, k, g [B, T, H, K]``,
     ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` or None, ``segment_ids [B, T]``
@@ -488,9 +492,6 @@ def chunk_kda_bwd(
     st_dtype = jnp.dtype(state_dtype or mm_dtype)
     da_dtype = jnp.float32 if mm_dtype == jnp.float32 else TF32
     wy_dtype = TF32 if mm_dtype != jnp.float32 else jnp.float32  # step 7's X / dX products: one TF32 pass
-    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, do.astype(v.dtype), dht, C)
-    BH, Tp = B * H, x.q.shape[1]
-    N = Tp // C
     nt = C // SUB
     f32 = jnp.float32
     interp = bool(interpret)
@@ -501,6 +502,10 @@ def chunk_kda_bwd(
     unknown = set(warps) - set(DEFAULT_WARPS)
     if unknown:
         raise ValueError(f"{name}: num_warps keys must be in {tuple(DEFAULT_WARPS)}, got {sorted(unknown)}")
+    x = _prepare(q, k, v, g, beta, initial_state, segment_ids, do.astype(v.dtype), dht, C, bool(interpret),
+                 warps.get("kda_chunk_cumsum_gpu", DEFAULT_WARPS["kda_chunk_cumsum_gpu"]))
+    BH, Tp = B * H, x.q.shape[1]
+    N = Tp // C
 
     def call(kernel, kname, grid, in_specs, out_specs, out_shape, stages=1, **kw):
         if interp:
