@@ -116,42 +116,65 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _reference(q, k, v, g, beta, h0):
+def _reference(q, k, v, g, beta, h0, segment_ids=None):
     f = lambda x: x.astype(jnp.float32)
-    return ref.chunk_kda(f(q), f(k), f(v), g, f(beta), None, h0, True)
+    return ref.chunk_kda(f(q), f(k), f(v), g, f(beta), None, h0, True, segment_ids)
+
+
+def _documents(B, T, starts):
+    """``segment_ids [B, T]``: documents starting at ``starts`` (the same in every row)."""
+    return jnp.broadcast_to(jnp.cumsum(jnp.zeros((T,), jnp.int32).at[jnp.array(starts)].set(1)), (B, T))
+
+
+def _chunk_segments(segment_ids, Tp):
+    """The kernel's ``seg`` input: document starts inside each 64-token chunk up to each token."""
+    B, T = segment_ids.shape
+    resets = jnp.pad(ref.segment_resets(segment_ids, B, T).astype(jnp.int32), [(0, 0), (0, Tp - T)])
+    return jnp.cumsum(resets.reshape(B, -1, 64), axis=-1).reshape(B, Tp)
 
 
 @pytest.mark.parametrize("via_ops", [True, False])
 def test_interpreter_forward_and_final_state_match_reference(via_ops):
     """Three chunks (T padded from 130 to 192) with an initial state, both kernels on the Mosaic GPU interpreter:
-    through ``ops.chunk_kda`` at one sequence and head (the default split for one head: two CTAs of one state
+    through ``ops.chunk_kda`` at one sequence and head with packed sequences (documents starting at tokens 20, 50
+    (both in chunk 0), 64 (a chunk boundary) and 120; the default split for one head: two CTAs of one state
     warpgroup), and directly with ``v_split=1`` (one CTA, two state warpgroups) at two sequences of three heads
     (the flattened sequence / head addressing of every copy). Every slot, barrier phase and the padding path run;
     errors are at the bf16-operand level."""
     B, H = (1, 1) if via_ops else (2, 3)
     q, k, v, g, beta, h0 = _inputs(B, 130, H)
+    seg = _documents(B, 130, [20, 50, 64, 120]) if via_ops else None
     if via_ops:
         assert mosaic_gpu.default_v_split(1, 1, sms=mosaic_gpu.DEFAULT_SMS) == 2
-        o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+        o, ht = ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, segment_ids=seg,
                               implementation="mosaic_gpu", interpret=True, platform="cpu")
     else:
         o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, interpret=True, v_split=1)
-    ro, rh = _reference(q, k, v, g, beta, h0)
+    ro, rh = _reference(q, k, v, g, beta, h0, seg)
     assert o.dtype == jnp.bfloat16 and o.shape == q.shape and ht.shape == h0.shape
     assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
 
 
-def test_interpreter_per_chunk_kernel_matches_its_reference():
+@pytest.mark.parametrize("packed", [False, True])
+def test_interpreter_per_chunk_kernel_matches_its_reference(packed):
     """The per-chunk kernel's six outputs against the plain-JAX reference, with a mild gate (the chunk decay is
-    not 0) so that every output, ``decay`` included, is checked."""
+    not 0) so that every output, ``decay`` included, is checked. Packed: documents start at tokens 20 and 50 of
+    chunk 0 (its decay 0, its state operands masked) and none in chunk 1 (its decay kept); the masked outputs
+    differ from the unpacked kernel's."""
     q, k, _, g, beta, _ = _inputs(1, 128, 2, seed=3)
     beta_t = jnp.swapaxes(beta, 1, 2)
     g = g * 0.01
-    got = intra_chunks(q, k, g, beta_t, scale=128**-0.5, interpret=interpret_params(True))
-    want = intra_chunks_reference(q, k, g, beta_t, scale=128**-0.5)
+    seg = _chunk_segments(_documents(1, 128, [20, 50]), 128) if packed else None
+    got = intra_chunks(q, k, g, beta_t, scale=128**-0.5, seg=seg, interpret=interpret_params(True))
+    want = intra_chunks_reference(q, k, g, beta_t, scale=128**-0.5, seg=seg)
     for name, a, b in zip(("qg", "kd", "wn", "x", "aqk", "decay"), got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert _rel(a, b) < 1e-2, name
+    if packed:
+        plain = intra_chunks_reference(q, k, g, beta_t, scale=128**-0.5)
+        assert float(jnp.abs(got[5][:, :, 0]).max()) == 0.0 and float(jnp.abs(got[5][:, :, 1]).min()) > 0.0
+        for name, a, b in zip(("qg", "kd", "wn", "x", "aqk"), got[:5], plain[:5], strict=True):
+            assert _rel(a[:, :64], b[:, :64]) > 0.1 and _rel(a[:, 64:], b[:, 64:]) < 1e-2, name
 
 
 @pytest.mark.parametrize("batch, heads, want", [(1, 96, 1), (1, 66, 2), (1, 32, 2), (8, 32, 1)])
@@ -159,15 +182,21 @@ def test_default_v_split_keeps_the_state_pass_in_one_wave(batch, heads, want):
     assert mosaic_gpu.default_v_split(batch, heads, sms=132) == want
 
 
-def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host():
+@pytest.mark.parametrize("packed", [False, True])
+def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host(packed, monkeypatch):
     """Both kernels lower for sm_90 at two sequences of three heads, every copy between device and shared memory
     addressed with at most one integer index (the token tensors as ``[B * Tp, H, D]`` views, the rest flattened
     likewise): the addressing checked on the H200 at ``B > 1``. The first split kernels indexed ``[b, rows, h]``
     (and ``[b, h, c]``), right in the interpreter (which indexes the refs directly) and wrong on the H200 at
-    ``B = 2, H = 3`` (benchmarks/ARCHIVE.md, 2026-12-02, s22-kda3)."""
+    ``B = 2, H = 3`` (benchmarks/ARCHIVE.md, 2026-12-02, s22-kda3). Packed: the per-chunk kernel's two token
+    vectors are loaded the same way."""
+    monkeypatch.setattr(mosaic_gpu, "PACKED_CHECKED_ON_GPU", True)  # lowering only: nothing runs here
     s = jax.ShapeDtypeStruct
     args = (*(s((2, 200, 3, 128), jnp.bfloat16),) * 3, s((2, 200, 3, 128), jnp.float32), s((2, 200, 3), jnp.float32))
-    text, int_indices = lower_for_sm90(lambda *a: mosaic_gpu.chunk_kda_fwd(*a, 128**-0.5, v_split=1), *args)
+    if packed:
+        args = (*args, s((2, 200), jnp.int32))
+    fwd = lambda q, k, v, g, beta, *seg: mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, None, *seg, v_split=1)
+    text, int_indices = lower_for_sm90(fwd, *args)
     assert text.count("custom_call @mosaic_gpu") == 2
     assert "wgmma.mma_async" in text
     assert len(int_indices) >= 20 and max(int_indices) == 1, int_indices
@@ -260,6 +289,32 @@ def test_gpu_gradients_match_reference():
 
     def loss(impl, *a):
         o, ht = ops.chunk_kda(*a, initial_state=h0, output_final_state=True, implementation=impl)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht)
+
+    f = lambda x: x.astype(jnp.float32)
+    got = jax.grad(lambda *a: loss("mosaic_gpu", *a), argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3, 4))(f(q), f(k), f(v), g, f(beta))
+    for name, a, b in zip("q k v g beta".split(), got, want, strict=True):
+        assert _rel(a, b) < 2e-2, name
+
+
+@pytest.mark.gpu
+def test_gpu_packed_forward_and_gradients_match_reference(monkeypatch):
+    """Packed sequences on the H200 (documents starting inside chunks, at a chunk boundary and in the padded last
+    chunk; two sequences of three heads): the forward and its gradients (Triton backward) against the fp32
+    reference. Passing here is what ``mosaic_gpu.PACKED_CHECKED_ON_GPU`` waits for."""
+    if not _hopper():
+        pytest.skip("needs an sm_90+ GPU")
+    monkeypatch.setattr(mosaic_gpu, "PACKED_CHECKED_ON_GPU", True)
+    q, k, v, g, beta, h0 = _inputs(2, 300, 3, seed=5)
+    seg = _documents(2, 300, [20, 50, 64, 130, 290])
+    o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, segment_ids=seg)
+    ro, rh = _reference(q, k, v, g, beta, h0, seg)
+    assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
+    do = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.float32)
+
+    def loss(impl, *a):
+        o, ht = ops.chunk_kda(*a, initial_state=h0, output_final_state=True, segment_ids=seg, implementation=impl)
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht)
 
     f = lambda x: x.astype(jnp.float32)

@@ -7,7 +7,9 @@
    the state in registers, ``o`` and the final state written.
 
 Contract: bf16 ``q, k, v``, fp32 log-decay ``g`` with ``-5 <= g <= 0`` (the K3 gate bound), ``K = V = 128``,
-chunk 64, no packed sequences (``segment_ids``): :func:`supports_reason` says why a call does not fit.
+chunk 64: :func:`supports_reason` says why a call does not fit. Packed sequences (``segment_ids``): the per-chunk
+kernel masks its products to one document and its state operands to the documents entering and leaving the
+chunk (:func:`.mosaic_gpu_intra.intra_chunks`); the state pass is the same.
 Precision: the ``A`` products, the inverse, ``W`` and the state products take bf16 operands with fp32
 accumulation (as fla's kernels); the carried state, decay factors and ``G`` are fp32.
 """
@@ -22,11 +24,17 @@ from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, int
 from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks
 from pallas_kernels.kda.mosaic_gpu_state import state_pass
 
+PACKED_CHECKED_ON_GPU = False
+"""Packed sequences run in the Mosaic GPU interpreter (CPU tests) and, once an sm_90 run of
+``tests/test_kda_mosaic_gpu.py -m gpu`` has shown them right there, on the GPU; until then a GPU call with
+``segment_ids`` is refused with that reason (``auto`` takes the Triton kernels)."""
+
 DEFAULT_SMS = 132
 """Multiprocessors assumed when the device does not say (an H100 / H200 SXM)."""
 
 
-def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int, packed: bool) -> str | None:
+def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int, packed: bool = False,
+                    interpret: bool = False) -> str | None:
     """None when a chunked call fits these kernels, else why not (the registry's reason)."""
     if dtype != "bfloat16":
         return f"takes bfloat16 q/k/v, got {dtype}"
@@ -34,8 +42,8 @@ def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int, packed: bool
         return f"needs K = V = {HEAD_DIM}, got K={k}, V={v}"
     if chunk_size != CHUNK:
         return f"needs chunk_size {CHUNK}, got {chunk_size}"
-    if packed:
-        return "packed sequences (segment_ids) are not implemented"
+    if packed and not interpret and not PACKED_CHECKED_ON_GPU:
+        return "packed sequences (segment_ids) are checked in the Mosaic GPU interpreter only, not yet on an sm_90 GPU"
     return None
 
 
@@ -50,13 +58,14 @@ def default_v_split(batch: int, heads: int, sms: int | None = None) -> int:
 def chunk_kda_fwd(q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, chunk_size: int = CHUNK,
                   interpret=False, v_split: int | None = None):
     """Chunked KDA forward (module docstring). ``q, k, g [B, T, H, 128]``, ``v [B, T, H, 128]``, ``beta [B, T, H]``,
-    ``initial_state [B, H, 128, 128] f32`` or None. Returns ``(o [B, T, H, 128] bf16, final_state f32)``.
-    ``interpret``: False, True or a ``plgpu.InterpretGPUParams`` (CPU interpreter); ``v_split``: None
+    ``initial_state [B, H, 128, 128] f32`` or None, ``segment_ids [B, T] int`` or None (packed sequences).
+    Returns ``(o [B, T, H, 128] bf16, final_state f32)``. ``interpret``: False, True or a
+    ``plgpu.InterpretGPUParams`` (CPU interpreter); ``v_split``: None
     (:func:`default_v_split`), 1 or 2."""
     ref._check_inputs(q, k, v, g, beta, initial_state, segment_ids, "mosaic_gpu.chunk_kda_fwd")
     B, T, H, K = q.shape
     reason = supports_reason(dtype=jnp.promote_types(q.dtype, v.dtype).name, k=K, v=v.shape[-1],
-                             chunk_size=chunk_size, packed=segment_ids is not None)
+                             chunk_size=chunk_size, packed=segment_ids is not None, interpret=bool(interpret))
     if reason is not None:
         raise ValueError(f"mosaic_gpu.chunk_kda_fwd: {reason}")
     pad = (-T) % CHUNK
@@ -71,6 +80,10 @@ def chunk_kda_fwd(q, k, v, g, beta, scale: float, initial_state=None, segment_id
     interpret = interpret_params(interpret)
     if v_split is None:
         v_split = default_v_split(B, H, DEFAULT_SMS if interpret is not None else None)
-    parts = intra_chunks(q, k, g, beta_t, scale=float(scale), interpret=interpret)
+    seg = None
+    if segment_ids is not None:  # document starts inside each chunk up to each token (padding continues the last)
+        resets = padt(ref.segment_resets(segment_ids, B, T).astype(jnp.int32))
+        seg = jnp.cumsum(resets.reshape(B, -1, CHUNK), axis=-1).reshape(B, -1)
+    parts = intra_chunks(q, k, g, beta_t, scale=float(scale), seg=seg, interpret=interpret)
     o, ht_t = state_pass(*parts[:3], v, *parts[3:], h0_t, v_split=v_split, interpret=interpret)
     return o[:, :T], jnp.swapaxes(ht_t, -1, -2)

@@ -86,6 +86,8 @@ class _Smem:
     rows: object  # [4 * 128] f32: G at tokens 15, 31, 47, 63
     w: object  # [64, 128] bf16 (aliases g)
     x: object  # [64, 64] bf16 (aliases g)
+    seg: object = None  # [64] f32, packed sequences only: document starts in the chunk up to each token
+    last: object = None  # [64] f32, packed sequences only: 1 where the token is in the chunk's last document
 
 
 def _emit(tap: Tap, name: str, value) -> None:
@@ -235,9 +237,20 @@ def _inverse(n, xs, st):
 
 def _chunk(s: _Smem, scale: float, tap: Tap = None):
     """One chunk, in place in ``s`` (module docstring; :class:`_Smem` for what each buffer ends as); ``tap``: see
-    :data:`Tap`."""
+    :data:`Tap`. Packed sequences (``s.seg`` set): ``A_kk`` / ``A_qk`` keep the entries of one document, ``e^G k``
+    (so ``W``) and ``qg`` the rows of the document that entered the chunk (the carried state is its), ``kd`` the
+    rows of the chunk's last document (the state leaving it is that document's)."""
     wg = plgpu.Layout.WGMMA
     r64, c64 = _iota(0), _iota(1)
+    causal_kk, causal_qk = r64 > c64, r64 >= c64
+    first = last = None
+    if s.seg is not None:
+        seg_row = plgpu.layout_cast(s.seg[...], wg.reduce(1))
+        same = lax.broadcast_in_dim(seg_row, (CHUNK, CHUNK), [0]) == bcast_cols(
+            plgpu.layout_cast(s.seg[...], wg.reduce(0)))
+        causal_kk, causal_qk = causal_kk & same, causal_qk & same
+        first = _ones(lax.broadcast_in_dim(seg_row, (CHUNK, HALF), [0]) == 0.0)
+        last = lax.broadcast_in_dim(plgpu.layout_cast(s.last[...], wg.reduce(1)), (CHUNK, HALF), [0])
     _split_gate(s)
     G = _cumsums(s, tap)
     _column_operand(s, G, tap)
@@ -245,18 +258,21 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
     _emit(tap, "akk", akk)
     _emit(tap, "aqk", aqk)
     beta_row = plgpu.layout_cast(s.beta[...], wg.reduce(1))
-    n = jnp.where(r64 > c64, akk * lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0)
+    n = jnp.where(causal_kk, akk * lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0)
     _emit(tap, "n", n)
-    s.aqk[...] = jnp.where(r64 >= c64, aqk, 0.0).astype(BF16)
+    s.aqk[...] = jnp.where(causal_qk, aqk, 0.0).astype(BF16)
     for h, cols in enumerate(HALVES):
         g_last = _tile_row(s, TILES - 1, h)
         s.decay.at[cols][...] = jnp.exp(g_last)
         e_g = jnp.exp(G[h])
+        if first is not None:
+            e_g = e_g * first  # W and qg: the document entering the chunk only
         kf = _load(s.k, cols)
         s.w[:, cols] = (kf * e_g).astype(BF16)
         p_last = bcast_cols(g_last) - G[h]
         _emit(tap, f"p_last{h}", p_last)
-        s.k[:, cols] = (kf * jnp.exp(p_last)).astype(BF16)
+        kd = kf * jnp.exp(p_last)
+        s.k[:, cols] = (kd if last is None else kd * last).astype(BF16)
         s.q[:, cols] = (_load(s.q, cols) * (e_g * scale)).astype(BF16)
     plgpu.commit_smem()
     if tap is not None:
@@ -275,9 +291,11 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
     plgpu.commit_smem()
 
 
-def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None, taps: tuple[str, ...] | None = None):
+def intra_chunks(q, k, g, beta_t, *, scale: float, seg=None, interpret=None, taps: tuple[str, ...] | None = None):
     """Part 1 (module docstring). ``q, k [B, Tp, H, 128]`` bf16, ``g [B, Tp, H, 128]`` f32 (``Tp`` a multiple of
-    64), ``beta_t [B, H, Tp]`` f32. Returns ``(qg, kd, wn, x, aqk, decay)``. ``interpret``: None or a
+    64), ``beta_t [B, H, Tp]`` f32; packed sequences: ``seg [B, Tp]`` int, the document starts inside each chunk up
+    to each token (0 for the document that entered the chunk; :func:`chunk_segments`), None otherwise. Returns
+    ``(qg, kd, wn, x, aqk, decay)`` (``decay`` 0 for a chunk where a document starts). ``interpret``: None or a
     ``plgpu.InterpretGPUParams``. ``taps`` (a debugging aid; None in production, where nothing extra is traced):
     names from :data:`TAP_WIDTHS`; then a seventh result ``{name: [B, H, Tp / 64, 64, width] f32}`` holds those
     intermediates of every chunk, written from registers straight to device memory."""
@@ -294,15 +312,20 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None, taps: tuple[s
         plgpu.RefUnion((buf(K, F32),), (plgpu.SMEM((CHUNK, K), F32),), (buf(K), buf(CHUNK))),
         plgpu.SMEM((TILES * K,), F32),
     )
+    packed = seg is not None
+    if packed:
+        smem += ((plgpu.SMEM((CHUNK,), F32), plgpu.SMEM((CHUNK,), F32)),)
     rows_view = lambda x: x.reshape(B * Tp, H, x.shape[-1])
     n_outs = 6 + len(taps or ())
 
     def kda_chunk_intra_mosaic_gpu(q_ref, k_ref, g_ref, beta_ref, *refs):
+        seg_refs, refs = (refs[:2], refs[2:]) if packed else ((), refs)
         qg_ref, kd_ref, wn_ref, x_ref, aqk_ref, decay_ref = refs[:6]
         tap_refs = dict(zip(taps or (), refs[6:n_outs], strict=True))
         smem_refs, loaded = refs[n_outs:]
-        fixed, ((ghi, glo), st), ((g,), (gs,), (w, x)), rows = smem_refs
-        s = _Smem(*fixed, ghi=ghi, glo=glo, st=tuple(st), g=g, gs=gs, rows=rows, w=w, x=x)
+        fixed, ((ghi, glo), st), ((g,), (gs,), (w, x)), rows, *seg_smem = smem_refs
+        s = _Smem(*fixed, ghi=ghi, glo=glo, st=tuple(st), g=g, gs=gs, rows=rows, w=w, x=x,
+                  **(dict(zip(("seg", "last"), seg_smem[0], strict=True)) if packed else {}))
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         h = lax.rem(bh, H)
         rows = pl.ds(lax.div(bh, H) * Tp + c * CHUNK, CHUNK)  # this chunk's rows of the [B * Tp, H, D] views
@@ -310,6 +333,9 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None, taps: tuple[s
         plgpu.copy_gmem_to_smem(k_ref.at[rows, h], s.k, loaded)
         plgpu.copy_gmem_to_smem(g_ref.at[rows, h], s.g, loaded)
         plgpu.copy_gmem_to_smem(beta_ref.at[bh, pl.ds(c * CHUNK, CHUNK)], s.beta, loaded)
+        if packed:  # the [B * Tp] token vectors, this chunk's rows
+            for src, dst in zip(seg_refs, (s.seg, s.last), strict=True):
+                plgpu.copy_gmem_to_smem(src.at[rows], dst, loaded)
         plgpu.barrier_wait(loaded)
         tap = None
         if taps is not None:
@@ -328,22 +354,34 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, interpret=None, taps: tuple[s
         kda_chunk_intra_mosaic_gpu,
         out_type=(tok(K), tok(K), tok(K), tok(CHUNK), tok(CHUNK), jax.ShapeDtypeStruct((B * H * n_chunks, K), F32),
                   *tap_types),
-        scratch_types=(smem, plgpu.Barrier(num_arrivals=4)),
+        scratch_types=(smem, plgpu.Barrier(num_arrivals=6 if packed else 4)),
         grid=(n_chunks, B * H),
         grid_names=("c", "bh"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(*(rows_view(x) for x in (q, k, g)), beta_t.reshape(B * H, Tp))
-    results = (*(x.reshape(B, Tp, H, -1) for x in outs[:5]), outs[5].reshape(B, H, n_chunks, K))
+    )(*(rows_view(x) for x in (q, k, g)), beta_t.reshape(B * H, Tp),
+      *(() if not packed else (x.reshape(B * Tp) for x in chunk_segments(seg))))
+    decay = outs[5].reshape(B, H, n_chunks, K)
+    if packed:  # a document starting inside the chunk: the state entering it does not reach its end
+        decay = jnp.where((seg.reshape(B, 1, n_chunks, CHUNK)[..., -1:] == 0), decay, 0.0)
+    results = (*(x.reshape(B, Tp, H, -1) for x in outs[:5]), decay)
     if taps is None:
         return results
     return (*results, {t: o.reshape(B, H, n_chunks, CHUNK, -1) for t, o in zip(taps, outs[6:], strict=True)})
 
 
-def intra_chunks_reference(q, k, g, beta_t, *, scale: float):
+def chunk_segments(seg):
+    """``(seg, last)`` as the kernel reads them, ``[B, Tp]`` f32 each: ``seg`` (document starts inside the chunk
+    up to each token, as given) and ``last`` (1 where the token is in its chunk's last document)."""
+    B, Tp = seg.shape
+    chunks = seg.astype(F32).reshape(B, Tp // CHUNK, CHUNK)
+    return chunks.reshape(B, Tp), (chunks == chunks[..., -1:]).astype(F32).reshape(B, Tp)
+
+
+def intra_chunks_reference(q, k, g, beta_t, *, scale: float, seg=None):
     """Plain-JAX fp32 (``precision=HIGHEST``) reference of :func:`intra_chunks`: the same six outputs in the same
     dtypes and layouts, exact (pairwise decay ``e^{G_i - G_j}`` per key, a direct triangular solve; memory
-    ``O(T C K)``: small shapes only)."""
+    ``O(T C K)``: small shapes only); ``seg`` as there."""
     B, Tp, H, K = q.shape
     n = Tp // CHUNK
     hp = jax.lax.Precision.HIGHEST
@@ -352,14 +390,20 @@ def intra_chunks_reference(q, k, g, beta_t, *, scale: float):
     beta = beta_t.astype(F32).reshape(B, H, n, CHUNK)
     g_last = gc[..., -1:, :]
     causal = jnp.tril(jnp.ones((CHUNK, CHUNK), bool))
-    diff = jnp.where(causal[:, :, None], gc[..., :, None, :] - gc[..., None, :, :], -jnp.inf)  # [.., i, j, K]
+    first = last = jnp.ones((1, 1, n, CHUNK, 1), F32)
+    if seg is not None:
+        sc = seg.reshape(B, 1, n, CHUNK)
+        causal = causal & (sc[..., :, None] == sc[..., None, :])  # [B, 1, n, i, j]: one document
+        first, last = (sc == 0)[..., None].astype(F32), (sc == sc[..., -1:])[..., None].astype(F32)
+    diff = jnp.where(causal[..., None], gc[..., :, None, :] - gc[..., None, :, :], -jnp.inf)  # [.., i, j, K]
     pair = lambda a: jnp.einsum("...id,...jd,...ijd->...ij", a, kc, jnp.exp(diff), precision=hp)
     akk = jnp.where(jnp.eye(CHUNK, dtype=bool), 0.0, pair(kc))
     aqk = scale * pair(qc)
     eye = jnp.eye(CHUNK, dtype=F32)
     x = jax.scipy.linalg.solve_triangular(eye + beta[..., :, None] * akk, jnp.broadcast_to(eye, akk.shape),
                                           lower=True) * beta[..., None, :]
-    wn = -jnp.einsum("...ij,...jd->...id", x, kc * jnp.exp(gc), precision=hp)
+    wn = -jnp.einsum("...ij,...jd->...id", x, kc * jnp.exp(gc) * first, precision=hp)
     merge = lambda t: jnp.moveaxis(t, 1, 3).reshape(B, Tp, H, -1).astype(BF16)
-    return (merge(qc * jnp.exp(gc) * scale), merge(kc * jnp.exp(g_last - gc)), merge(wn), merge(x), merge(aqk),
-            jnp.exp(g_last[..., 0, :]))
+    decay = jnp.exp(g_last[..., 0, :]) * first[..., -1, :]  # 0 where a document starts in the chunk
+    return (merge(qc * jnp.exp(gc) * scale * first), merge(kc * jnp.exp(g_last - gc) * last), merge(wn), merge(x),
+            merge(aqk), decay)

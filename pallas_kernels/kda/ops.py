@@ -127,7 +127,7 @@ def _mosaic_gpu_chunk(call: KdaCall) -> str | None:
 
     _, _, _, k, v = call.shape
     return _first(arch, _gate_reason(call), mosaic_gpu.supports_reason(
-        dtype=call.dtype, k=k, v=v, chunk_size=call.chunk_size, packed=call.packed))
+        dtype=call.dtype, k=k, v=v, chunk_size=call.chunk_size, packed=call.packed, interpret=bool(call.interpret)))
 
 
 def _decode_reason(call: KdaCall) -> str | None:
