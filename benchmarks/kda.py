@@ -14,6 +14,12 @@ inputs and output cotangent as fla's).
 Shapes are ``BxTxH`` with K = V = 128, bf16 q/k/v/beta, fp32 log-decay from ``kda_gate`` (in (-5, 0)).
 fla is called as ``chunk_kda(..., safe_gate=True, lower_bound=-5.0)`` and ``fused_recurrent_kda`` for
 decode. Without torch/fla installed the fla columns are null.
+
+fla's kernels autotune in each new process (its backward for minutes on an H200) and store the results on disk,
+``*.autotune.json`` files under Triton's cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``; fla's
+``FLA_CACHE_RESULTS``, on by default): keep that directory (or only those files) and a later process skips the
+tuning. ``fla_autotune_results`` reports how many such files the directory held before fla's first call and
+``fla_first_call_s`` how long that call (forward, then forward + backward) took, tuning included.
 """
 
 from __future__ import annotations
@@ -101,6 +107,10 @@ def to_torch(x, dtype=None):
     return t.to(dtype) if dtype is not None else t
 
 
+FLA_FIRST_CALL: dict = {}
+"""Filled by :func:`bench_fla_chunk`: fla's on-disk autotune results before its first call, that call's seconds."""
+
+
 def bench_fla_chunk(q, k, v, g, beta, do, bwd: bool = True):
     try:
         import torch
@@ -113,12 +123,18 @@ def bench_fla_chunk(q, k, v, g, beta, do, bwd: bool = True):
     tq, tk, tv, tb = (to_torch(x, bf) for x in (q, k, v, beta))
     tg = to_torch(g)
     tdo = to_torch(do, bf)
+    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    FLA_FIRST_CALL["fla_autotune_results"] = sum(
+        name.endswith(".autotune.json") for _, _, names in os.walk(cache) for name in names)
 
     def fwd():
         return fla_chunk_kda(tq, tk, tv, tg, tb, output_final_state=True, safe_gate=True, lower_bound=-5.0)
 
+    t0 = time.perf_counter()
     with torch.no_grad():
         o_fla, _ = fwd()
+    torch.cuda.synchronize()
+    FLA_FIRST_CALL["fla_first_call_s"] = {"fwd": round(time.perf_counter() - t0, 1)}
     t_fwd = do_bench(lambda: fwd(), warmup=5, rep=50)
     if not bwd:
         return t_fwd, None, o_fla.float().cpu().numpy(), None
@@ -130,6 +146,10 @@ def bench_fla_chunk(q, k, v, g, beta, do, bwd: bool = True):
         o, _ = fla_chunk_kda(*leaves, output_final_state=True, safe_gate=True, lower_bound=-5.0)
         o.backward(tdo)
 
+    t0 = time.perf_counter()
+    fwdbwd()
+    torch.cuda.synchronize()
+    FLA_FIRST_CALL["fla_first_call_s"]["fwdbwd"] = round(time.perf_counter() - t0, 1)
     t_fb = do_bench(fwdbwd, warmup=3, rep=50)
     grads = [x.grad.float().cpu().numpy() for x in leaves]  # of the last fwdbwd() call
     return t_fwd, t_fb, o_fla.float().cpu().numpy(), grads
@@ -201,6 +221,7 @@ def bench_shape(B, T, H, args, gpu_cfg):
     if not args.no_fla:
         t_fwd, t_fb, o_fla, g_fla = bench_fla_chunk(*inputs, do, bwd=not args.no_bwd)
         res["fla_fwd_ms"], res["fla_fwdbwd_ms"] = t_fwd, t_fb
+        res.update(FLA_FIRST_CALL)
         if o_fla is not None:
             for n, impl in enumerate(impls):
                 o, grads = outs[impl]
