@@ -242,15 +242,9 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
     rows of the chunk's last document (the state leaving it is that document's)."""
     wg = plgpu.Layout.WGMMA
     r64, c64 = _iota(0), _iota(1)
-    causal_kk, causal_qk = r64 > c64, r64 >= c64
-    first = last = None
-    if s.seg is not None:
-        seg_row = plgpu.layout_cast(s.seg[...], wg.reduce(1))
-        same = lax.broadcast_in_dim(seg_row, (CHUNK, CHUNK), [0]) == bcast_cols(
-            plgpu.layout_cast(s.seg[...], wg.reduce(0)))
-        causal_kk, causal_qk = causal_kk & same, causal_qk & same
-        first = _ones(lax.broadcast_in_dim(seg_row, (CHUNK, HALF), [0]) == 0.0)
-        last = lax.broadcast_in_dim(plgpu.layout_cast(s.last[...], wg.reduce(1)), (CHUNK, HALF), [0])
+    packed = s.seg is not None
+    # packed masks are formed where used (from shared memory), not held in registers across the kernel
+    per_token = lambda ref, n: lax.broadcast_in_dim(plgpu.layout_cast(ref[...], wg.reduce(1)), (CHUNK, n), [0])
     _split_gate(s)
     G = _cumsums(s, tap)
     _column_operand(s, G, tap)
@@ -258,6 +252,10 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
     _emit(tap, "akk", akk)
     _emit(tap, "aqk", aqk)
     beta_row = plgpu.layout_cast(s.beta[...], wg.reduce(1))
+    causal_kk, causal_qk = r64 > c64, r64 >= c64
+    if packed:  # one document
+        same = per_token(s.seg, CHUNK) == bcast_cols(plgpu.layout_cast(s.seg[...], wg.reduce(0)))
+        causal_kk, causal_qk = causal_kk & same, causal_qk & same
     n = jnp.where(causal_kk, akk * lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0)
     _emit(tap, "n", n)
     s.aqk[...] = jnp.where(causal_qk, aqk, 0.0).astype(BF16)
@@ -265,14 +263,14 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
         g_last = _tile_row(s, TILES - 1, h)
         s.decay.at[cols][...] = jnp.exp(g_last)
         e_g = jnp.exp(G[h])
-        if first is not None:
-            e_g = e_g * first  # W and qg: the document entering the chunk only
+        if packed:  # W and qg: the document entering the chunk only
+            e_g = jnp.where(per_token(s.seg, HALF) == 0.0, e_g, 0.0)
         kf = _load(s.k, cols)
         s.w[:, cols] = (kf * e_g).astype(BF16)
         p_last = bcast_cols(g_last) - G[h]
         _emit(tap, f"p_last{h}", p_last)
         kd = kf * jnp.exp(p_last)
-        s.k[:, cols] = (kd if last is None else kd * last).astype(BF16)
+        s.k[:, cols] = (kd * per_token(s.last, HALF) if packed else kd).astype(BF16)
         s.q[:, cols] = (_load(s.q, cols) * (e_g * scale)).astype(BF16)
     plgpu.commit_smem()
     if tap is not None:
