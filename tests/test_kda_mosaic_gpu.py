@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import registry
-from pallas_kernels.kda import mosaic_gpu, ops
+from pallas_kernels.kda import _layout, mosaic_gpu, ops
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.mosaic_gpu_common import interpret_params
 from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks, intra_chunks_reference
@@ -126,13 +126,6 @@ def _documents(B, T, starts):
     return jnp.broadcast_to(jnp.cumsum(jnp.zeros((T,), jnp.int32).at[jnp.array(starts)].set(1)), (B, T))
 
 
-def _chunk_segments(segment_ids, Tp):
-    """The kernel's ``seg`` input: document starts inside each 64-token chunk up to each token."""
-    B, T = segment_ids.shape
-    resets = jnp.pad(ref.segment_resets(segment_ids, B, T).astype(jnp.int32), [(0, 0), (0, Tp - T)])
-    return jnp.cumsum(resets.reshape(B, -1, 64), axis=-1).reshape(B, Tp)
-
-
 @pytest.mark.parametrize("via_ops", [True, False])
 def test_interpreter_forward_and_final_state_match_reference(via_ops):
     """Three chunks (T padded from 130 to 192) with an initial state, both kernels on the Mosaic GPU interpreter:
@@ -164,7 +157,7 @@ def test_interpreter_per_chunk_kernel_matches_its_reference(packed):
     q, k, _, g, beta, _ = _inputs(1, 128, 2, seed=3)
     beta_t = jnp.swapaxes(beta, 1, 2)
     g = g * 0.01
-    seg = _chunk_segments(_documents(1, 128, [20, 50]), 128) if packed else None
+    seg = _layout.chunk_document_starts(_documents(1, 128, [20, 50]), 1, 128, 64).reshape(1, 128) if packed else None
     got = intra_chunks(q, k, g, beta_t, scale=128**-0.5, seg=seg, interpret=interpret_params(True))
     want = intra_chunks_reference(q, k, g, beta_t, scale=128**-0.5, seg=seg)
     for name, a, b in zip(("qg", "kd", "wn", "x", "aqk", "decay"), got, want, strict=True):
@@ -284,11 +277,16 @@ def test_gpu_gradients_match_reference():
     the fp32 reference."""
     if not _hopper():
         pytest.skip("needs an sm_90+ GPU")
-    q, k, v, g, beta, h0 = _inputs(1, 256, 2, seed=1)
+    _assert_gradients_match_reference(*_inputs(1, 256, 2, seed=1))
+
+
+def _assert_gradients_match_reference(q, k, v, g, beta, h0, segment_ids=None):
+    """``mosaic_gpu`` forward + its default backward vs the VJP of the fp32 reference, within 2e-2 per input."""
     do = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.float32)
 
     def loss(impl, *a):
-        o, ht = ops.chunk_kda(*a, initial_state=h0, output_final_state=True, implementation=impl)
+        o, ht = ops.chunk_kda(*a, initial_state=h0, output_final_state=True, segment_ids=segment_ids,
+                              implementation=impl)
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht)
 
     f = lambda x: x.astype(jnp.float32)
@@ -311,14 +309,4 @@ def test_gpu_packed_forward_and_gradients_match_reference(monkeypatch):
     o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, segment_ids=seg)
     ro, rh = _reference(q, k, v, g, beta, h0, seg)
     assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
-    do = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.float32)
-
-    def loss(impl, *a):
-        o, ht = ops.chunk_kda(*a, initial_state=h0, output_final_state=True, segment_ids=seg, implementation=impl)
-        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht)
-
-    f = lambda x: x.astype(jnp.float32)
-    got = jax.grad(lambda *a: loss("mosaic_gpu", *a), argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3, 4))(f(q), f(k), f(v), g, f(beta))
-    for name, a, b in zip("q k v g beta".split(), got, want, strict=True):
-        assert _rel(a, b) < 2e-2, name
+    _assert_gradients_match_reference(q, k, v, g, beta, h0, seg)

@@ -41,6 +41,16 @@ def check_chunk_args(q, k, v, g, beta, initial_state, segment_ids, chunk_size: i
         raise ValueError(f"{name}: chunk_size must be a positive multiple of 16, got {chunk_size}")
 
 
+def chunk_document_starts(segment_ids, batch: int, length: int, chunk_size: int) -> jax.Array:
+    """``[B, N, C] i32``: document starts inside each chunk up to and including each token (0 = the document that
+    entered the chunk with the carried state), T padded to ``N`` chunks of ``C`` (padding continues the last
+    document); zeros without ``segment_ids``."""
+    n = -(-length // chunk_size)
+    reset = ref.segment_resets(segment_ids, batch, length).astype(jnp.int32)
+    reset = jnp.pad(reset, [(0, 0), (0, n * chunk_size - length)]).reshape(batch, n, chunk_size)
+    return jnp.cumsum(reset, axis=-1)
+
+
 def prepare_chunk_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size: int) -> ChunkInputs:
     """Reshape ``[B, T, H, D]`` inputs to the kernels' ``[B*H, Tp, D]`` layout (see module docstring)."""
     B, T, H, K = q.shape
@@ -57,9 +67,7 @@ def prepare_chunk_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_siz
     gp = heads_first(g.astype(jnp.float32)).reshape(B * H, N, C, K)
     gam = jnp.cumsum(gp, axis=2).reshape(B * H, Tp, K)
     bp = heads_first(beta.astype(jnp.float32)[..., None])  # [BH, Tp, 1]
-    reset = ref.segment_resets(segment_ids, B, T).astype(jnp.int32)
-    reset = jnp.pad(reset, [(0, 0), (0, pad)]).reshape(B, N, C)
-    seg = jnp.cumsum(reset, axis=-1)  # [B, N, C]
+    seg = chunk_document_starts(segment_ids, B, T, C)  # [B, N, C]
     seg_col = seg.reshape(B, Tp, 1)
     seg_row = seg.reshape(B, N, 1, C)
     if initial_state is None:

@@ -43,7 +43,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.forward_only import forward_only
 from pallas_kernels.kda import _layout, launch
-from pallas_kernels.kda import reference as ref
 
 SUB = 16
 EXP_CLAMP = 80.0
@@ -247,8 +246,7 @@ def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int) -> _Inputs:
     pad = Tp - T
     padt = lambda x: x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     gam = padt(g.astype(jnp.float32))
-    reset = padt(ref.segment_resets(segment_ids, B, T).astype(jnp.int32))
-    seg = jnp.cumsum(reset.reshape(B, N, C), axis=-1)
+    seg = _layout.chunk_document_starts(segment_ids, B, T, C)
     if initial_state is None:
         h0t = jnp.zeros((B * H, V, K), jnp.float32)
     else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kda import _layout
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, interpret_params
 from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks
@@ -80,10 +81,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale: float, initial_state=None, segment_id
     interpret = interpret_params(interpret)
     if v_split is None:
         v_split = default_v_split(B, H, DEFAULT_SMS if interpret is not None else None)
-    seg = None
-    if segment_ids is not None:  # document starts inside each chunk up to each token (padding continues the last)
-        resets = padt(ref.segment_resets(segment_ids, B, T).astype(jnp.int32))
-        seg = jnp.cumsum(resets.reshape(B, -1, CHUNK), axis=-1).reshape(B, -1)
+    seg = None if segment_ids is None else _layout.chunk_document_starts(segment_ids, B, T, CHUNK).reshape(B, -1)
     parts = intra_chunks(q, k, g, beta_t, scale=float(scale), seg=seg, interpret=interpret)
     o, ht_t = state_pass(*parts[:3], v, *parts[3:], h0_t, v_split=v_split, interpret=interpret)
     return o[:, :T], jnp.swapaxes(ht_t, -1, -2)
