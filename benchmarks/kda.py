@@ -107,25 +107,23 @@ def to_torch(x, dtype=None):
     return t.to(dtype) if dtype is not None else t
 
 
-FLA_FIRST_CALL: dict = {}
-"""Filled by :func:`bench_fla_chunk`: fla's on-disk autotune results before its first call, that call's seconds."""
-
-
 def bench_fla_chunk(q, k, v, g, beta, do, bwd: bool = True):
+    """fla's ``chunk_kda`` timed: ``(fwd ms, fwd+bwd ms or None, o, grads or None, first_call)``; ``first_call``:
+    fla's on-disk autotune results before its first call and that call's seconds (tuning included)."""
     try:
         import torch
         from fla.ops.kda import chunk_kda as fla_chunk_kda
         from triton.testing import do_bench
     except Exception as e:  # noqa: BLE001
         log("fla unavailable:", repr(e))
-        return None, None, None, None
+        return None, None, None, None, {}
     bf = torch.bfloat16
     tq, tk, tv, tb = (to_torch(x, bf) for x in (q, k, v, beta))
     tg = to_torch(g)
     tdo = to_torch(do, bf)
     cache = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
-    FLA_FIRST_CALL["fla_autotune_results"] = sum(
-        name.endswith(".autotune.json") for _, _, names in os.walk(cache) for name in names)
+    first_call = {"fla_autotune_results": sum(
+        name.endswith(".autotune.json") for _, _, names in os.walk(cache) for name in names)}
 
     def fwd():
         return fla_chunk_kda(tq, tk, tv, tg, tb, output_final_state=True, safe_gate=True, lower_bound=-5.0)
@@ -134,10 +132,10 @@ def bench_fla_chunk(q, k, v, g, beta, do, bwd: bool = True):
     with torch.no_grad():
         o_fla, _ = fwd()
     torch.cuda.synchronize()
-    FLA_FIRST_CALL["fla_first_call_s"] = {"fwd": round(time.perf_counter() - t0, 1)}
+    first_call["fla_first_call_s"] = {"fwd": round(time.perf_counter() - t0, 1)}
     t_fwd = do_bench(lambda: fwd(), warmup=5, rep=50)
     if not bwd:
-        return t_fwd, None, o_fla.float().cpu().numpy(), None
+        return t_fwd, None, o_fla.float().cpu().numpy(), None, first_call
     leaves = [x.detach().clone().requires_grad_(True) for x in (tq, tk, tv, tg, tb)]
 
     def fwdbwd():
@@ -149,10 +147,10 @@ def bench_fla_chunk(q, k, v, g, beta, do, bwd: bool = True):
     t0 = time.perf_counter()
     fwdbwd()
     torch.cuda.synchronize()
-    FLA_FIRST_CALL["fla_first_call_s"]["fwdbwd"] = round(time.perf_counter() - t0, 1)
+    first_call["fla_first_call_s"]["fwdbwd"] = round(time.perf_counter() - t0, 1)
     t_fb = do_bench(fwdbwd, warmup=3, rep=50)
     grads = [x.grad.float().cpu().numpy() for x in leaves]  # of the last fwdbwd() call
-    return t_fwd, t_fb, o_fla.float().cpu().numpy(), grads
+    return t_fwd, t_fb, o_fla.float().cpu().numpy(), grads, first_call
 
 
 GRAD_NAMES = ("q", "k", "v", "g", "beta")
@@ -219,9 +217,9 @@ def bench_shape(B, T, H, args, gpu_cfg):
         res["ours_vs_ref_rel_err"] = res[f"{impls[0]}_vs_ref_rel_err"]
         log(res)
     if not args.no_fla:
-        t_fwd, t_fb, o_fla, g_fla = bench_fla_chunk(*inputs, do, bwd=not args.no_bwd)
+        t_fwd, t_fb, o_fla, g_fla, first_call = bench_fla_chunk(*inputs, do, bwd=not args.no_bwd)
         res["fla_fwd_ms"], res["fla_fwdbwd_ms"] = t_fwd, t_fb
-        res.update(FLA_FIRST_CALL)
+        res.update(first_call)
         if o_fla is not None:
             for n, impl in enumerate(impls):
                 o, grads = outs[impl]
