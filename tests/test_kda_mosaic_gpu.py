@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import registry
-from pallas_kernels.kda import _layout, mosaic_gpu, ops
+from pallas_kernels.kda import _layout, gpu_bwd, mosaic_gpu, ops
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.mosaic_gpu_common import interpret_params
 from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks, intra_chunks_reference
@@ -31,7 +31,7 @@ def _call(platform="gpu", cc=9.0, dtype="bfloat16", shape=K3, chunk=64, gate_bou
     (_call(), "mosaic_gpu", None),  # sm_90+
     (_call(shape=(8, 4096, 32, 128, 128)), "mosaic_gpu", None),
     (_call(cc=8.0), "triton", "compute capability >= 9.0"),  # A100 / L4 / T4 class
-    (_call(packed=True), "triton", "packed sequences"),
+    (_call(packed=True), "mosaic_gpu", None),
     (_call(dtype="float32"), "triton", "bfloat16"),
     (_call(platform="cpu", cc=None), "xla", "target is cpu"),
 ])
@@ -53,7 +53,7 @@ def test_auto_order_with_triton_shipped(monkeypatch, caplog, call, want, why):
     (_call(shape=(2, 100, 3, 128, 128)), "mosaic_gpu", None),
     (_call(cc=8.0), "xla", "compute capability >= 9.0"),  # A100 / L4 / T4 class
     (_call(cc=None), "xla", "unknown"),
-    (_call(packed=True), "xla", "packed sequences"),
+    (_call(packed=True), "mosaic_gpu", None),
     (_call(dtype="float32"), "xla", "bfloat16"),
     (_call(shape=(1, 64, 2, 64, 64)), "xla", "K = V = 128"),
     (_call(chunk=32), "xla", "chunk_size 64"),
@@ -150,18 +150,23 @@ def test_interpreter_forward_and_final_state_match_reference(via_ops):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_interpreter_per_chunk_kernel_matches_its_reference(packed):
-    """The per-chunk kernel's six outputs against the plain-JAX reference, with a mild gate (the chunk decay is
-    not 0) so that every output, ``decay`` included, is checked. Packed: documents start at tokens 20 and 50 of
-    chunk 0 (its decay 0, its state operands masked) and none in chunk 1 (its decay kept); the masked outputs
-    differ from the unpacked kernel's."""
+    """The per-chunk kernel's six outputs and its two residuals for the backward (``A_kk``, ``X``) against the
+    plain-JAX reference, with a mild gate (the chunk decay is not 0) so that every output, ``decay`` included, is
+    checked. Packed: documents start at tokens 20 and 50 of chunk 0 (its decay 0, its state operands masked) and
+    none in chunk 1 (its decay kept); the masked outputs differ from the unpacked kernel's."""
     q, k, _, g, beta, _ = _inputs(1, 128, 2, seed=3)
     beta_t = jnp.swapaxes(beta, 1, 2)
     g = g * 0.01
     seg = _layout.chunk_document_starts(_documents(1, 128, [20, 50]), 1, 128, 64).reshape(1, 128) if packed else None
-    got = intra_chunks(q, k, g, beta_t, scale=128**-0.5, seg=seg, interpret=interpret_params(True))
-    want = intra_chunks_reference(q, k, g, beta_t, scale=128**-0.5, seg=seg)
-    for name, a, b in zip(("qg", "kd", "wn", "x", "aqk", "decay"), got, want, strict=True):
+    got = intra_chunks(q, k, g, beta_t, scale=128**-0.5, seg=seg, interpret=interpret_params(True), residuals=True)
+    want = intra_chunks_reference(q, k, g, beta_t, scale=128**-0.5, seg=seg, residuals=True)
+    for name, a, b in zip(("qg", "kd", "wn", "x", "aqk", "decay"), got[:6], want[:6], strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert _rel(a, b) < 1e-2, name
+    assert sorted(got[6]) == sorted(want[6]) == ["akk", "x_inv"]
+    for name, b in want[6].items():
+        a = got[6][name]
+        assert a.shape == b.shape == (4, 64, 64) and a.dtype == b.dtype == jnp.float32, name
         assert _rel(a, b) < 1e-2, name
     if packed:
         plain = intra_chunks_reference(q, k, g, beta_t, scale=128**-0.5)
@@ -170,20 +175,48 @@ def test_interpreter_per_chunk_kernel_matches_its_reference(packed):
             assert _rel(a[:, :64], b[:, :64]) > 0.1 and _rel(a[:, 64:], b[:, 64:]) < 1e-2, name
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_interpreter_gradients_take_the_forward_chunks(packed):
+    """``mosaic_gpu`` with the Triton backward, both interpreted (T = 130 padded to 192, an initial state; packed:
+    documents starting at tokens 20, 50, 64 and 120): the backward takes the forward's per-chunk results (its
+    recomputing kernels are not in the program) and its gradients match the fp32 reference's VJP and the Triton
+    backward that recomputes them."""
+    q, k, v, g, beta, h0 = _inputs(1, 130, 1, seed=4)
+    seg = _documents(1, 130, [20, 50, 64, 120]) if packed else None
+    do = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.float32)
+
+    def loss(impl, *a):
+        o, ht = ops.chunk_kda(*a, initial_state=h0, output_final_state=True, segment_ids=seg, implementation=impl,
+                              interpret=True, platform="cpu")
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht)
+
+    grads = jax.grad(lambda *a: loss("mosaic_gpu", *a), argnums=(0, 1, 2, 3, 4))
+    program = str(jax.make_jaxpr(grads)(q, k, v, g, beta))
+    assert "kda_bwd_da_gpu" in program
+    assert not any(name in program for name in gpu_bwd.RECOMPUTE_KERNEL_NAMES)
+    got = grads(q, k, v, g, beta)
+    f = lambda x: x.astype(jnp.float32)
+    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3, 4))(f(q), f(k), f(v), g, f(beta))
+    recomputed = gpu_bwd.chunk_kda_bwd(q, k, v, g, beta, 128**-0.5, h0, seg, do.astype(jnp.bfloat16),
+                                       jnp.ones_like(h0), interpret=True)
+    for name, a, b, c in zip("q k v g beta".split(), got, want, recomputed[:5], strict=True):
+        assert a.shape == c.shape and a.dtype == c.dtype, name
+        assert _rel(a, b) < 2e-2 and _rel(a, c) < 1e-2, (name, _rel(a, b), _rel(a, c))
+
+
 @pytest.mark.parametrize("batch, heads, want", [(1, 96, 1), (1, 66, 2), (1, 32, 2), (8, 32, 1)])
 def test_default_v_split_keeps_the_state_pass_in_one_wave(batch, heads, want):
     assert mosaic_gpu.default_v_split(batch, heads, sms=132) == want
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host(packed, monkeypatch):
+def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host(packed):
     """Both kernels lower for sm_90 at two sequences of three heads, every copy between device and shared memory
     addressed with at most one integer index (the token tensors as ``[B * Tp, H, D]`` views, the rest flattened
     likewise): the addressing checked on the H200 at ``B > 1``. The first split kernels indexed ``[b, rows, h]``
     (and ``[b, h, c]``), right in the interpreter (which indexes the refs directly) and wrong on the H200 at
     ``B = 2, H = 3`` (benchmarks/ARCHIVE.md, 2026-12-02, s22-kda3). Packed: the per-chunk kernel's two token
     vectors are loaded the same way."""
-    monkeypatch.setattr(mosaic_gpu, "PACKED_CHECKED_ON_GPU", True)  # lowering only: nothing runs here
     s = jax.ShapeDtypeStruct
     args = (*(s((2, 200, 3, 128), jnp.bfloat16),) * 3, s((2, 200, 3, 128), jnp.float32), s((2, 200, 3), jnp.float32))
     if packed:
@@ -214,13 +247,12 @@ def test_forward_lowers_under_jax_0112():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(dtype=jnp.float32), "bfloat16"),
-    (dict(segment_ids=True), "packed sequences"),
+    (dict(chunk_size=32), "chunk_size 64"),
 ])
 def test_forward_rejects_calls_outside_its_contract(kwargs, match):
     q, k, v, g, beta, _ = _inputs(1, 64, 1, dtype=kwargs.get("dtype", jnp.bfloat16))
-    seg = jnp.zeros((1, 64), jnp.int32) if kwargs.get("segment_ids") else None
     with pytest.raises(ValueError, match=match):
-        mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, segment_ids=seg)
+        mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, chunk_size=kwargs.get("chunk_size", 64))
 
 
 @pytest.mark.gpu
@@ -297,13 +329,12 @@ def _assert_gradients_match_reference(q, k, v, g, beta, h0, segment_ids=None):
 
 
 @pytest.mark.gpu
-def test_gpu_packed_forward_and_gradients_match_reference(monkeypatch):
+def test_gpu_packed_forward_and_gradients_match_reference():
     """Packed sequences on the H200 (documents starting inside chunks, at a chunk boundary and in the padded last
     chunk; two sequences of three heads): the forward and its gradients (Triton backward) against the fp32
-    reference. Passing here is what ``mosaic_gpu.PACKED_CHECKED_ON_GPU`` waits for."""
+    reference."""
     if not _hopper():
         pytest.skip("needs an sm_90+ GPU")
-    monkeypatch.setattr(mosaic_gpu, "PACKED_CHECKED_ON_GPU", True)
     q, k, v, g, beta, h0 = _inputs(2, 300, 3, seed=5)
     seg = _documents(2, 300, [20, 50, 64, 130, 290])
     o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, segment_ids=seg)

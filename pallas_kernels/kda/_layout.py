@@ -34,6 +34,24 @@ class ChunkInputs(NamedTuple):
     h0t: jax.Array  # [BH, V, K] f32
 
 
+class ChunkResiduals(NamedTuple):
+    """Per-chunk results of a chunked forward that the GPU backward (:func:`pallas_kernels.kda.gpu_bwd.chunk_kda_bwd`)
+    takes instead of recomputing them; T padded to ``Tp = N C``, ``X = (I + diag(beta) A_kk)^-1`` per chunk,
+    ``W = X diag(beta) (e^G k)``, every mask for packed sequences applied (one document; ``qg`` / ``W`` the document
+    entering the chunk, ``kd`` the one leaving it). Written by the Mosaic GPU forward
+    (:func:`pallas_kernels.kda.mosaic_gpu.chunk_kda_fwd` with ``residuals=True``), or by the backward's own
+    recomputation in the same layouts."""
+
+    qg: jax.Array  # [B, Tp, H, K] matmul dtype: q e^G scale
+    kd: jax.Array  # [B, Tp, H, K] matmul dtype: e^{G_C - G} k
+    wn: jax.Array  # [B, Tp, H, K] matmul dtype: -W
+    xb: jax.Array  # [B, Tp, H, C] matmul dtype: X' = X diag(beta), row t = token t's row of its chunk
+    aqk: jax.Array  # [B, Tp, H, C] matmul dtype: causal A_qk (scale included)
+    decay: jax.Array  # [B, H, N, K] f32: e^{G_C}, 0 for a chunk where a document starts
+    x_inv: jax.Array  # [B*H, Tp, C] f32: X
+    akk: jax.Array  # [B*H, Tp, C] f32: A_kk, strictly lower, one document, no beta
+
+
 def check_chunk_args(q, k, v, g, beta, initial_state, segment_ids, chunk_size: int, name: str) -> None:
     """Shape checks (delegated to the reference) plus the kernel's own constraints."""
     ref._check_inputs(q, k, v, g, beta, initial_state, segment_ids, name)

@@ -6,15 +6,17 @@ split into lean Triton kernels, none of which holds more than a few ``[C, 64]`` 
 are read and ``dq, dk, dv, dg, dbeta`` written in the caller's ``[B, T, H, D]`` layout (strided tiles);
 intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = Tp / C``). The first grid
 axis is the fastest, so a chunk's row-tile / K-block programs run together and share its tiles in L2. ``G``, the
-chunk-local cumsum of g, comes first from the forward's kernel (:func:`pallas_kernels.kda.gpu.chunk_cumsum`):
+chunk-local cumsum of g, comes first from the forward's kernel (:func:`pallas_kernels.kda.gpu.chunk_cumsum`).
+Steps 1-3 recompute the forward's per-chunk results (:class:`pallas_kernels.kda._layout.ChunkResiduals`, in its
+layouts) and are skipped when the forward saved them (``residuals``: the Mosaic GPU forward does):
 
 1. ``_a_kernel``, grid ``(C/16, B*H, N)``: rows of ``A_kk`` (strictly lower, same document; fp32, no beta),
    masked ``A_qk``, ``q e^G scale`` and ``e^{G_C - G} k`` per 16-token row tile (the forward's factoring).
 2. ``_solve_kernel``, grid ``(B*H, N)``: ``X = (I + diag(beta) A_kk)^-1`` in fp32 (16x16 tiles, Neumann
    product on the diagonal, blocked substitution below it).
-3. ``_wu_kernel``, grid ``(B*H, N)``: ``W = X (beta e^G k)``, ``U = X (beta v)``, chunk decay ``e^{G_C}``.
+3. ``_w_kernel``, grid ``(B*H, N)``: ``X' = X diag(beta)``, ``-W = -X' e^G k``, chunk decay ``e^{G_C}``.
 4. ``_h_kernel`` (state sweep), grid ``(B*H, V/BV)``: forward recurrence with ``S^T [BV, K]`` (fp32) in
-   registers; writes the state entering each chunk ``h [B*H, N, V, K]`` and ``V~ = U - W S``
+   registers; writes the state entering each chunk ``h [B*H, N, V, K]`` and ``V~ = X' v - W S``
    ``[B*H, Tp, V]``.
 5. ``_ds_kernel`` (reverse sweep), grid ``(B*H, V/BV)``: ``dS^T [BV, K]`` from the final-state cotangent
    backwards; per chunk writes the cotangent of the state *leaving* it, ``dh [B*H, N, V, K]``, and
@@ -55,7 +57,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import _layout, launch
 from pallas_kernels.kda import gpu as _fwd
 
-__all__ = ["chunk_kda_bwd", "KERNEL_NAMES", "DEFAULT_WARPS"]
+__all__ = ["chunk_kda_bwd", "KERNEL_NAMES", "RECOMPUTE_KERNEL_NAMES", "DEFAULT_WARPS"]
 
 SUB = 16
 EXP_CLAMP = 80.0
@@ -64,11 +66,13 @@ NN = (((1,), (0,)), ((), ()))
 TN = (((0,), (0,)), ((), ()))
 
 KERNEL_NAMES = (
-    "kda_chunk_cumsum_gpu", "kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_wu_gpu", "kda_bwd_h_gpu", "kda_bwd_ds_gpu",
+    "kda_chunk_cumsum_gpu", "kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_w_gpu", "kda_bwd_h_gpu", "kda_bwd_ds_gpu",
     "kda_bwd_dqkw_gpu", "kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu", "kda_bwd_da_gpu", "kda_bwd_dg_gpu",
 )
 """The kernels one backward launches, in launch order (first the forward's chunk cumsum of ``g``; step 7 is two
 kernels: ``wy_dx``, ``wy_dl``; step 8 is ``da`` then the cumsum ``dg``)."""
+RECOMPUTE_KERNEL_NAMES = ("kda_bwd_a_gpu", "kda_bwd_solve_gpu", "kda_bwd_w_gpu")
+"""Steps 1-3, not launched when the forward's per-chunk results are given (``residuals``)."""
 DEFAULT_WARPS = dict.fromkeys(KERNEL_NAMES, 4) | {
     "kda_bwd_solve_gpu": 2, "kda_bwd_wy_dx_gpu": 8, "kda_bwd_dqkw_gpu": 8}
 """Launch widths: 2 warps for the solve, 8 for the step-7 X-product kernel (with 4 it spills registers) and for
@@ -166,28 +170,24 @@ def _solve_kernel(akk_ref, beta_ref, x_ref, *, interpret: bool):
             x_ref[ds(a), ds(b)] = x[a][b] if b <= a else zeros
 
 
-def _wu_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, w_ref, u_ref, dl_ref,
-               *, block: int, mm_dtype, interpret: bool):
-    """``W = X (beta e^G k)`` (``e^G`` only for the document entering the chunk), ``U = X (beta v)``,
-    ``e^{G_C}`` (0 if a document starts inside the chunk)."""
+def _w_kernel(x_ref, k_ref, g_ref, betar_ref, segc_ref, wn_ref, xb_ref, dl_ref,
+              *, block: int, mm_dtype, interpret: bool):
+    """``X' = X diag(beta)`` (stored in the matmul dtype), ``-W = -X' (e^G k)`` (``e^G`` only for the document
+    entering the chunk), ``e^{G_C}`` (0 if a document starts inside the chunk). ``betar_ref [1, C]``: beta as a
+    row."""
     f32 = jnp.float32
     C, K = k_ref.shape
-    V = v_ref.shape[-1]
     mm = _make_mm(interpret)
-    xm = x_ref[...]
-    beta = beta_ref[...]
+    xb = x_ref[...] * betar_ref[...]
+    xb_ref[...] = xb.astype(xb_ref.dtype)
     first = segc_ref[...] == 0
     reset = segc_ref[pl.ds(C - 1, 1), :] != 0
     bk = min(block, K)
     for kb in range(K // bk):
         cols = pl.ds(kb * bk, bk)
-        rk = jnp.where(first, beta * jnp.exp(g_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
-        w_ref[:, cols] = mm(xm, rk, NN, mm_dtype).astype(w_ref.dtype)
+        egk = jnp.where(first, jnp.exp(g_ref[:, cols]), 0.0) * k_ref[:, cols].astype(f32)
+        wn_ref[:, cols] = (-mm(xb, egk, NN, mm_dtype)).astype(wn_ref.dtype)
         dl_ref[:, cols] = jnp.where(reset, 0.0, jnp.exp(g_ref[pl.ds(C - 1, 1), cols]))
-    bv = min(block, V)
-    for vb in range(V // bv):
-        cols = pl.ds(vb * bv, bv)
-        u_ref[:, cols] = mm(xm, beta * v_ref[:, cols].astype(f32), NN, mm_dtype).astype(u_ref.dtype)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -195,26 +195,28 @@ def _wu_kernel(x_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, w_ref, u_ref, dl_
 # ------------------------------------------------------------------------------------------------------
 
 
-def _h_kernel(w_ref, u_ref, kdec_ref, dl_ref, h0_ref, h_ref, vt_ref, *, chunk: int, n_chunks: int, mm_dtype,
-              interpret: bool):
-    """Forward order: ``h[c] = S_in^T [BV, K]``, ``V~ = U - W S_in``, ``S_out = diag(dl) S_in + kd^T V~``."""
+def _h_kernel(wn_ref, xb_ref, v_ref, kdec_ref, dl_ref, h0_ref, h_ref, vt_ref, *, chunk: int, n_chunks: int,
+              mm_dtype, interpret: bool):
+    """Forward order: ``h[c] = S_in^T [BV, K]``, ``V~ = X' v - W S_in`` (``U = X' v`` formed here; ``wn = -W``),
+    ``S_out = diag(dl) S_in + kd^T V~``."""
     mm = _make_mm(interpret)
     C = chunk
 
     def body(c, st):
         rows = pl.ds(c * C, C)
         h_ref[c] = st.astype(h_ref.dtype)
-        vt = u_ref[rows, :].astype(jnp.float32) - mm(w_ref[rows, :], st, NT, mm_dtype)  # [C, BV]
+        vt = (mm(xb_ref[rows, :], v_ref[rows, :], NN, mm_dtype)
+              + mm(wn_ref[rows, :], st, NT, mm_dtype))  # [C, BV]
         vt_ref[rows, :] = vt.astype(vt_ref.dtype)
         return st * dl_ref[c] + mm(vt, kdec_ref[rows, :], TN, mm_dtype)
 
     jax.lax.fori_loop(0, n_chunks, body, h0_ref[...])
 
 
-def _ds_kernel(aqk_ref, qg_ref, kdec_ref, w_ref, dl_ref, do_ref, dht_ref, dh_ref, dvt_ref, dh0_ref,
+def _ds_kernel(aqk_ref, qg_ref, kdec_ref, wn_ref, dl_ref, do_ref, dht_ref, dh_ref, dvt_ref, dh0_ref,
                *, chunk: int, n_chunks: int, mm_dtype, interpret: bool):
     """Reverse order, ``dS'^T [BV, K]`` = cotangent of the state leaving chunk c: ``dh[c] = dS'^T``,
-    ``dV~ = A_qk^T dO + kd dS'``, ``dS = (q e^G)^T dO + diag(dl) dS' - W^T dV~``."""
+    ``dV~ = A_qk^T dO + kd dS'``, ``dS = (q e^G)^T dO + diag(dl) dS' - W^T dV~`` (``wn = -W``)."""
     mm = _make_mm(interpret)
     C = chunk
 
@@ -226,7 +228,7 @@ def _ds_kernel(aqk_ref, qg_ref, kdec_ref, w_ref, dl_ref, do_ref, dht_ref, dh_ref
         dvt = mm(aqk_ref[rows, :], do, TN, mm_dtype) + mm(kdec_ref[rows, :], dst, NT, mm_dtype)  # [C, BV]
         dvt_ref[rows, :] = dvt.astype(dvt_ref.dtype)
         return (dst * dl_ref[c] + mm(do, qg_ref[rows, :], TN, mm_dtype)
-                - mm(dvt, w_ref[rows, :], TN, mm_dtype))
+                + mm(dvt, wn_ref[rows, :], TN, mm_dtype))
 
     dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, body, dht_ref[...])
 
@@ -439,6 +441,58 @@ def _prepare(q, k, v, g, beta, initial_state, segment_ids, do, dht, C: int, inte
     return _Inputs(*fwd, do_p, dhtt)
 
 
+def _recompute(x: _Inputs, scale: float, C: int, mm_dtype, a_block_k: int, block_k: int, call,
+               interpret: bool) -> _layout.ChunkResiduals:
+    """Steps 1-3: the forward's per-chunk results from the inputs (``call`` launches one kernel)."""
+    f32 = jnp.float32
+    B, Tp, H, K = x.q.shape
+    BH, N, nt = B * H, Tp // C, C // SUB
+    bi = lambda bh: jax.lax.div(bh, H)
+    hi = lambda bh: jax.lax.rem(bh, H)
+    sds = jax.ShapeDtypeStruct
+    # 1. A rows per 16-token tile.
+    row_in = lambda d: pl.BlockSpec((None, SUB, None, d), lambda a, bh, c: (bi(bh), c * nt + a, hi(bh), 0))
+    chunk_in = lambda d: pl.BlockSpec((None, C, None, d), lambda a, bh, c: (bi(bh), c, hi(bh), 0))
+    row_out = lambda d: pl.BlockSpec((None, SUB, d), lambda a, bh, c: (bh, c * nt + a, 0))
+    akk, aqk, qg, kd = call(
+        functools.partial(_a_kernel, scale=scale, mm_dtype=mm_dtype, block_k=a_block_k, interpret=interpret),
+        "kda_bwd_a_gpu", (nt, BH, N),
+        [row_in(K), chunk_in(K), chunk_in(K), pl.BlockSpec((None, C, 1), lambda a, bh, c: (bi(bh), c, 0)),
+         pl.BlockSpec((None, None, 1, C), lambda a, bh, c: (bi(bh), c, 0, 0))],
+        [row_out(C), row_in(C), row_in(K), row_in(K)],
+        [sds((BH, Tp, C), f32), sds((B, Tp, H, C), mm_dtype), sds((B, Tp, H, K), mm_dtype),
+         sds((B, Tp, H, K), mm_dtype)],
+    )(x.q, x.k, x.gam, x.seg_col, x.seg_row)
+    # 2-3. X, then X', -W and the chunk decay.
+    tok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c: (bh, c, 0))
+    tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
+    per_chunk = lambda d: pl.BlockSpec((None, None, 1, d), lambda bh, c: (bh, c, 0, 0))
+    xm = call(functools.partial(_solve_kernel, interpret=interpret), "kda_bwd_solve_gpu", (BH, N),
+              [tok(C), tok_in(1)], tok(C), sds((BH, Tp, C), f32))(akk, x.beta)
+    beta_row = jnp.swapaxes(x.beta[..., 0], 1, 2).reshape(BH, N, 1, C)
+    wn, xb, dl = call(
+        functools.partial(_w_kernel, block=block_k, mm_dtype=mm_dtype, interpret=interpret), "kda_bwd_w_gpu",
+        (BH, N), [tok(C), tok_in(K), tok_in(K), per_chunk(C), pl.BlockSpec((None, C, 1), lambda bh, c: (bi(bh), c, 0))],
+        [tok_in(K), tok_in(C), per_chunk(K)],
+        [sds((B, Tp, H, K), mm_dtype), sds((B, Tp, H, C), mm_dtype), sds((BH, N, 1, K), f32)],
+    )(xm, x.k, x.gam, beta_row, x.seg_col)
+    return _layout.ChunkResiduals(qg, kd, wn, xb, aqk, dl.reshape(B, H, N, K), xm, akk)
+
+
+def _check_residuals(r: _layout.ChunkResiduals, B: int, Tp: int, H: int, K: int, C: int, mm_dtype,
+                     name: str) -> None:
+    """Raise ValueError naming the first field of ``r`` whose shape or dtype is not the layout's."""
+    mm = jnp.dtype(mm_dtype)
+    want = dict(qg=((B, Tp, H, K), mm), kd=((B, Tp, H, K), mm), wn=((B, Tp, H, K), mm), xb=((B, Tp, H, C), mm),
+                aqk=((B, Tp, H, C), mm), decay=((B, H, Tp // C, K), jnp.float32),
+                x_inv=((B * H, Tp, C), jnp.float32), akk=((B * H, Tp, C), jnp.float32))
+    for field, (shape, dtype) in want.items():
+        got = getattr(r, field)
+        if got.shape != shape or got.dtype != dtype:
+            raise ValueError(f"{name}: residuals.{field} must be {jnp.dtype(dtype).name}{list(shape)}, got "
+                             f"{got.dtype.name}{list(got.shape)}")
+
+
 def _pow2(name: str, d: int) -> None:
     if d < 16 or d & (d - 1):
         raise ValueError(f"gpu_bwd.chunk_kda_bwd: {name} must be a power of two >= 16, got {d}")
@@ -448,7 +502,7 @@ def chunk_kda_bwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
     chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int | None = None,
     num_warps: dict | None = None, num_stages: int | None = None, state_dtype=None, da_block_k: int = 32,
-    a_block_k: int = 64,
+    a_block_k: int = 64, residuals: _layout.ChunkResiduals | None = None,
 ):
     """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), eleven Triton kernels.
 
@@ -463,8 +517,11 @@ def chunk_kda_bwd(
     :data:`DEFAULT_WARPS`); ``state_dtype``: storage of the per-chunk states
     ``h`` and state cotangents ``dh`` (default: the matmul dtype, bf16 for bf16 inputs - they only enter
     bf16 matmuls there - else fp32). ``interpret``: generic Pallas interpreter.
-    ``da_block_k``: steps 8-9's K block (grid axis). ``num_stages``: the sweeps' pipeline stages, None = the most
-    (up to 2) whose shared-memory estimate fits the GPU (:func:`pallas_kernels.kda.launch.fit_num_stages`).
+    ``da_block_k``: steps 8-9's K block (grid axis). ``residuals``: the forward's per-chunk results
+    (:class:`pallas_kernels.kda._layout.ChunkResiduals`, e.g. from the Mosaic GPU forward): steps 1-3 are then
+    skipped (their kernels, :data:`RECOMPUTE_KERNEL_NAMES`, not launched). ``num_stages``: the sweeps' pipeline
+    stages, None = the most (up to 2) whose shared-memory estimate fits the GPU
+    (:func:`pallas_kernels.kda.launch.fit_num_stages`).
     Returns ``(dq, dk, dv, dg, dbeta)`` in the dtypes of ``q, k, v, g, beta`` and ``dh0 [B, H, K, V] f32``.
     """
     name = "gpu_bwd.chunk_kda_bwd"
@@ -506,6 +563,8 @@ def chunk_kda_bwd(
                  warps.get("kda_chunk_cumsum_gpu", DEFAULT_WARPS["kda_chunk_cumsum_gpu"]))
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
+    if residuals is not None:
+        _check_residuals(residuals, B, Tp, H, K, C, mm_dtype, name)
 
     def call(kernel, kname, grid, in_specs, out_specs, out_shape, stages=1, **kw):
         if interp:
@@ -521,53 +580,36 @@ def chunk_kda_bwd(
     hi = lambda bh: jax.lax.rem(bh, H)
     sds = jax.ShapeDtypeStruct
 
-    # 1. A rows per 16-token tile.
-    row_in = lambda d: pl.BlockSpec((None, SUB, None, d), lambda a, bh, c: (bi(bh), c * nt + a, hi(bh), 0))
-    chunk_in3 = lambda d: pl.BlockSpec((None, C, None, d), lambda a, bh, c: (bi(bh), c, hi(bh), 0))
-    row_out = lambda d: pl.BlockSpec((None, SUB, d), lambda a, bh, c: (bh, c * nt + a, 0))
-    akk, aqk, qg, kdec = call(
-        functools.partial(_a_kernel, scale=float(scale), mm_dtype=mm_dtype, block_k=BKA, interpret=interp),
-        "kda_bwd_a_gpu", (nt, BH, N),
-        [row_in(K), chunk_in3(K), chunk_in3(K), pl.BlockSpec((None, C, 1), lambda a, bh, c: (bi(bh), c, 0)),
-         pl.BlockSpec((None, None, 1, C), lambda a, bh, c: (bi(bh), c, 0, 0))],
-        [row_out(C), row_out(C), row_out(K), row_out(K)],
-        [sds((BH, Tp, C), f32), sds((BH, Tp, C), mm_dtype), sds((BH, Tp, K), mm_dtype),
-         sds((BH, Tp, K), mm_dtype)],
-    )(x.q, x.k, x.gam, x.seg_col, x.seg_row)
-
-    # 2-3. X, W, U, chunk decay.
-    tok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c: (bh, c, 0))
     tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
+    tok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c: (bh, c, 0))
     segc_spec = pl.BlockSpec((None, C, 1), lambda bh, c: (bi(bh), c, 0))
     segr_spec = pl.BlockSpec((None, None, 1, C), lambda bh, c: (bi(bh), c, 0, 0))
-    xm = call(functools.partial(_solve_kernel, interpret=interp), "kda_bwd_solve_gpu", (BH, N),
-              [tok(C), tok_in(1)], tok(C), sds((BH, Tp, C), f32))(akk, x.beta)
-    w, u, dl = call(
-        functools.partial(_wu_kernel, block=BK, mm_dtype=mm_dtype, interpret=interp), "kda_bwd_wu_gpu", (BH, N),
-        [tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec],
-        [tok(K), tok(V), pl.BlockSpec((None, None, 1, K), lambda bh, c: (bh, c, 0, 0))],
-        [sds((BH, Tp, K), mm_dtype), sds((BH, Tp, V), mm_dtype), sds((BH, N, 1, K), f32)],
-    )(xm, x.k, x.v, x.gam, x.beta, x.seg_col)
+    if residuals is None:
+        r = _recompute(x, float(scale), C, mm_dtype, BKA, BK, call, interp)
+    else:
+        r = residuals
+    dl = r.decay.reshape(BH, N, 1, K)
+    xm, akk = r.x_inv.reshape(BH, Tp, C), r.akk.reshape(BH, Tp, C)
 
     # 4-5. Sweeps over chunks, grid (B*H, V / BV).
-    seq = lambda d: pl.BlockSpec((None, Tp, d), lambda bh, j: (bh, 0, 0))
+    seq = lambda d: pl.BlockSpec((None, Tp, None, d), lambda bh, j: (bi(bh), 0, hi(bh), 0))
     seq_v = pl.BlockSpec((None, Tp, BV), lambda bh, j: (bh, 0, j))
+    seq_in_v = pl.BlockSpec((None, Tp, None, BV), lambda bh, j: (bi(bh), 0, hi(bh), j))
     dl_spec = pl.BlockSpec((None, N, 1, K), lambda bh, j: (bh, 0, 0, 0))
     state = pl.BlockSpec((None, BV, K), lambda bh, j: (bh, j, 0))
     states = pl.BlockSpec((None, N, BV, K), lambda bh, j: (bh, 0, j, 0))
     sweep = dict(chunk=C, n_chunks=N, mm_dtype=mm_dtype, interpret=interp)
     h, vt = call(
         functools.partial(_h_kernel, **sweep), "kda_bwd_h_gpu", (BH, V // BV),
-        [seq(K), seq_v, seq(K), dl_spec, state], [states, seq_v],
+        [seq(K), seq(C), seq_in_v, seq(K), dl_spec, state], [states, seq_v],
         [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype)], stages=stages["kda_bwd_h_gpu"],
-    )(w, u, kdec, dl, x.h0t)
-    do_spec = pl.BlockSpec((None, Tp, None, BV), lambda bh, j: (bi(bh), 0, hi(bh), j))
+    )(r.wn, r.xb, x.v, r.kd, dl, x.h0t)
     dh, dvt, dh0t = call(
         functools.partial(_ds_kernel, **sweep), "kda_bwd_ds_gpu", (BH, V // BV),
-        [seq(C), seq(K), seq(K), seq(K), dl_spec, do_spec, state], [states, seq_v, state],
+        [seq(C), seq(K), seq(K), seq(K), dl_spec, seq_in_v, state], [states, seq_v, state],
         [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype), sds((BH, V, K), f32)],
         stages=stages["kda_bwd_ds_gpu"],
-    )(aqk, qg, kdec, w, dl, x.do, x.dhtt)
+    )(r.aqk, r.qg, r.kd, r.wn, dl, x.do, x.dhtt)
 
     # 6. State products per K block.
     kin = lambda: pl.BlockSpec((None, C, None, BK), lambda kb, bh, c: (bi(bh), c, hi(bh), kb))

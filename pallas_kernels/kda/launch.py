@@ -7,8 +7,8 @@ A launch needs, conservatively (an upper bound of what Triton allocates),
     num_stages * (bytes of one iteration's loaded tiles) + BV * K * 4   (the fp32 state slice, staged for dots)
 
 Tile bytes use each operand's storage dtype: the matmul dtype (bf16 for bf16 inputs, fp32 for fp32 inputs) for
-``W, U, A_qk, q e^G, e^{G_C - G} k``, ``v.dtype`` for ``dO``, fp32 for the chunk decay. With fp32 inputs the
-default 3-stage forward at K = V = 128 would need 427,520 B (Triton asked for 327,680 B on an H200, whose
+``W, U, X', A_qk, q e^G, e^{G_C - G} k``, ``v.dtype`` for ``dO`` and ``v``, fp32 for the chunk decay. With fp32
+inputs the default 3-stage forward at K = V = 128 would need 427,520 B (Triton asked for 327,680 B on an H200, whose
 limit per block is 232,448 B); :func:`fit_num_stages` lowers the stage count until the estimate fits, and
 :func:`chunk_launch_reason` says when not even one stage fits (the ``triton`` backend's ``supports`` reason).
 """
@@ -68,8 +68,8 @@ def stage_bytes(kernel: str, *, chunk: int, k: int, block_v: int, q_dtype, v_dty
     decay = 4 * k
     if kernel == "kda_chunk_state_gpu":  # W, q e^G, kd [C, K]; U [C, BV]; A_qk [C, C]
         return (3 * c * k + c * bv + c * c) * mm + decay
-    if kernel == "kda_bwd_h_gpu":  # W, kd [C, K]; U [C, BV]
-        return (2 * c * k + c * bv) * mm + decay
+    if kernel == "kda_bwd_h_gpu":  # W, kd [C, K]; X' [C, C]; v [C, BV] in v.dtype
+        return (2 * c * k + c * c) * mm + c * bv * jnp.dtype(v_dtype).itemsize + decay
     if kernel == "kda_bwd_ds_gpu":  # A_qk [C, C]; q e^G, kd, W [C, K]; dO [C, BV] in v.dtype
         return (c * c + 3 * c * k) * mm + c * bv * jnp.dtype(v_dtype).itemsize + decay
     raise ValueError(f"unknown Triton sweep {kernel!r}, expected one of {SWEEPS}")

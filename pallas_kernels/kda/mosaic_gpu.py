@@ -25,17 +25,11 @@ from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, int
 from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks
 from pallas_kernels.kda.mosaic_gpu_state import state_pass
 
-PACKED_CHECKED_ON_GPU = False
-"""Packed sequences run in the Mosaic GPU interpreter (CPU tests) and, once an sm_90 run of
-``tests/test_kda_mosaic_gpu.py -m gpu`` has shown them right there, on the GPU; until then a GPU call with
-``segment_ids`` is refused with that reason (``auto`` takes the Triton kernels)."""
-
 DEFAULT_SMS = 132
 """Multiprocessors assumed when the device does not say (an H100 / H200 SXM)."""
 
 
-def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int, packed: bool = False,
-                    interpret: bool = False) -> str | None:
+def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int) -> str | None:
     """None when a chunked call fits these kernels, else why not (the registry's reason)."""
     if dtype != "bfloat16":
         return f"takes bfloat16 q/k/v, got {dtype}"
@@ -43,8 +37,6 @@ def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int, packed: bool
         return f"needs K = V = {HEAD_DIM}, got K={k}, V={v}"
     if chunk_size != CHUNK:
         return f"needs chunk_size {CHUNK}, got {chunk_size}"
-    if packed and not interpret and not PACKED_CHECKED_ON_GPU:
-        return "packed sequences (segment_ids) are checked in the Mosaic GPU interpreter only, not yet on an sm_90 GPU"
     return None
 
 
@@ -57,16 +49,18 @@ def default_v_split(batch: int, heads: int, sms: int | None = None) -> int:
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, chunk_size: int = CHUNK,
-                  interpret=False, v_split: int | None = None):
+                  interpret=False, v_split: int | None = None, residuals: bool = False):
     """Chunked KDA forward (module docstring). ``q, k, g [B, T, H, 128]``, ``v [B, T, H, 128]``, ``beta [B, T, H]``,
     ``initial_state [B, H, 128, 128] f32`` or None, ``segment_ids [B, T] int`` or None (packed sequences).
     Returns ``(o [B, T, H, 128] bf16, final_state f32)``. ``interpret``: False, True or a
     ``plgpu.InterpretGPUParams`` (CPU interpreter); ``v_split``: None
-    (:func:`default_v_split`), 1 or 2."""
+    (:func:`default_v_split`), 1 or 2. ``residuals``: also return the per-chunk results the GPU backward takes
+    instead of recomputing them (:class:`pallas_kernels.kda._layout.ChunkResiduals`; the per-chunk kernel then
+    also writes ``A_kk`` and ``X`` in fp32) as a third result."""
     ref._check_inputs(q, k, v, g, beta, initial_state, segment_ids, "mosaic_gpu.chunk_kda_fwd")
     B, T, H, K = q.shape
     reason = supports_reason(dtype=jnp.promote_types(q.dtype, v.dtype).name, k=K, v=v.shape[-1],
-                             chunk_size=chunk_size, packed=segment_ids is not None, interpret=bool(interpret))
+                             chunk_size=chunk_size)
     if reason is not None:
         raise ValueError(f"mosaic_gpu.chunk_kda_fwd: {reason}")
     pad = (-T) % CHUNK
@@ -82,6 +76,10 @@ def chunk_kda_fwd(q, k, v, g, beta, scale: float, initial_state=None, segment_id
     if v_split is None:
         v_split = default_v_split(B, H, DEFAULT_SMS if interpret is not None else None)
     seg = None if segment_ids is None else _layout.chunk_document_starts(segment_ids, B, T, CHUNK).reshape(B, -1)
-    parts = intra_chunks(q, k, g, beta_t, scale=float(scale), seg=seg, interpret=interpret)
-    o, ht_t = state_pass(*parts[:3], v, *parts[3:], h0_t, v_split=v_split, interpret=interpret)
-    return o[:, :T], jnp.swapaxes(ht_t, -1, -2)
+    parts = intra_chunks(q, k, g, beta_t, scale=float(scale), seg=seg, interpret=interpret, residuals=residuals)
+    o, ht_t = state_pass(*parts[:3], v, *parts[3:6], h0_t, v_split=v_split, interpret=interpret)
+    out = o[:, :T], jnp.swapaxes(ht_t, -1, -2)
+    if not residuals:
+        return out
+    saved = {name: x.reshape(B * H, -1, CHUNK) for name, x in parts[6].items()}
+    return (*out, _layout.ChunkResiduals(*parts[:6], x_inv=saved["x_inv"], akk=saved["akk"]))

@@ -62,6 +62,9 @@ products before masking; ``n`` = ``N``; ``w_eg``: ``s.w = e^G k``; ``x_inv`` = `
 Tap = Callable[[str, jax.Array], None] | None
 """None (production: nothing extra is traced) or ``tap(name, value)`` that records a ``[64, TAP_WIDTHS[name]]``
 register value."""
+RESIDUALS = ("akk", "x_inv")
+"""What ``intra_chunks(..., residuals=True)`` also writes for the backward (``[64, 64]`` f32 per chunk, from
+registers): ``akk`` = ``A_kk`` masked strictly lower (one document), no beta; ``x_inv`` = ``X``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,11 +238,12 @@ def _inverse(n, xs, st):
     return x
 
 
-def _chunk(s: _Smem, scale: float, tap: Tap = None):
+def _chunk(s: _Smem, scale: float, tap: Tap = None, save: Tap = None):
     """One chunk, in place in ``s`` (module docstring; :class:`_Smem` for what each buffer ends as); ``tap``: see
     :data:`Tap`. Packed sequences (``s.seg`` set): ``A_kk`` / ``A_qk`` keep the entries of one document, ``e^G k``
     (so ``W``) and ``qg`` the rows of the document that entered the chunk (the carried state is its), ``kd`` the
-    rows of the chunk's last document (the state leaving it is that document's)."""
+    rows of the chunk's last document (the state leaving it is that document's). ``save``: None, or a writer like
+``tap`` that takes the :data:`RESIDUALS`."""
     wg = plgpu.Layout.WGMMA
     r64, c64 = _iota(0), _iota(1)
     packed = s.seg is not None
@@ -256,7 +260,9 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
     if packed:  # one document
         same = per_token(s.seg, CHUNK) == bcast_cols(plgpu.layout_cast(s.seg[...], wg.reduce(0)))
         causal_kk, causal_qk = causal_kk & same, causal_qk & same
-    n = jnp.where(causal_kk, akk * lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0]), 0.0)
+    akk = jnp.where(causal_kk, akk, 0.0)
+    _emit(save, "akk", akk)
+    n = akk * lax.broadcast_in_dim(beta_row, (CHUNK, CHUNK), [0])
     _emit(tap, "n", n)
     s.aqk[...] = jnp.where(causal_qk, aqk, 0.0).astype(BF16)
     for h, cols in enumerate(HALVES):
@@ -278,6 +284,7 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
 
     x_inv = _inverse(n, s.x, s.st[0])
     _emit(tap, "x_inv", x_inv)
+    _emit(save, "x_inv", x_inv)
     beta_col = bcast_cols(plgpu.layout_cast(s.beta[...], wg.reduce(0)))
     xb = x_inv * beta_col  # X' = X diag(beta)
     _emit(tap, "xb", xb)
@@ -289,13 +296,15 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None):
     plgpu.commit_smem()
 
 
-def intra_chunks(q, k, g, beta_t, *, scale: float, seg=None, interpret=None, taps: tuple[str, ...] | None = None):
+def intra_chunks(q, k, g, beta_t, *, scale: float, seg=None, interpret=None, residuals: bool = False,
+                 taps: tuple[str, ...] | None = None):
     """Part 1 (module docstring). ``q, k [B, Tp, H, 128]`` bf16, ``g [B, Tp, H, 128]`` f32 (``Tp`` a multiple of
     64), ``beta_t [B, H, Tp]`` f32; packed sequences: ``seg [B, Tp]`` int, the document starts inside each chunk up
     to each token (0 for the document that entered the chunk; :func:`chunk_segments`), None otherwise. Returns
-    ``(qg, kd, wn, x, aqk, decay)`` (``decay`` 0 for a chunk where a document starts). ``interpret``: None or a
+    ``(qg, kd, wn, x, aqk, decay)`` (``decay`` 0 for a chunk where a document starts); with ``residuals`` also
+    ``{name: [B * H * Tp / 64, 64, 64] f32}`` for the :data:`RESIDUALS` (the backward's). ``interpret``: None or a
     ``plgpu.InterpretGPUParams``. ``taps`` (a debugging aid; None in production, where nothing extra is traced):
-    names from :data:`TAP_WIDTHS`; then a seventh result ``{name: [B, H, Tp / 64, 64, width] f32}`` holds those
+    names from :data:`TAP_WIDTHS`; then a last result ``{name: [B, H, Tp / 64, 64, width] f32}`` holds those
     intermediates of every chunk, written from registers straight to device memory."""
     B, Tp, H, K = q.shape
     n_chunks = Tp // CHUNK
@@ -303,6 +312,7 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, seg=None, interpret=None, tap
     unknown = sorted(set(taps or ()) - set(TAP_WIDTHS))
     if unknown:
         raise ValueError(f"intra_chunks: unknown taps {unknown}; expected names from TAP_WIDTHS {list(TAP_WIDTHS)}")
+    saved = RESIDUALS if residuals else ()
     buf = lambda d, dt=BF16: plgpu.SMEM((CHUNK, d), dt, transforms=tiled(dt))
     smem = (
         (buf(K), buf(K), buf(CHUNK), plgpu.SMEM((CHUNK,), F32), plgpu.SMEM((K,), F32)),
@@ -314,12 +324,21 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, seg=None, interpret=None, tap
     if packed:
         smem += ((plgpu.SMEM((CHUNK,), F32), plgpu.SMEM((CHUNK,), F32)),)
     rows_view = lambda x: x.reshape(B * Tp, H, x.shape[-1])
-    n_outs = 6 + len(taps or ())
+    extra = (*saved, *(taps or ()))
+    n_outs = 6 + len(extra)
+
+    def writer(out_refs, index):
+        def write(name, value):
+            if name in out_refs:
+                out_refs[name].at[index][...] = value.astype(F32)
+
+        return write
 
     def kda_chunk_intra_mosaic_gpu(q_ref, k_ref, g_ref, beta_ref, *refs):
         seg_refs, refs = (refs[:2], refs[2:]) if packed else ((), refs)
         qg_ref, kd_ref, wn_ref, x_ref, aqk_ref, decay_ref = refs[:6]
-        tap_refs = dict(zip(taps or (), refs[6:n_outs], strict=True))
+        save_refs = dict(zip(saved, refs[6:6 + len(saved)], strict=True))
+        tap_refs = dict(zip(taps or (), refs[6 + len(saved):n_outs], strict=True))
         smem_refs, loaded = refs[n_outs:]
         fixed, ((ghi, glo), st), ((g,), (gs,), (w, x)), rows, *seg_smem = smem_refs
         s = _Smem(*fixed, ghi=ghi, glo=glo, st=tuple(st), g=g, gs=gs, rows=rows, w=w, x=x,
@@ -335,23 +354,21 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, seg=None, interpret=None, tap
             for src, dst in zip(seg_refs, (s.seg, s.last), strict=True):
                 plgpu.copy_gmem_to_smem(src.at[rows], dst, loaded)
         plgpu.barrier_wait(loaded)
-        tap = None
-        if taps is not None:
-            def tap(name, value):
-                if name in tap_refs:
-                    tap_refs[name].at[bh * n_chunks + c][...] = value.astype(F32)
-        _chunk(s, scale, tap)
+        chunk_index = bh * n_chunks + c
+        _chunk(s, scale, writer(tap_refs, chunk_index) if taps is not None else None,
+               writer(save_refs, chunk_index) if residuals else None)
         for src, dst in ((s.q, qg_ref), (s.k, kd_ref), (s.w, wn_ref), (s.x, x_ref), (s.aqk, aqk_ref)):
             plgpu.copy_smem_to_gmem(src, dst.at[rows, h])
-        plgpu.copy_smem_to_gmem(s.decay, decay_ref.at[bh * n_chunks + c])
+        plgpu.copy_smem_to_gmem(s.decay, decay_ref.at[chunk_index])
         plgpu.wait_smem_to_gmem(0)
 
     tok = lambda d: jax.ShapeDtypeStruct((B * Tp, H, d), BF16)
-    tap_types = tuple(jax.ShapeDtypeStruct((B * H * n_chunks, CHUNK, TAP_WIDTHS[t]), F32) for t in taps or ())
+    per_chunk = lambda width: jax.ShapeDtypeStruct((B * H * n_chunks, CHUNK, width), F32)
+    extra_types = (*(per_chunk(CHUNK) for _ in saved), *(per_chunk(TAP_WIDTHS[t]) for t in taps or ()))
     outs = plgpu.kernel(
         kda_chunk_intra_mosaic_gpu,
         out_type=(tok(K), tok(K), tok(K), tok(CHUNK), tok(CHUNK), jax.ShapeDtypeStruct((B * H * n_chunks, K), F32),
-                  *tap_types),
+                  *extra_types),
         scratch_types=(smem, plgpu.Barrier(num_arrivals=6 if packed else 4)),
         grid=(n_chunks, B * H),
         grid_names=("c", "bh"),
@@ -363,9 +380,12 @@ def intra_chunks(q, k, g, beta_t, *, scale: float, seg=None, interpret=None, tap
     if packed:  # a document starting inside the chunk: the state entering it does not reach its end
         decay = jnp.where((seg.reshape(B, 1, n_chunks, CHUNK)[..., -1:] == 0), decay, 0.0)
     results = (*(x.reshape(B, Tp, H, -1) for x in outs[:5]), decay)
+    if residuals:
+        results = (*results, dict(zip(saved, outs[6:6 + len(saved)], strict=True)))
     if taps is None:
         return results
-    return (*results, {t: o.reshape(B, H, n_chunks, CHUNK, -1) for t, o in zip(taps, outs[6:], strict=True)})
+    tapped = outs[6 + len(saved):]
+    return (*results, {t: o.reshape(B, H, n_chunks, CHUNK, -1) for t, o in zip(taps, tapped, strict=True)})
 
 
 def chunk_segments(seg):
@@ -376,10 +396,10 @@ def chunk_segments(seg):
     return chunks.reshape(B, Tp), (chunks == chunks[..., -1:]).astype(F32).reshape(B, Tp)
 
 
-def intra_chunks_reference(q, k, g, beta_t, *, scale: float, seg=None):
-    """Plain-JAX fp32 (``precision=HIGHEST``) reference of :func:`intra_chunks`: the same six outputs in the same
-    dtypes and layouts, exact (pairwise decay ``e^{G_i - G_j}`` per key, a direct triangular solve; memory
-    ``O(T C K)``: small shapes only); ``seg`` as there."""
+def intra_chunks_reference(q, k, g, beta_t, *, scale: float, seg=None, residuals: bool = False):
+    """Plain-JAX fp32 (``precision=HIGHEST``) reference of :func:`intra_chunks`: the same six outputs (and with
+    ``residuals`` the same dict) in the same dtypes and layouts, exact (pairwise decay ``e^{G_i - G_j}`` per key, a
+    direct triangular solve; memory ``O(T C K)``: small shapes only); ``seg`` as there."""
     B, Tp, H, K = q.shape
     n = Tp // CHUNK
     hp = jax.lax.Precision.HIGHEST
@@ -398,10 +418,15 @@ def intra_chunks_reference(q, k, g, beta_t, *, scale: float, seg=None):
     akk = jnp.where(jnp.eye(CHUNK, dtype=bool), 0.0, pair(kc))
     aqk = scale * pair(qc)
     eye = jnp.eye(CHUNK, dtype=F32)
-    x = jax.scipy.linalg.solve_triangular(eye + beta[..., :, None] * akk, jnp.broadcast_to(eye, akk.shape),
-                                          lower=True) * beta[..., None, :]
+    x_inv = jax.scipy.linalg.solve_triangular(eye + beta[..., :, None] * akk, jnp.broadcast_to(eye, akk.shape),
+                                              lower=True)
+    x = x_inv * beta[..., None, :]
     wn = -jnp.einsum("...ij,...jd->...id", x, kc * jnp.exp(gc) * first, precision=hp)
     merge = lambda t: jnp.moveaxis(t, 1, 3).reshape(B, Tp, H, -1).astype(BF16)
     decay = jnp.exp(g_last[..., 0, :]) * first[..., -1, :]  # 0 where a document starts in the chunk
-    return (merge(qc * jnp.exp(gc) * scale * first), merge(kc * jnp.exp(g_last - gc) * last), merge(wn), merge(x),
-            merge(aqk), decay)
+    out = (merge(qc * jnp.exp(gc) * scale * first), merge(kc * jnp.exp(g_last - gc) * last), merge(wn), merge(x),
+           merge(aqk), decay)
+    if not residuals:
+        return out
+    per_chunk = lambda t: t.reshape(B * H * n, CHUNK, CHUNK)
+    return (*out, {"akk": per_chunk(akk), "x_inv": per_chunk(x_inv)})

@@ -25,7 +25,9 @@ chunk size, the Triton launch's shared memory (:mod:`.launch`), and the gate bou
 lower-bounded log-decay ``g >= -5`` per token; a call promises ``g >= gate_bound`` (``None``: no bound), and
 ``gate_bound < -5`` or None leaves only ``xla`` (exact for any ``g <= 0``).
 
-Gradients: the kernel forwards sit inside ``jax.custom_vjp`` (only the inputs are saved); ``backward="auto"`` /
+Gradients: the kernel forwards sit inside ``jax.custom_vjp`` (the inputs are saved; ``mosaic_gpu`` with the kernel
+backward also saves its per-chunk results, :class:`pallas_kernels.kda._layout.ChunkResiduals`, which the Triton
+backward takes instead of recomputing them); ``backward="auto"`` /
 ``"kernel"`` = the backend's backward kernels (for ``mosaic_gpu``: the Triton backward kernels; ``"auto"`` takes
 the reference VJP when JAX no longer ships Triton), ``"xla"`` = the VJP of the recomputed chunked reference.
 The decode kernels are forward-only.
@@ -127,7 +129,7 @@ def _mosaic_gpu_chunk(call: KdaCall) -> str | None:
 
     _, _, _, k, v = call.shape
     return _first(arch, _gate_reason(call), mosaic_gpu.supports_reason(
-        dtype=call.dtype, k=k, v=v, chunk_size=call.chunk_size, packed=call.packed, interpret=bool(call.interpret)))
+        dtype=call.dtype, k=k, v=v, chunk_size=call.chunk_size))
 
 
 def _decode_reason(call: KdaCall) -> str | None:
@@ -196,27 +198,38 @@ def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpr
 @functools.cache
 def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backward: str):
     """``f(q, k, v, g, beta, h0, seg) -> (o, ht)``; VJP by the backward kernels of ``impl``
-    (``backward="kernel"``) or by recomputing the chunked reference (``"xla"``)."""
+    (``backward="kernel"``) or by recomputing the chunked reference (``"xla"``). ``mosaic_gpu`` with the kernel
+    backward saves its forward's per-chunk results for the Triton backward (which then skips recomputing them)."""
+    saves_chunks = impl == "mosaic_gpu" and backward == "kernel"
 
     @jax.custom_vjp
     def f(q, k, v, g, beta, h0, seg):
         return _kernel_fwd(impl, q, k, v, g, beta, scale, h0, seg, chunk_size, interpret)
 
     def f_fwd(q, k, v, g, beta, h0, seg):
-        return f(q, k, v, g, beta, h0, seg), (q, k, v, g, beta, h0, seg)
+        if saves_chunks:
+            from pallas_kernels.kda import mosaic_gpu  # noqa: PLC0415
+
+            o, ht, chunks = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, scale, h0, seg, chunk_size,
+                                                     interpret=interpret, residuals=True)
+            return (o, ht), (q, k, v, g, beta, h0, seg, chunks)
+        return f(q, k, v, g, beta, h0, seg), (q, k, v, g, beta, h0, seg, None)
 
     def f_bwd(res, cts):
-        q, k, v, g, beta, h0, seg = res
+        q, k, v, g, beta, h0, seg, chunks = res
         do, dht = cts
         if backward == "kernel":
             if impl in ("triton", "mosaic_gpu"):
-                from pallas_kernels.kda import gpu_bwd as bwd_mod  # noqa: PLC0415
-            else:
-                from pallas_kernels.kda import tpu_bwd as bwd_mod  # noqa: PLC0415
+                from pallas_kernels.kda import gpu_bwd  # noqa: PLC0415
 
-            grads = bwd_mod.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
-                                          dht.astype(jnp.float32), chunk_size,
-                                          interpret=bool(interpret) if impl == "mosaic_gpu" else interpret)
+                grads = gpu_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
+                                              dht.astype(jnp.float32), chunk_size, interpret=bool(interpret),
+                                              residuals=chunks)
+            else:
+                from pallas_kernels.kda import tpu_bwd  # noqa: PLC0415
+
+                grads = tpu_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
+                                              dht.astype(jnp.float32), chunk_size, interpret=interpret)
             return (*grads, None)
 
         def fwd(q, k, v, g, beta, h0):
