@@ -204,6 +204,16 @@ def test_interpreter_gradients_take_the_forward_chunks(packed):
         assert _rel(a, b) < 2e-2 and _rel(a, c) < 1e-2, (name, _rel(a, b), _rel(a, c))
 
 
+def test_larger_batches_recompute_the_chunks_in_the_backward():
+    """Above ``ops.CHUNK_REUSE_MAX_BATCH`` sequences the backward recomputes the per-chunk results (its recomputing
+    kernels are in the program)."""
+    q, k, v, g, beta, _ = _inputs(ops.CHUNK_REUSE_MAX_BATCH + 1, 64, 1)
+    loss = lambda *a: jnp.sum(ops.chunk_kda(*a, implementation="mosaic_gpu", interpret=True, platform="cpu")[0]
+                              .astype(jnp.float32))
+    program = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta))
+    assert all(name in program for name in gpu_bwd.RECOMPUTE_KERNEL_NAMES)
+
+
 @pytest.mark.parametrize("batch, heads, want", [(1, 96, 1), (1, 66, 2), (1, 32, 2), (8, 32, 1)])
 def test_default_v_split_keeps_the_state_pass_in_one_wave(batch, heads, want):
     assert mosaic_gpu.default_v_split(batch, heads, sms=132) == want
