@@ -42,7 +42,10 @@ gradients of step 8 take TF32 operands (one tensor-core pass; emulated by roundi
 0.8%; the TPU backward's bf16 path has the same 5.6%). fp32 inputs: 3xTF32 everywhere. Stored in the
 matmul dtype (bf16 for bf16 inputs, as fla stores its states and ``dv``; -3.2 GB of HBM traffic at T=8192,
 H=96 vs fp32, dq/dk/dv errors +0.5e-3): ``h``, ``dh``, ``dV~`` and the step-6 partials of dq and dk; ``dW``,
-``dB_k``, the ``dG`` partial and ``dA`` stay fp32. Requires the lower-bounded gate ``g >= -5``.
+``dB_k``, the ``dG`` partial and ``dA`` stay fp32; ``X'`` is stored in the matmul dtype (it only enters matmul
+operands: ``U = X' v``, ``W``). With the Mosaic GPU forward's ``residuals``, ``X`` is that forward's (a Neumann product
+on bf16 operands summed in fp32): the gradients' distance to the fp32 VJP is that of the recomputed ``X`` (CPU
+interpret, 1x256x2: q 2.32e-3 both, g 9.33e-3 both). Requires the lower-bounded gate ``g >= -5``.
 """
 
 from __future__ import annotations
@@ -510,7 +513,7 @@ def chunk_kda_bwd(
     ``v [B, T, H, V]``, ``beta [B, T, H]``, ``initial_state [B, H, K, V]`` or None, ``segment_ids [B, T]``
     or None), ``do [B, T, H, V]`` (output cotangent), ``dht [B, H, K, V]`` (final-state cotangent; None =
     zeros). ``block_v``: V slice of the two sweeps (grid axis; default ``min(V, 64)``); ``block_k``: K block
-    of the per-chunk gradient kernels (grid axis), their V loop block and the W/U kernel's K loop (default 128 for
+    of the per-chunk gradient kernels (grid axis), their V loop block and the W kernel's K loop (default 128 for
     16-bit inputs, 64 for fp32, whose 128-wide tiles pass the H200's 227 KiB of shared memory per block);
     ``a_block_k``: the A kernel's K loop block;
     ``num_warps``: per-kernel override ``{kernel name: warps}`` (names in :data:`KERNEL_NAMES`; default
