@@ -50,8 +50,9 @@ def summarize_trace(path: str, top: int = 25, divide_by: int = 1) -> dict:
     }
 
 
-def device_op_times(fn, *args, out_dir: str, iters: int = 3, top: int = 25) -> dict:
-    """Profiles ``iters`` calls of ``fn(*args)`` (already compiled) and returns :func:`summarize_trace`."""
+def device_op_times(fn, *args, out_dir: str, iters: int = 3, top: int = 25, timeline: bool = False) -> dict:
+    """Profiles ``iters`` calls of ``fn(*args)`` (already compiled) and returns :func:`summarize_trace`, with
+    ``timeline``: plus :func:`device_timeline` under ``"timeline"`` (span, idle gaps: is the device waiting)."""
     jax.block_until_ready(fn(*args))
     os.makedirs(out_dir, exist_ok=True)
     jax.profiler.start_trace(out_dir, create_perfetto_trace=True)
@@ -65,7 +66,10 @@ def device_op_times(fn, *args, out_dir: str, iters: int = 3, top: int = 25) -> d
                     key=os.path.getmtime)
     if not traces:
         return {"error": f"no perfetto_trace.json.gz under {out_dir}"}
-    return summarize_trace(traces[-1], top=top, divide_by=iters)
+    summary = summarize_trace(traces[-1], top=top, divide_by=iters)
+    if timeline:
+        summary["timeline"] = device_timeline(traces[-1], divide_by=iters)
+    return summary
 
 
 def device_timeline(path: str, divide_by: int = 1, gap_us: float = 20.0) -> dict:

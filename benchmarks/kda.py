@@ -183,7 +183,8 @@ def bench_impl(impl, inputs, do, args, gpu_cfg, res, key, profile_tag=None):
         grads = [np.asarray(x, np.float32) for x in grad(*inputs, do)[1]]
         if args.profile_dir and profile_tag:
             res[f"{key}_fwdbwd_profile"] = device_op_times(
-                grad, *inputs, do, top=20, out_dir=os.path.join(args.profile_dir, f"fb_{key}_{B}x{T}x{H}"))
+                grad, *inputs, do, top=20, timeline=True,
+                out_dir=os.path.join(args.profile_dir, f"fb_{key}_{B}x{T}x{H}"))
         log(res)
     return np.asarray(o, np.float32), grads
 
@@ -360,10 +361,16 @@ def main():
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
     p.add_argument("--profile-dir", default=None, help="add per-kernel device times (JAX profiler) of our calls")
     p.add_argument("--profile-all", action="store_true", help="profile every implementation, not only the first")
+    p.add_argument("--chunk-reuse-max-batch", type=int, default=None,
+                   help="set ops.CHUNK_REUSE_MAX_BATCH (mosaic_gpu's backward takes the forward's per-chunk results "
+                        "up to this many sequences) for this run")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also write a summary plot: time vs sequence length, ours vs fla (needs matplotlib)")
     args = p.parse_args()
-    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "results": []}
+    if args.chunk_reuse_max_batch is not None:
+        ops.CHUNK_REUSE_MAX_BATCH = args.chunk_reuse_max_batch
+    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "results": [],
+           "chunk_reuse_max_batch": ops.CHUNK_REUSE_MAX_BATCH}
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     cfgs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     if len(cfgs) > 1 and shapes:
