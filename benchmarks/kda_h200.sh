@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One device call for issue 22's KDA chunk kernels: GPU tests, then forward and forward + backward against fla at
+# the three benchmark shapes, with the backward taking the Mosaic forward's per-chunk results or recomputing them.
+#
+#   NEW=/path/to/tree OUT=/path/to/out [OLD=/old/tree] [FLA_AUTOTUNE=fla_autotune.tar] bash benchmarks/kda_h200.sh
+#
+# Needs fla (`fla-core`, carried as a wheel where the machine lacks it) importable. fla autotunes its kernels in each
+# new process (minutes at the first shape of each head count) and stores the results as `*.autotune.json` files
+# under TRITON_CACHE_DIR: $FLA_AUTOTUNE (a tar of them from an earlier call) is unpacked first, and the files are
+# written back to $OUT/fla_autotune.tar at the end, for the next call. Sections, each on unless its variable is 0:
+#   TESTS   the KDA GPU tests of the new tree (Mosaic GPU forward, Triton kernels, per-chunk taps).
+#   K3      1x8192x96: mosaic_gpu and triton, device traces with the timeline (idle gaps) of the first.
+#   H32     8x4096x32 and 1x32768x32 (one process: fla's tuning keys on H): mosaic_gpu with the backward taking the
+#           forward's per-chunk results up to $REUSE sequences (default 1, the code's ops.CHUNK_REUSE_MAX_BATCH),
+#           then again up to 8 (the reuse at every shape), each with device traces and timelines.
+#   OLD     with $OLD set: K3 and H32 in that tree (its own defaults), after the new tree's.
+# Every benchmarks/kda.py JSON line goes to $OUT/runs.jsonl (a call cut short returns what finished); the last lines
+# of each process's stderr to $OUT/stderr.txt.
+set -u
+: "${NEW:?} ${OUT:?}"
+export XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false" K3_COMPILATION_CACHE=off \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 \
+  TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3_triton_cache}
+mkdir -p "$OUT" "$TRITON_CACHE_DIR"
+[ -n "${FLA_AUTOTUNE:-}" ] && [ -f "$FLA_AUTOTUNE" ] && tar xf "$FLA_AUTOTUNE" -C "$TRITON_CACHE_DIR"
+PROF=/tmp/k3_kda_prof
+COMMON="--no-reference --no-decode --profile-dir $PROF"
+
+bench() {  # label tree seconds args...: one benchmarks/kda.py process, its JSON line labelled into runs.jsonl
+  local label=$1 dir=$2 s=$3
+  shift 3
+  echo "== $(date +%T) $label"
+  (cd "$dir" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" timeout "$s" python3 benchmarks/kda.py "$@" \
+    2>"/tmp/k3_kda_$label.err" | grep '^{"device"' | tail -1 | sed "s/^{/{\"label\": \"$label\", /" | tee -a "$OUT/runs.jsonl")
+  { echo "== $label"; tail -5 "/tmp/k3_kda_$label.err"; } >>"$OUT/stderr.txt"
+}
+
+if [ "${TESTS:-1}" = 1 ]; then
+  echo "== $(date +%T) tests"
+  (cd "$NEW" && timeout 300 python3 -m pytest -q -m gpu tests/test_kda_mosaic_gpu.py tests/test_kda_ops.py \
+    tests/test_kda_mosaic_gpu_taps.py -n 4 --timeout=240 -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1)
+  tail -3 "$OUT/gpu_tests.txt"
+fi
+trees=("new:$NEW")
+[ -n "${OLD:-}" ] && trees+=("old:$OLD")
+for entry in "${trees[@]}"; do
+  name=${entry%%:*} dir=${entry#*:}
+  if [ "${K3:-1}" = 1 ]; then
+    bench "${name}_k3" "$dir" 240 --shapes 1x8192x96 --impls mosaic_gpu,triton $COMMON
+  fi
+  if [ "${H32:-1}" = 1 ]; then
+    if [ "$name" = new ]; then
+      bench new_h32_reuse"${REUSE:-1}" "$dir" 300 --shapes 8x4096x32,1x32768x32 --impls mosaic_gpu $COMMON \
+        --chunk-reuse-max-batch "${REUSE:-1}"
+      bench new_h32_reuse8 "$dir" 200 --shapes 8x4096x32,1x32768x32 --impls mosaic_gpu $COMMON \
+        --chunk-reuse-max-batch 8
+    else
+      bench old_h32 "$dir" 200 --shapes 8x4096x32,1x32768x32 --impls mosaic_gpu --no-reference --no-decode
+    fi
+  fi
+done
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar cf "$OUT/fla_autotune.tar" -T -)
+echo "== $(date +%T) done"
