@@ -6,8 +6,9 @@
 #
 # Needs fla (`fla-core`, carried as a wheel where the machine lacks it) importable. fla autotunes its kernels in each
 # new process (minutes at the first shape of each head count) and stores the results as `*.autotune.json` files
-# under TRITON_CACHE_DIR: $FLA_AUTOTUNE (a tar of them from an earlier call) is unpacked first, and the files are
-# written back to $OUT/fla_autotune.tar at the end, for the next call. Sections, each on unless its variable is 0:
+# under TRITON_CACHE_DIR: $FLA_AUTOTUNE (a tar of them; default benchmarks/fla_autotune_h200.tar.gz, fla-core 0.6.0
+# with the H200 image's Triton 3.6 at H = 96 and 32) is unpacked first, and the files are written back to
+# $OUT/fla_autotune.tar at the end, for the next call. Sections, each on unless its variable is 0:
 #   TESTS   the KDA GPU tests of the new tree (Mosaic GPU forward, Triton kernels, per-chunk taps).
 #   K3      1x8192x96: mosaic_gpu and triton, device traces with the timeline (idle gaps) of the first.
 #   H32     8x4096x32 and 1x32768x32 (one process: fla's tuning keys on H): mosaic_gpu with the backward taking the
@@ -22,7 +23,8 @@ export XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false"
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 \
   TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3_triton_cache}
 mkdir -p "$OUT" "$TRITON_CACHE_DIR"
-[ -n "${FLA_AUTOTUNE:-}" ] && [ -f "$FLA_AUTOTUNE" ] && tar xf "$FLA_AUTOTUNE" -C "$TRITON_CACHE_DIR"
+FLA_AUTOTUNE=${FLA_AUTOTUNE:-$NEW/benchmarks/fla_autotune_h200.tar.gz}
+[ -f "$FLA_AUTOTUNE" ] && tar xf "$FLA_AUTOTUNE" -C "$TRITON_CACHE_DIR"
 PROF=/tmp/k3_kda_prof
 COMMON="--no-reference --no-decode --profile-dir $PROF"
 
