@@ -19,8 +19,9 @@ fla's kernels autotune in each new process (its backward for minutes on an H200)
 ``*.autotune.json`` files under Triton's cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``; fla's
 ``FLA_CACHE_RESULTS``, on by default): keep that directory (or only those files) and a later process skips the
 tuning; ``benchmarks/fla_autotune_h200.tar.gz`` holds them for the H200 at H = 96 and 32 (unpack it into that
-directory; ``benchmarks/kda_h200.sh`` does). ``fla_autotune_results`` reports how many such files the directory held before fla's first call and
-``fla_first_call_s`` how long that call (forward, then forward + backward) took, tuning included.
+directory; ``benchmarks/kda_h200.sh`` does). ``fla_autotune_results`` reports how many such files the directory
+held before fla's first call and ``fla_first_call_s`` how long that call (forward, then forward + backward) took,
+tuning included.
 """
 
 from __future__ import annotations
