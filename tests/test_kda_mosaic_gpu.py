@@ -204,6 +204,20 @@ def test_interpreter_gradients_take_the_forward_chunks(packed):
         assert _rel(a, b) < 2e-2 and _rel(a, c) < 1e-2, (name, _rel(a, b), _rel(a, c))
 
 
+def test_backward_names_a_residual_of_the_wrong_layout():
+    """``gpu_bwd.chunk_kda_bwd(residuals=...)`` raises naming the field, its expected and its actual dtype/shape."""
+    q, k, v, g, beta, _ = _inputs(1, 64, 1)
+    shape = lambda *d: jax.ShapeDtypeStruct(d, jnp.bfloat16)
+    f32 = lambda *d: jax.ShapeDtypeStruct(d, jnp.float32)
+    good = _layout.ChunkResiduals(shape(1, 64, 1, 128), shape(1, 64, 1, 128), shape(1, 64, 1, 128),
+                                  shape(1, 64, 1, 64), shape(1, 64, 1, 64), f32(1, 1, 1, 128), f32(1, 64, 64),
+                                  f32(1, 64, 64))
+    bad = good._replace(x_inv=shape(1, 64, 64))
+    with pytest.raises(ValueError, match=r"residuals.x_inv must be float32\[1, 64, 64\], got bfloat16\[1, 64, 64\]"):
+        jax.eval_shape(lambda: gpu_bwd.chunk_kda_bwd(q, k, v, g, beta, 128**-0.5, do=v, interpret=True,
+                                                     residuals=bad))
+
+
 def test_larger_batches_recompute_the_chunks_in_the_backward():
     """Above ``ops.CHUNK_REUSE_MAX_BATCH`` sequences the backward recomputes the per-chunk results (its recomputing
     kernels are in the program)."""
