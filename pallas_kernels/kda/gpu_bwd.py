@@ -35,8 +35,9 @@ layouts) and are skipped when the forward saved them (``residuals``: the Mosaic 
 9. ``_dg_cumsum_kernel``, grid ``(K/BK, B*H, N)``: ``dg`` = reverse cumsum of ``dG`` inside the chunk.
 
 Precision as the forward: bf16 inputs take bf16 matmul operands with fp32 accumulation for ``A``,
-``W``/``U``, the sweeps and the state products; the inverse ``X`` (fp32 storage), the ``dX -> dL`` chain and
-``X^T dV~``, ``X^T dW`` are fp32 (3xTF32 on GPU, ``HIGHEST`` in ``interpret`` mode). The decay-product
+``W``/``U``, the sweeps and the state products; the inverse ``X`` is stored in fp32, and step 7's products with
+``X`` and ``dX`` (``X^T dV~``, ``X^T dW``, the ``dX -> dL`` chain) take one TF32 pass (3xTF32 for fp32 inputs;
+emulated by rounding, or ``HIGHEST``, in ``interpret`` mode). The decay-product
 gradients of step 8 take TF32 operands (one tensor-core pass; emulated by rounding in ``interpret`` mode):
 ``dG = x dx - y dy`` cancels, and with bf16 operands ``dg`` was 5.6% off the fp32 VJP (T=128, K=64; TF32
 0.8%; the TPU backward's bf16 path has the same 5.6%). fp32 inputs: 3xTF32 everywhere. Stored in the
