@@ -240,12 +240,13 @@ def test_lowers_to_two_mosaic_gpu_kernels_with_wgmma_on_a_cpu_host(packed):
     likewise): the addressing checked on the H200 at ``B > 1``. The first split kernels indexed ``[b, rows, h]``
     (and ``[b, h, c]``), right in the interpreter (which indexes the refs directly) and wrong on the H200 at
     ``B = 2, H = 3`` (benchmarks/ARCHIVE.md, 2026-12-02, s22-kda3). Packed: the per-chunk kernel's two token
-    vectors are loaded the same way."""
+    vectors are loaded the same way, and the backward's two fp32 residuals are written too."""
     s = jax.ShapeDtypeStruct
     args = (*(s((2, 200, 3, 128), jnp.bfloat16),) * 3, s((2, 200, 3, 128), jnp.float32), s((2, 200, 3), jnp.float32))
     if packed:
         args = (*args, s((2, 200), jnp.int32))
-    fwd = lambda q, k, v, g, beta, *seg: mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, None, *seg, v_split=1)
+    fwd = lambda q, k, v, g, beta, *seg: mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, None, *seg, v_split=1,
+                                                                  residuals=packed)
     text, int_indices = lower_for_sm90(fwd, *args)
     assert text.count("custom_call @mosaic_gpu") == 2
     assert "wgmma.mma_async" in text
