@@ -4,7 +4,8 @@ The math is :mod:`pallas_kernels.kda.tpu_bwd`'s (see its docstring for the per-c
 split into lean Triton kernels, none of which holds more than a few ``[C, 64]`` / ``[C, C]`` tiles at once
 (so no program's tiles exceed the register file). Inputs
 are read and ``dq, dk, dv, dg, dbeta`` written in the caller's ``[B, T, H, D]`` layout (strided tiles);
-intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = Tp / C``). The first grid
+intermediates are ``[B*H, Tp, D]`` (``Tp`` = T padded to the chunk ``C``; ``N = Tp / C``), the per-chunk results
+of steps 1-3 in :class:`pallas_kernels.kda._layout.ChunkResiduals`' layouts. The first grid
 axis is the fastest, so a chunk's row-tile / K-block programs run together and share its tiles in L2. ``G``, the
 chunk-local cumsum of g, comes first from the forward's kernel (:func:`pallas_kernels.kda.gpu.chunk_cumsum`).
 Steps 1-3 recompute the forward's per-chunk results (:class:`pallas_kernels.kda._layout.ChunkResiduals`, in its
