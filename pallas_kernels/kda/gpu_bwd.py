@@ -446,14 +446,25 @@ def _prepare(q, k, v, g, beta, initial_state, segment_ids, do, dht, C: int, inte
     return _Inputs(*fwd, do_p, dhtt)
 
 
+def _chunk_specs(C: int, H: int):
+    """``(bi, hi, tok, tok_in, segc)`` for the per-chunk kernels (grid ``(B*H, N)``): the sequence and head of a
+    ``bh`` index, chunk ``c``'s ``[C, d]`` block of a ``[B*H, Tp, d]`` (``tok``) or ``[B, Tp, H, d]`` (``tok_in``)
+    array, and its ``[C, 1]`` block of the document starts ``[B, Tp, 1]``."""
+    bi = lambda bh: jax.lax.div(bh, H)
+    hi = lambda bh: jax.lax.rem(bh, H)
+    tok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c: (bh, c, 0))
+    tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
+    segc = pl.BlockSpec((None, C, 1), lambda bh, c: (bi(bh), c, 0))
+    return bi, hi, tok, tok_in, segc
+
+
 def _recompute(x: _Inputs, scale: float, C: int, mm_dtype, a_block_k: int, block_k: int, call,
                interpret: bool) -> _layout.ChunkResiduals:
     """Steps 1-3: the forward's per-chunk results from the inputs (``call`` launches one kernel)."""
     f32 = jnp.float32
     B, Tp, H, K = x.q.shape
     BH, N, nt = B * H, Tp // C, C // SUB
-    bi = lambda bh: jax.lax.div(bh, H)
-    hi = lambda bh: jax.lax.rem(bh, H)
+    bi, hi, tok, tok_in, segc = _chunk_specs(C, H)
     sds = jax.ShapeDtypeStruct
     # 1. A rows per 16-token tile.
     row_in = lambda d: pl.BlockSpec((None, SUB, None, d), lambda a, bh, c: (bi(bh), c * nt + a, hi(bh), 0))
@@ -469,15 +480,13 @@ def _recompute(x: _Inputs, scale: float, C: int, mm_dtype, a_block_k: int, block
          sds((B, Tp, H, K), mm_dtype)],
     )(x.q, x.k, x.gam, x.seg_col, x.seg_row)
     # 2-3. X, then X', -W and the chunk decay.
-    tok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c: (bh, c, 0))
-    tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
     per_chunk = lambda d: pl.BlockSpec((None, None, 1, d), lambda bh, c: (bh, c, 0, 0))
     xm = call(functools.partial(_solve_kernel, interpret=interpret), "kda_bwd_solve_gpu", (BH, N),
               [tok(C), tok_in(1)], tok(C), sds((BH, Tp, C), f32))(akk, x.beta)
     beta_row = jnp.swapaxes(x.beta[..., 0], 1, 2).reshape(BH, N, 1, C)
     wn, xb, dl = call(
         functools.partial(_w_kernel, block=block_k, mm_dtype=mm_dtype, interpret=interpret), "kda_bwd_w_gpu",
-        (BH, N), [tok(C), tok_in(K), tok_in(K), per_chunk(C), pl.BlockSpec((None, C, 1), lambda bh, c: (bi(bh), c, 0))],
+        (BH, N), [tok(C), tok_in(K), tok_in(K), per_chunk(C), segc],
         [tok_in(K), tok_in(C), per_chunk(K)],
         [sds((B, Tp, H, K), mm_dtype), sds((B, Tp, H, C), mm_dtype), sds((BH, N, 1, K), f32)],
     )(xm, x.k, x.gam, beta_row, x.seg_col)
@@ -581,18 +590,10 @@ def chunk_kda_bwd(
         return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                               compiler_params=params, interpret=interp, name=kname, **kw)
 
-    bi = lambda bh: jax.lax.div(bh, H)
-    hi = lambda bh: jax.lax.rem(bh, H)
+    bi, hi, tok, tok_in, segc_spec = _chunk_specs(C, H)
     sds = jax.ShapeDtypeStruct
-
-    tok_in = lambda d: pl.BlockSpec((None, C, None, d), lambda bh, c: (bi(bh), c, hi(bh), 0))
-    tok = lambda d: pl.BlockSpec((None, C, d), lambda bh, c: (bh, c, 0))
-    segc_spec = pl.BlockSpec((None, C, 1), lambda bh, c: (bi(bh), c, 0))
     segr_spec = pl.BlockSpec((None, None, 1, C), lambda bh, c: (bi(bh), c, 0, 0))
-    if residuals is None:
-        r = _recompute(x, float(scale), C, mm_dtype, BKA, BK, call, interp)
-    else:
-        r = residuals
+    r = _recompute(x, float(scale), C, mm_dtype, BKA, BK, call, interp) if residuals is None else residuals
     dl = r.decay.reshape(BH, N, 1, K)
     xm, akk = r.x_inv.reshape(BH, Tp, C), r.akk.reshape(BH, Tp, C)
 

@@ -81,5 +81,5 @@ def chunk_kda_fwd(q, k, v, g, beta, scale: float, initial_state=None, segment_id
     out = o[:, :T], jnp.swapaxes(ht_t, -1, -2)
     if not residuals:
         return out
-    saved = {name: x.reshape(B * H, -1, CHUNK) for name, x in parts[6].items()}
-    return (*out, _layout.ChunkResiduals(*parts[:6], x_inv=saved["x_inv"], akk=saved["akk"]))
+    return (*out, _layout.ChunkResiduals(*parts[:6], **{name: x.reshape(B * H, -1, CHUNK)
+                                                         for name, x in parts[6].items()}))

@@ -243,7 +243,7 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None, save: Tap = None):
     :data:`Tap`. Packed sequences (``s.seg`` set): ``A_kk`` / ``A_qk`` keep the entries of one document, ``e^G k``
     (so ``W``) and ``qg`` the rows of the document that entered the chunk (the carried state is its), ``kd`` the
     rows of the chunk's last document (the state leaving it is that document's). ``save``: None, or a writer like
-``tap`` that takes the :data:`RESIDUALS`."""
+    ``tap`` that takes the :data:`RESIDUALS`."""
     wg = plgpu.Layout.WGMMA
     r64, c64 = _iota(0), _iota(1)
     packed = s.seg is not None

@@ -181,11 +181,13 @@ def make_call(q, v, chunk_size: int, gate_bound: float | None, interpret, platfo
                    visible_gpu_compute_capability() if target == "gpu" else None, bool(packed))
 
 
-def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpret):
+def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpret, residuals: bool = False):
+    """``(o, ht)``; with ``residuals`` (``mosaic_gpu`` only) also the per-chunk results for the backward."""
     if impl == "mosaic_gpu":
         from pallas_kernels.kda import mosaic_gpu  # noqa: PLC0415
 
-        return mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, scale, h0, seg, chunk_size, interpret=interpret)
+        return mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, scale, h0, seg, chunk_size, interpret=interpret,
+                                        residuals=residuals)
     if impl == "mosaic_tpu":
         from pallas_kernels.kda import tpu  # noqa: PLC0415
 
@@ -216,10 +218,7 @@ def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backwa
 
     def f_fwd(q, k, v, g, beta, h0, seg):
         if reuses_chunks and q.shape[0] <= CHUNK_REUSE_MAX_BATCH:
-            from pallas_kernels.kda import mosaic_gpu  # noqa: PLC0415
-
-            o, ht, chunks = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, scale, h0, seg, chunk_size,
-                                                     interpret=interpret, residuals=True)
+            o, ht, chunks = _kernel_fwd(impl, q, k, v, g, beta, scale, h0, seg, chunk_size, interpret, True)
             return (o, ht), (q, k, v, g, beta, h0, seg, chunks)
         return f(q, k, v, g, beta, h0, seg), (q, k, v, g, beta, h0, seg, None)
 
@@ -228,16 +227,15 @@ def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backwa
         do, dht = cts
         if backward == "kernel":
             if impl in ("triton", "mosaic_gpu"):
-                from pallas_kernels.kda import gpu_bwd  # noqa: PLC0415
+                from pallas_kernels.kda import gpu_bwd as bwd_mod  # noqa: PLC0415
 
-                grads = gpu_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
-                                              dht.astype(jnp.float32), chunk_size, interpret=bool(interpret),
-                                              residuals=chunks)
+                extra = dict(interpret=bool(interpret), residuals=chunks)
             else:
-                from pallas_kernels.kda import tpu_bwd  # noqa: PLC0415
+                from pallas_kernels.kda import tpu_bwd as bwd_mod  # noqa: PLC0415
 
-                grads = tpu_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
-                                              dht.astype(jnp.float32), chunk_size, interpret=interpret)
+                extra = dict(interpret=interpret)
+            grads = bwd_mod.chunk_kda_bwd(q, k, v, g, beta, scale, h0, seg, do.astype(v.dtype),
+                                          dht.astype(jnp.float32), chunk_size, **extra)
             return (*grads, None)
 
         def fwd(q, k, v, g, beta, h0):
