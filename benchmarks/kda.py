@@ -61,9 +61,13 @@ def make_inputs(B, T, H, K, V, seed=0):
     return q, k, v, g, beta
 
 
-def time_jax(fn, *args, iters=10, repeats=3):
-    out = fn(*args)
-    jax.block_until_ready(out)
+def time_jax(fn, *args, iters=10, repeats=3, warmup=3, all_repeats=None):
+    """Median over ``repeats`` of the mean ms per call over ``iters`` pipelined calls, after ``warmup`` blocked calls
+    (first calls after a compile or a profiler session can be several times slower); ``all_repeats``, a list, gets
+    every repeat's figure."""
+    for _ in range(warmup):
+        out = fn(*args)
+        jax.block_until_ready(out)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -71,6 +75,8 @@ def time_jax(fn, *args, iters=10, repeats=3):
             out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / iters * 1e3)
+    if all_repeats is not None:
+        all_repeats.extend(round(t, 3) for t in times)
     return float(np.median(times))
 
 
@@ -181,7 +187,9 @@ def bench_impl(impl, inputs, do, args, gpu_cfg, res, key, profile_tag=None):
         jax.block_until_ready(grad(*inputs, do))
         res[f"{key}_fwdbwd_compile_s"] = round(time.perf_counter() - t0, 1)
         log(res)
-        res[f"{key}_fwdbwd_ms"] = time_jax(grad, *inputs, do, iters=3, repeats=2)
+        res[f"{key}_fwdbwd_repeats_ms"] = []
+        res[f"{key}_fwdbwd_ms"] = time_jax(grad, *inputs, do, iters=5, repeats=3,
+                                           all_repeats=res[f"{key}_fwdbwd_repeats_ms"])
         grads = [np.asarray(x, np.float32) for x in grad(*inputs, do)[1]]
         if args.profile_dir and profile_tag:
             res[f"{key}_fwdbwd_profile"] = device_op_times(
@@ -212,9 +220,9 @@ def bench_shape(B, T, H, args, gpu_cfg):
     if not args.no_reference:
         rfwd, rgrad = jax_fns("reference", K)
         o_ref = rfwd(*inputs)[0]
-        res["ref_fwd_ms"] = time_jax(rfwd, *inputs, iters=3, repeats=2)
+        res["ref_fwd_ms"] = time_jax(rfwd, *inputs, iters=3, repeats=2, warmup=1)
         if not args.no_bwd:
-            res["ref_fwdbwd_ms"] = time_jax(rgrad, *inputs, do, iters=2, repeats=2)
+            res["ref_fwdbwd_ms"] = time_jax(rgrad, *inputs, do, iters=2, repeats=2, warmup=1)
         for impl in impls:
             res[f"{impl}_vs_ref_rel_err"] = rel_err(outs[impl][0], o_ref)
         res["ours_vs_ref_rel_err"] = res[f"{impls[0]}_vs_ref_rel_err"]
@@ -363,16 +371,10 @@ def main():
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
     p.add_argument("--profile-dir", default=None, help="add per-kernel device times (JAX profiler) of our calls")
     p.add_argument("--profile-all", action="store_true", help="profile every implementation, not only the first")
-    p.add_argument("--chunk-reuse-max-batch", type=int, default=None,
-                   help="set ops.CHUNK_REUSE_MAX_BATCH (mosaic_gpu's backward takes the forward's per-chunk results "
-                        "up to this many sequences) for this run")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also write a summary plot: time vs sequence length, ours vs fla (needs matplotlib)")
     args = p.parse_args()
-    if args.chunk_reuse_max_batch is not None:
-        ops.CHUNK_REUSE_MAX_BATCH = args.chunk_reuse_max_batch
-    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "results": [],
-           "chunk_reuse_max_batch": ops.CHUNK_REUSE_MAX_BATCH}
+    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "results": []}
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     cfgs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     if len(cfgs) > 1 and shapes:

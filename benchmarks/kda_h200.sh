@@ -11,11 +11,8 @@
 # $OUT/fla_autotune.tar at the end, for the next call. Sections, each on unless its variable is 0:
 #   TESTS   the KDA GPU tests of the new tree (Mosaic GPU forward, Triton kernels, per-chunk taps).
 #   K3      1x8192x96: mosaic_gpu and triton, device traces with the timeline (idle gaps) of the first.
-#   H32     8x4096x32 and 1x32768x32 (one process: fla's tuning keys on H): mosaic_gpu with the backward taking the
-#           forward's per-chunk results up to $REUSE sequences (default 1, the code's ops.CHUNK_REUSE_MAX_BATCH),
-#           then again up to 8 (the reuse at every shape), each with device traces and timelines; then the reuse at
-#           every shape once more with XLA's command buffers (CUDA graphs) off, without fla (a diagnostic of the
-#           batch-8 wall-time gap, benchmarks/RESULTS.md).
+#   H32     8x4096x32 and 1x32768x32 (one process: fla's tuning keys on H): mosaic_gpu, device traces with the
+#           timeline.
 #   OLD     with $OLD set: K3 and H32 in that tree (its own defaults), after the new tree's.
 # Every benchmarks/kda.py JSON line goes to $OUT/runs.jsonl (a call cut short returns what finished); the last lines
 # of each process's stderr to $OUT/stderr.txt.
@@ -54,12 +51,7 @@ for entry in "${trees[@]}"; do
   fi
   if [ "${H32:-1}" = 1 ]; then
     if [ "$name" = new ]; then
-      bench new_h32_reuse"${REUSE:-1}" "$dir" 300 --shapes 8x4096x32,1x32768x32 --impls mosaic_gpu $COMMON \
-        --chunk-reuse-max-batch "${REUSE:-1}"
-      bench new_h32_reuse8 "$dir" 200 --shapes 8x4096x32,1x32768x32 --impls mosaic_gpu $COMMON \
-        --chunk-reuse-max-batch 8
-      XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" bench new_h32_reuse8_nocb "$dir" 200 \
-        --shapes 8x4096x32,1x32768x32 --impls mosaic_gpu $COMMON --no-fla --chunk-reuse-max-batch 8
+      bench new_h32 "$dir" 300 --shapes 8x4096x32,1x32768x32 --impls mosaic_gpu $COMMON
     else
       bench old_h32 "$dir" 200 --shapes 8x4096x32,1x32768x32 --impls mosaic_gpu --no-reference --no-decode
     fi

@@ -27,7 +27,7 @@ lower-bounded log-decay ``g >= -5`` per token; a call promises ``g >= gate_bound
 
 Gradients: the kernel forwards sit inside ``jax.custom_vjp`` (the inputs are saved; ``mosaic_gpu`` with the kernel
 backward also saves its per-chunk results, :class:`pallas_kernels.kda._layout.ChunkResiduals`, which the Triton
-backward takes instead of recomputing them, up to :data:`CHUNK_REUSE_MAX_BATCH` sequences); ``backward="auto"`` /
+backward takes instead of recomputing them); ``backward="auto"`` /
 ``"kernel"`` = the backend's backward kernels (for ``mosaic_gpu``: the Triton backward kernels; ``"auto"`` takes
 the reference VJP when JAX no longer ships Triton), ``"xla"`` = the VJP of the recomputed chunked reference.
 The decode kernels are forward-only.
@@ -197,19 +197,11 @@ def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpr
     return gpu.chunk_kda_fwd(q, k, v, g, beta, scale, h0, seg, chunk_size, interpret=interpret)
 
 
-CHUNK_REUSE_MAX_BATCH = 1
-"""``mosaic_gpu`` with the kernel backward hands its forward's per-chunk results to the Triton backward for calls of
-at most this many sequences. Measured on the H200 (benchmarks/RESULTS.md): forward + backward 1.245x fla at
-1x8192x96 and 1x32768x32 with the reuse, but at 8x4096x32 a call took 34.9 ms of wall time around 11.7 ms of
-kernels (a gap outside every kernel, cause not yet found), so larger batches recompute them in the backward."""
-
-
 @functools.cache
 def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backward: str):
     """``f(q, k, v, g, beta, h0, seg) -> (o, ht)``; VJP by the backward kernels of ``impl``
     (``backward="kernel"``) or by recomputing the chunked reference (``"xla"``). ``mosaic_gpu`` with the kernel
-    backward saves its forward's per-chunk results for the Triton backward (which then skips recomputing them) up
-    to :data:`CHUNK_REUSE_MAX_BATCH` sequences."""
+    backward saves its forward's per-chunk results for the Triton backward (which then skips recomputing them)."""
     reuses_chunks = impl == "mosaic_gpu" and backward == "kernel"
 
     @jax.custom_vjp
@@ -217,7 +209,7 @@ def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backwa
         return _kernel_fwd(impl, q, k, v, g, beta, scale, h0, seg, chunk_size, interpret)
 
     def f_fwd(q, k, v, g, beta, h0, seg):
-        if reuses_chunks and q.shape[0] <= CHUNK_REUSE_MAX_BATCH:
+        if reuses_chunks:
             o, ht, chunks = _kernel_fwd(impl, q, k, v, g, beta, scale, h0, seg, chunk_size, interpret, True)
             return (o, ht), (q, k, v, g, beta, h0, seg, chunks)
         return f(q, k, v, g, beta, h0, seg), (q, k, v, g, beta, h0, seg, None)
