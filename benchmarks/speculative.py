@@ -20,7 +20,8 @@ Measured per case (one JSON line each, then a summary line):
     = a speculative figure over the peer's with one step / ``--block`` steps per call, and ``speedup_vs_best``
     = the speculative engine's best figure over the peer's best.
   * ``acceptance_length``: tokens emitted per row per round (1 + accepted drafts), greedy; for ``--sample-cases``
-    also at temperature 1 (``sampled_*``: the acceptance rule the LK loss targets), one round per call.
+    also at ``--sample-temperature`` (default 1; ``sampled_*``: the acceptance rule the LK loss targets), one round
+    per call.
   * ``step_ms`` / ``round_ms`` (and ``block_*``): wall time per decode step / round in the engine; ``pipelined_ms``:
     per call of the one-step/one-round jitted function fed its own outputs ``--pipelined-calls`` times with one
     sync at the end (no host bookkeeping, launches overlap the device).
@@ -228,7 +229,9 @@ def main() -> None:
     p.add_argument("--batch1-prompts", type=int, default=1,
                    help="prompts a batch-1 case generates for, one after another through its one slot")
     p.add_argument("--repeats", type=int, default=2, help="timed greedy runs per case")
-    p.add_argument("--sample-cases", default="", help="batch:k,... also measured at temperature 1")
+    p.add_argument("--sample-cases", default="", help="batch:k,... also measured at --sample-temperature")
+    p.add_argument("--sample-temperature", type=float, default=1.0,
+                   help="the sampling temperature of the --sample-cases runs (> 0)")
     p.add_argument("--pipelined-calls", type=int, default=8)
     p.add_argument("--dtype", default="")
     p.add_argument("--kda-implementation", default="",
@@ -258,6 +261,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="device-op breakdown of the batch-1 step and round")
     p.add_argument("--profile-dir", default="/tmp/spec_profile")
     args = p.parse_args()
+    if not args.sample_temperature > 0:
+        p.error(f"--sample-temperature must be > 0 (the plain cases are greedy), got {args.sample_temperature}")
 
     import flax.linen as nn
     import jax
@@ -387,7 +392,8 @@ def main() -> None:
             e.generate(prompts[b][:b], max_new_tokens=args.block + 2, stop_token_ids=[])
             e.decode_block = 1
         if (b, k) in sample_cases or (k == 0 and b in sample_batches):
-            e.generate(prompts[b][:b], max_new_tokens=warm_tokens, temperature=1.0, stop_token_ids=[])
+            e.generate(prompts[b][:b], max_new_tokens=warm_tokens, temperature=args.sample_temperature,
+                       stop_token_ids=[])
 
     def names_of(head_vocab: int) -> list[str]:
         return [name for name in drafts if head_of[name] == head_vocab]
@@ -514,7 +520,7 @@ def main() -> None:
                     row["peer_block_tokens_per_s"] = peer["block_tokens_per_s"]
                     row["speedup_vs_block"] = round(row["block_tokens_per_s"] / peer["block_tokens_per_s"], 3)
             if (b, k) in sample_cases or (k == 0 and b in sample_batches):
-                _, sruns, _, sst = timed(e, b, 1, temperature=1.0)
+                _, sruns, _, sst = timed(e, b, 1, temperature=args.sample_temperature)
                 row["sampled_decode_tokens_per_s"] = round(sruns[0], 2)
                 if k:
                     row["sampled_acceptance_length"] = round(sst.acceptance_length, 3)

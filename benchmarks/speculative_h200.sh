@@ -35,6 +35,11 @@ cd "$(dirname "$0")/.."
 # 0 = full); PRUNED_HEAD=N (0 = none, else not HEAD_VOCAB): one more LK draft, `lk_pN`, with a head of N ids,
 # measured at PRUNED_CASES (a subset of CASES, sampled too where SAMPLE_CASES has them)
 : "${HEAD_VOCAB:=0}" "${PRUNED_HEAD:=8192}" "${PRUNED_CASES:=1:4}"
+# SAMPLE_TEMPERATURE: the temperature of the SAMPLE_CASES runs; LK_TEMPERATURE: the temperature the LK drafts are
+# trained at (`--temperature`: the serving temperature they are made for; default SAMPLE_TEMPERATURE; the CE draft
+# is LK at temperature 0, i.e. trained for the greedy cases)
+: "${SAMPLE_TEMPERATURE:=1}"
+: "${LK_TEMPERATURE:=$SAMPLE_TEMPERATURE}"
 # KDA_IMPL / MOE_IMPL: the benchmark's engines' kda_implementation / moe_implementation ("" = auto); the target and
 # the drafts train with auto
 : "${KDA_IMPL:=}" "${MOE_IMPL:=}"
@@ -53,7 +58,7 @@ fi
 
 timeout -s KILL "$TOTAL_S" nice -n "$BENCH_NICE" "$PY" benchmarks/speculative.py --config "$CONFIG" \
     --target "$WORK/target" --drafts "lk=$WORK/lk/draft,ce=$WORK/ce/draft" --cases "$CASES" \
-    --sample-cases "$SAMPLE_CASES" --head-vocab "$HEAD_VOCAB" "${pruned[@]}" \
+    --sample-cases "$SAMPLE_CASES" --sample-temperature "$SAMPLE_TEMPERATURE" --head-vocab "$HEAD_VOCAB" "${pruned[@]}" \
     --kda-implementation "$KDA_IMPL" --moe-implementation "$MOE_IMPL" \
     --block "$BLOCK" --block-batches "$BLOCK_BATCHES" --prompt-len "$PROMPT_LEN" --new-tokens "$NEW_TOKENS" \
     --batch1-prompts "$BATCH1_PROMPTS" \
@@ -65,9 +70,11 @@ bench=$!
 drafts=()
 for trainer in "${trainers[@]}"; do
     read -r name loss hv <<<"$trainer"
+    temperature=1
+    [ "$loss" = lk ] && temperature=$LK_TEMPERATURE
     K3_COMPILATION_CACHE=off timeout -s KILL "$TOTAL_S" nice -n "$NICE" "$PY" -m k3_jax.training.draft \
         --target "$WORK/target" --config "$CONFIG" --wait-for "$WORK/target.done" --out "$WORK/$name" \
-        --loss "$loss" --steps "$DRAFT_STEPS" --batch-size "$DRAFT_BATCH" --seq-len "$DRAFT_SEQ" \
+        --loss "$loss" --temperature "$temperature" --steps "$DRAFT_STEPS" --batch-size "$DRAFT_BATCH" --seq-len "$DRAFT_SEQ" \
         --ttt-steps "$DRAFT_TTT" --max-seconds "$DRAFT_MAX_S" --save-every 0 --head-vocab "$hv" \
         >"$OUT/draft_$name.log" 2>&1 &
     drafts+=($!)

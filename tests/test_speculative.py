@@ -325,6 +325,48 @@ def test_lk_loss_and_gradient_match_numpy():
         draft_training.draft_loss("mse", jnp.asarray(zp), jnp.asarray(zq), jnp.asarray(mask))
 
 
+def test_losses_at_the_serving_temperature_match_numpy():
+    """``temperature`` T: LK and KL of the softmaxes of the logits / T (the distributions the engine samples at
+    temperature T), LK's gradient too; T = 0 (greedy verification): both become the cross-entropy against the
+    target's argmax, as does the pruned LK when the argmax lies in the map (an argmax outside it: no draft token
+    can match, the loss is clamped and has no gradient)."""
+    rs = np.random.RandomState(5)
+    zp, zq = rs.randn(5, 9) * 2, rs.randn(5, 9) * 2
+    mask = np.array([1, 0, 1, 1, 1], bool)
+
+    def softmax(z):
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    for t in (0.5, 2.0):
+        p, q = softmax(zp / t), softmax(zq / t)
+        s = np.minimum(p, q).sum(-1)
+        want = (-np.log(s) * mask).sum() / mask.sum()
+        m = (q < p).astype(np.float64)  # the T = 1 gradient of the test above, times 1/T (chain rule on z / T)
+        grad = -(m * q - q * (m * q).sum(-1, keepdims=True)) / s[:, None] * mask[:, None] / mask.sum() / t
+        loss, g = jax.value_and_grad(lambda z, t=t: draft_training.draft_loss("lk", f32(zp), z, f32(mask),
+                                                                              temperature=t))(f32(zq))
+        np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(g), grad, rtol=1e-4, atol=1e-6)
+        kl = draft_training.draft_loss("kl", f32(zp), f32(zq), f32(mask), temperature=t)
+        np.testing.assert_allclose(float(kl), ((p * np.log(p / q)).sum(-1) * mask).sum() / mask.sum(), rtol=1e-4)
+    q1 = softmax(zq)
+    ce = -np.log(q1[np.arange(5), zp.argmax(-1)])
+    for kind in ("lk", "kl", "ce"):
+        np.testing.assert_allclose(np.asarray(draft_training.PER_POSITION[kind](f32(zp), f32(zq), 0.0)), ce,
+                                   rtol=1e-5)
+    vocab_map = np.array([zp[0].argmax(), (zp[1].argmax() + 1) % 9, 4])
+    pruned = np.asarray(draft_training.pruned_loss("lk", f32(zp[:2]), f32(zq[:2, :3]), jnp.asarray(vocab_map),
+                                                   temperature=0.0))
+    np.testing.assert_allclose(pruned[0], -np.log(softmax(zq[0, :3])[0]), rtol=1e-5)
+    assert zp[1].argmax() not in vocab_map and pruned[1] > 60
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        draft_training.draft_loss("lk", f32(zp), f32(zq), f32(mask), temperature=-1.0)
+    with pytest.raises(ValueError, match="--temperature must be >= 0"):
+        draft_training.DraftTrainConfig(temperature=-0.5).validate()
+
+
 def test_draft_training_resumes_exactly(tmp_path, monkeypatch):
     cfg = micro_config(vocab=1024)
     monkeypatch.setattr(draft_training, "load_config", lambda *a, **k: cfg)

@@ -6,7 +6,11 @@
 Labels are the target's own next-token distributions on the corpus (self-distillation; no corpus labels).
 Loss per position (``--loss``): ``lk`` (default) ``-log Σ_x min(p(x), q(x))``, the log of the probability that
 speculative sampling accepts the draft's token; ``kl`` ``KL(p || q)``; ``ce`` cross-entropy against the target's
-argmax token. ``p``, ``q``: target / draft softmax at temperature 1.
+argmax token. ``p``, ``q``: target / draft softmax of the logits divided by ``--temperature`` (default 1), the
+sampling temperature the draft is trained to serve at (the engine samples both at the request's temperature).
+``--temperature 0`` trains for greedy verification, which accepts the draft's token when it is the target's argmax:
+``p`` becomes one-hot at that argmax, so ``lk`` and ``kl`` become ``-log q(argmax p)`` with ``q`` at temperature 1
+(the smooth stand-in for that event), i.e. ``ce``; ``ce`` itself takes no temperature.
 
 Pruned head (``--head-vocab N``): the vocab map is the ``N`` most frequent ids of the training shards (token
 counts over every shard; :func:`k3_jax.draft.count_vocab_map`), computed once, kept in the training state
@@ -93,47 +97,73 @@ LOSSES = ("lk", "kl", "ce")
 
 
 # ------------------------------------------------------------------------------------------------ losses
-def lk_loss(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
-    """``-log Σ_x min(p(x), q(x))`` per position, f32 ``[...]`` for logits ``[..., V]`` (softmax over V)."""
-    p = jax.nn.softmax(p_logits.astype(jnp.float32), axis=-1)
-    q = jax.nn.softmax(q_logits.astype(jnp.float32), axis=-1)
+def _tempered(logits: jax.Array, temperature: float) -> jax.Array:
+    return logits.astype(jnp.float32) / jnp.float32(temperature)
+
+
+def _min_mass(p: jax.Array, q: jax.Array) -> jax.Array:
     return -jnp.log(jnp.maximum(jnp.sum(jnp.minimum(p, q), axis=-1), 1e-30))
 
 
-def kl_loss(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
-    """``KL(p || q)`` per position."""
-    lp = jax.nn.log_softmax(p_logits.astype(jnp.float32), axis=-1)
-    lq = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)
+def lk_loss(p_logits: jax.Array, q_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """``-log Σ_x min(p(x), q(x))`` per position, f32 ``[...]`` for logits ``[..., V]``, ``p`` / ``q`` the
+    softmaxes over V of the logits divided by ``temperature``; ``temperature == 0``: :func:`ce_loss`."""
+    if temperature == 0:
+        return ce_loss(p_logits, q_logits)
+    return _min_mass(jax.nn.softmax(_tempered(p_logits, temperature), axis=-1),
+                     jax.nn.softmax(_tempered(q_logits, temperature), axis=-1))
+
+
+def kl_loss(p_logits: jax.Array, q_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """``KL(p || q)`` per position, at ``temperature`` as :func:`lk_loss` (0: :func:`ce_loss`)."""
+    if temperature == 0:
+        return ce_loss(p_logits, q_logits)
+    lp = jax.nn.log_softmax(_tempered(p_logits, temperature), axis=-1)
+    lq = jax.nn.log_softmax(_tempered(q_logits, temperature), axis=-1)
     return jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
 
 
-def ce_loss(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
-    """Cross-entropy of the draft against the target's argmax token, per position."""
+def ce_loss(p_logits: jax.Array, q_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Cross-entropy of the draft (softmax at temperature 1) against the target's argmax token, per position;
+    ``temperature`` is ignored (the argmax does not depend on it)."""
+    del temperature
     lq = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(lq, jnp.argmax(p_logits, axis=-1)[..., None], axis=-1)[..., 0]
 
 
-def pruned_loss(kind: str, p_logits: jax.Array, q_logits: jax.Array, vocab_map: jax.Array) -> jax.Array:
+PER_POSITION = {"lk": lk_loss, "kl": kl_loss, "ce": ce_loss}
+
+
+def pruned_loss(kind: str, p_logits: jax.Array, q_logits: jax.Array, vocab_map: jax.Array,
+                temperature: float = 1.0) -> jax.Array:
     """Per-position loss ``kind`` of a pruned draft: target ``p_logits [..., V]``, draft ``q_logits [..., N]``
     over the ids ``vocab_map [N]`` (module docstring: ``lk`` on the unnormalised target mass inside the map,
-    ``kl`` / ``ce`` on the target renormalised there)."""
+    ``kl`` / ``ce`` on the target renormalised there), at ``temperature`` as :func:`lk_loss`. At 0, ``lk`` takes
+    the target's argmax over the whole vocabulary: outside the map no draft token can match it (the loss is
+    ``-log 1e-30``, with no gradient)."""
     p_in = jnp.take(p_logits.astype(jnp.float32), vocab_map, axis=-1)
     if kind != "lk":
-        return {"kl": kl_loss, "ce": ce_loss}[kind](p_in, q_logits)
-    p = jnp.exp(p_in - jax.nn.logsumexp(p_logits.astype(jnp.float32), axis=-1, keepdims=True))
-    q = jax.nn.softmax(q_logits.astype(jnp.float32), axis=-1)
-    return -jnp.log(jnp.maximum(jnp.sum(jnp.minimum(p, q), axis=-1), 1e-30))
+        return PER_POSITION[kind](p_in, q_logits, temperature)
+    if temperature == 0:
+        p = (vocab_map == jnp.argmax(p_logits, axis=-1)[..., None]).astype(jnp.float32)
+        return _min_mass(p, jax.nn.softmax(q_logits.astype(jnp.float32), axis=-1))
+    p = jnp.exp(_tempered(p_in, temperature)
+                - jax.nn.logsumexp(_tempered(p_logits, temperature), axis=-1, keepdims=True))
+    return _min_mass(p, jax.nn.softmax(_tempered(q_logits, temperature), axis=-1))
 
 
 def draft_loss(kind: str, p_logits: jax.Array, q_logits: jax.Array, mask: jax.Array,
-               vocab_map: jax.Array | None = None) -> jax.Array:
-    """Masked mean of the per-position loss ``kind`` (one of :data:`LOSSES`); with ``vocab_map`` the draft's
-    logits are over the map (:func:`pruned_loss`)."""
-    fn = {"lk": lk_loss, "kl": kl_loss, "ce": ce_loss}.get(kind)
+               vocab_map: jax.Array | None = None, temperature: float = 1.0) -> jax.Array:
+    """Masked mean of the per-position loss ``kind`` (one of :data:`LOSSES`) at ``temperature`` (>= 0); with
+    ``vocab_map`` the draft's logits are over the map (:func:`pruned_loss`)."""
+    fn = PER_POSITION.get(kind)
     if fn is None:
         raise ValueError(f"draft loss must be one of {LOSSES}, got {kind!r}")
+    if not temperature >= 0:
+        raise ValueError(f"draft loss temperature must be >= 0 (0: greedy verification), got {temperature}")
     m = mask.astype(jnp.float32)
-    per = fn(p_logits, q_logits) if vocab_map is None else pruned_loss(kind, p_logits, q_logits, vocab_map)
+    per = (fn(p_logits, q_logits, temperature) if vocab_map is None
+           else pruned_loss(kind, p_logits, q_logits, vocab_map, temperature))
     return jnp.sum(per * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
@@ -151,6 +181,7 @@ class DraftTrainConfig:
     intermediate_size: int = 0
     head_vocab: int = 0  # > 0: a pruned head over the N most frequent corpus ids (module doc); 0 = the full head
     loss: str = "lk"
+    temperature: float = 1.0  # the serving temperature the loss is taken at (module doc); 0 = greedy verification
     ttt_steps: int = 3
     steps: int = 200
     batch_size: int = 8
@@ -174,6 +205,8 @@ class DraftTrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.head_vocab < 0:
             raise ValueError(f"--head-vocab must be >= 0 (0: the full head), got {self.head_vocab}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0 (0: greedy verification), got {self.temperature}")
         if self.max_seconds < 0:
             raise ValueError(f"--max-seconds must be >= 0 (0: no limit), got {self.max_seconds}")
         if self.ttt_steps >= self.seq_len:
@@ -257,7 +290,7 @@ def _tuples(d: dict) -> dict:
 def unrolled_loss(draft: DraftModel, dcfg: DraftConfig, cfg: K3Config, kind: str, ttt_steps: int,
                   draft_params: Any, target_logits: jax.Array, feats: jax.Array, tokens: jax.Array,
                   segment_ids: jax.Array, emb: jax.Array, head: jax.Array,
-                  vocab_map: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  vocab_map: jax.Array | None = None, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """``(loss, per-step losses [ttt_steps])`` of the training-time-test unroll over rows ``tokens [B, S]``
     with the target's ``target_logits [B, S, V]`` and ``feats [B, S, F]`` (module docstring); ``head`` is the
     draft's (``[D, N]`` gathered for ``vocab_map [N]`` when pruned)."""
@@ -270,7 +303,7 @@ def unrolled_loss(draft: DraftModel, dcfg: DraftConfig, cfg: K3Config, kind: str
         logits, hidden, _ = draft.apply({"params": draft_params}, inputs[:, :n], tokens[:, j:], emb, head,
                                         from_draft=from_draft, segment_ids=seg)
         mask = (segment_ids[:, :n] == segment_ids[:, j:]) & (segment_ids[:, j:] > 0)
-        losses.append(draft_loss(kind, target_logits[:, j:], logits, mask, vocab_map))
+        losses.append(draft_loss(kind, target_logits[:, j:], logits, mask, vocab_map, temperature))
         inputs, from_draft = hidden, True
     per_step = jnp.stack(losses)
     return jnp.mean(per_step), per_step
@@ -333,7 +366,8 @@ def _step_function(cfg: K3Config, dcfg: DraftConfig, dtc: DraftTrainConfig):
             head = pruned_head(head, vocab_map)
         (loss, per_step), grads = jax.value_and_grad(
             lambda p: unrolled_loss(draft, dcfg, cfg, dtc.loss, dtc.ttt_steps, p, logits, feats, tokens,
-                                    segment_ids, emb, head, vocab_map), has_aux=True)(state["params"])
+                                    segment_ids, emb, head, vocab_map, dtc.temperature),
+            has_aux=True)(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
