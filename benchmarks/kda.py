@@ -268,7 +268,7 @@ def _time_decode(step, a, pool_host, slots, ro, rh, iters: int = 200):
 def bench_decode(B, H, args):
     """Decode step at ``B`` sequences x ``H`` heads: ours for each ``--decode-configs`` entry
     (``block_v:num_warps`` of ``gpu.decode_step``; the fastest is reported as ``ours_us``), the Mosaic GPU decode
-    (``mosaic_gpu_decode.decode_step``) for each ``--mosaic-decode-block-v`` (fastest as ``mosaic_gpu_us``), then
+    (``mosaic_gpu_decode.decode_step``) for each ``--mosaic-decode-configs`` entry (fastest as ``mosaic_gpu_us``), then
     fla's ``fused_recurrent_kda`` on the same inputs."""
     K = V = 128
     q, k, v, g, beta = make_inputs(B, 1, H, K, V, seed=3)
@@ -304,13 +304,15 @@ def bench_decode(B, H, args):
         except Exception as e:  # noqa: BLE001 - report the config and go on
             res["configs_us"][cfg] = repr(e)[:200]
         log("decode", res["configs_us"])
-    for bv in (int(x) for x in args.mosaic_decode_block_v.split(",") if x):
+    for entry in (x for x in args.mosaic_decode_configs.split(",") if x):
         from pallas_kernels.kda import mosaic_gpu_decode  # noqa: PLC0415
 
-        cfg = f"mosaic_gpu:{bv}"
+        bv, stages, ahead, per_sm = (int(x) for x in entry.split(":"))
+        ctas = per_sm * (getattr(jax.devices()[0], "core_count", None) or 132)
+        cfg = f"mosaic_gpu:{entry}"
         step = jax.jit(
-            lambda q, k, v, g, b, pool, slots, bv=bv: mosaic_gpu_decode.decode_step(
-                q, k, v, g, b, K**-0.5, pool, slots, block_v=bv),
+            lambda q, k, v, g, b, pool, slots, bv=bv, st=stages, la=ahead, n=ctas: mosaic_gpu_decode.decode_step(
+                q, k, v, g, b, K**-0.5, pool, slots, block_v=bv, stages=st, lookahead=la, num_ctas=n),
             donate_argnums=(5,),
         )
         try:
@@ -366,8 +368,9 @@ def main():
     p.add_argument("--fla-shapes", type=int, default=99, help="time fla's chunk_kda on the first N shapes only")
     p.add_argument("--decode-first", action="store_true", help="run the decode comparison before the chunk shapes")
     p.add_argument("--decode-configs", default="64:8", help="comma list of block_v:num_warps for gpu.decode_step")
-    p.add_argument("--mosaic-decode-block-v", default="64,128",
-                   help="comma list of block_v for mosaic_gpu_decode.decode_step (empty: skip it)")
+    p.add_argument("--mosaic-decode-configs", default="64:3:1:2,64:4:2:1,64:2:1:3,128:2:1:1",
+                   help="comma list of block_v:stages:lookahead:CTAs per SM for mosaic_gpu_decode.decode_step "
+                        "(empty: skip it)")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining shapes once this much time passed")
     p.add_argument("--profile-dir", default=None, help="add per-kernel device times (JAX profiler) of our calls")
     p.add_argument("--profile-all", action="store_true", help="profile every implementation, not only the first")

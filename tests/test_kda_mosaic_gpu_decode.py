@@ -90,14 +90,34 @@ def test_rejects_calls_outside_its_contract():
         mosaic_gpu_decode.decode_step(q, k, v, g, beta, 0.1, pool[:, :, :64], jnp.zeros(1, int))
     with pytest.raises(ValueError, match="block_v"):
         mosaic_gpu_decode.decode_step(q, k, v, g, beta, 0.1, pool, jnp.zeros(1, int), block_v=32)
+    with pytest.raises(ValueError, match="lookahead < stages"):
+        mosaic_gpu_decode.decode_step(q, k, v, g, beta, 0.1, pool, jnp.zeros(1, int), stages=2, lookahead=2)
+
+
+COPIES = 1 + 3 * (mosaic_gpu_decode.LOOKAHEAD + mosaic_gpu_decode.STAGES) + 2 * mosaic_gpu_decode.STAGES
+"""Copies in the lowered kernel: the CTA's row table, three loads per tile in the prologue and per ring slot, two
+stores per ring slot."""
 
 
 def test_lowers_to_one_mosaic_gpu_kernel_with_the_pool_aliased():
     """Every copy between device and shared memory with at most one integer index (the pool as ``[P * H * K, V]``,
-    the token vectors as ``[B * H, D]``)."""
+    the token vectors as ``[B * H, D]``, the row table as ``[CTAs, tiles]``)."""
     calls, aliased, ints = lower_decode(64)
     assert calls == 1 and aliased
-    assert len(ints) == 6 and max(ints) == 1, ints
+    assert len(ints) == COPIES and max(ints) == 1, ints
+
+
+@pytest.mark.parametrize("stages, lookahead, num_ctas", [(2, 1, 5), (4, 2, 3), (3, 2, 7)])
+def test_interpreter_ring_of_buffers(stages, lookahead, num_ctas):
+    """Other rings: two sequences of five heads, both V tiles (20 tiles) over 3, 5 or 7 CTAs (so CTAs take
+    different tile counts and each ring wraps), fp32: ``o`` and the new rows equal the reference's."""
+    q, k, v, g, beta, pool = _decode_inputs(2, 5, 4, jnp.float32, seed=2)
+    slots = jnp.array([3, 1], jnp.int32)
+    o, new = mosaic_gpu_decode.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], 128**-0.5, pool, slots,
+                                           interpret=True, stages=stages, lookahead=lookahead, num_ctas=num_ctas)
+    o_ref, ht = ref.recurrent_kda(q, k, v, g, beta, None, pool[slots], True)
+    assert _rel(o, o_ref[:, 0]) < 1e-5 and _rel(new[slots], ht) < 1e-5
+    np.testing.assert_array_equal(np.asarray(new[jnp.array([0, 2])]), np.asarray(pool[jnp.array([0, 2])]))
 
 
 def test_lowers_under_jax_0112():
@@ -105,8 +125,10 @@ def test_lowers_under_jax_0112():
         pytest.skip(f"no jax 0.11.2 environment at {JAX_0112_PYTHON} (K3_JAX_0112_PYTHON)")
     out = run_under_jax_0112("""
         from tests._mosaic_gpu_lowering import lower_decode
+        from pallas_kernels.kda import mosaic_gpu_decode as m
         calls, aliased, ints = lower_decode(128)
-        assert calls == 1 and aliased and len(ints) == 6 and max(ints) == 1, (calls, aliased, ints)
+        copies = 1 + 3 * (m.LOOKAHEAD + m.STAGES) + 2 * m.STAGES
+        assert calls == 1 and aliased and len(ints) == copies and max(ints) == 1, (calls, aliased, ints)
     """)
     assert out.returncode == 0 and "ok 0.11.2" in out.stdout, out.stderr[-3000:]
 
