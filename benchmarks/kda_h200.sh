@@ -13,6 +13,9 @@
 #   K3      1x8192x96: mosaic_gpu and triton, device traces with the timeline (idle gaps) of the first.
 #   H32     8x4096x32 and 1x32768x32 (one process: fla's tuning keys on H): mosaic_gpu, device traces with the
 #           timeline.
+#   DECODE  the decode step at B=64, H=96 (benchmarks/kda.py's decode bench: the Triton kernel, the Mosaic GPU ring
+#           at each of $MOSAIC_DECODE (default: kda.py's --mosaic-decode-configs), fla's fused_recurrent_kda), the
+#           Triton kernel's device trace; first, before the chunk shapes.
 #   OLD     with $OLD set: K3 and H32 in that tree (its own defaults), after the new tree's.
 # Every benchmarks/kda.py JSON line goes to $OUT/runs.jsonl (a call cut short returns what finished); the last lines
 # of each process's stderr to $OUT/stderr.txt.
@@ -41,6 +44,10 @@ if [ "${TESTS:-1}" = 1 ]; then
   (cd "$NEW" && timeout 300 python3 -m pytest -q -m gpu tests/test_kda_mosaic_gpu.py tests/test_kda_ops.py \
     tests/test_kda_mosaic_gpu_taps.py -n 4 --timeout=240 -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1)
   tail -3 "$OUT/gpu_tests.txt"
+fi
+if [ "${DECODE:-1}" = 1 ]; then
+  bench new_decode "$NEW" 200 --shapes "" --decode-first --profile-dir $PROF \
+    ${MOSAIC_DECODE:+--mosaic-decode-configs "$MOSAIC_DECODE"}
 fi
 trees=("new:$NEW")
 [ -n "${OLD:-}" ] && trees+=("old:$OLD")
