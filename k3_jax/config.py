@@ -112,7 +112,7 @@ class K3Config:
     mla_prefix_attention_implementation: str = "auto"  # cudnn | xla
     # MLA attention of the decode step over the latent cache: pallas_kernels.mla_decode.DECODE (contiguous cache),
     # pallas_kernels.paged_latent_attention.PAGED_DECODE (paged cache; also triton)
-    mla_decode_attention_implementation: str = "auto"  # mosaic_tpu | triton (paged) | xla
+    mla_decode_attention_implementation: str = "auto"  # mosaic_tpu | triton (paged) | mosaic_gpu (paged) | xla
     # where the kernels will run: "auto" = the active mesh's devices, else the default device; set it to lower
     # for another platform without a mesh of its devices (ahead-of-time compiles)
     platform: str = "auto"  # auto | cpu | gpu | tpu

@@ -26,6 +26,10 @@ Implementations (registry :data:`PAGED_DECODE`, ``cfg.mla_decode_attention_imple
   cut into equal splits, one program per (query-row block, split, row) walking its positions ``step`` at a time,
   each step's rows gathered from their pages through the table, with an online softmax; the splits' partial (max,
   denominator, output) merged by log-sum-exp. Non-FP8 pages, one device, C / Dr / page size powers of two >= 16;
+* ``mosaic_gpu`` (:mod:`pallas_kernels.paged_latent_attention_mosaic_gpu`): Pallas Mosaic GPU split-K flash
+  decoding with wgmma and TMA (sm_90): 64 query rows per CTA, a memory warpgroup loading each step's pages through
+  the table into two slots, two compute warpgroups sharing the output's columns; bf16, one device. After ``triton``
+  in the order until an H200 run shows it faster;
 * ``mosaic_tpu`` (:func:`paged_attention_tpu`): Pallas Mosaic TPU flash decoding with the page table and the
   positions scalar-prefetched: grid ``(B, max_pages)``, one page per step DMA'd straight from the pool at
   ``table[b, j]`` (steps past the row's last visible page repeat the previous page index: no DMA, no work), online
@@ -46,6 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.forward_only import forward_only
 from pallas_kernels.registry import Backend, Registry, platform_reason, target_platform, triton_missing_reason
 
@@ -76,6 +81,7 @@ class PagedDecodeCall:
     shape: tuple[int, int, int, int, int, int, int]
     mesh_devices: int = 1
     interpret: bool = False
+    compute_capability: float | None = None
 
 
 def _tpu_reason(call: PagedDecodeCall) -> str | None:
@@ -109,11 +115,27 @@ def _triton_reason(call: PagedDecodeCall) -> str | None:
     return None
 
 
+def _mosaic_gpu_reason(call: PagedDecodeCall) -> str | None:
+    if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
+        return reason
+    cc = call.compute_capability
+    if not call.interpret and (cc is None or cc < 9.0):
+        return f"needs compute capability >= 9.0 (wgmma, TMA), the target GPU's is {cc or 'unknown'}"
+    if call.mesh_devices > 1:
+        return f"runs on one device (no shard_map wrapper), the active mesh has {call.mesh_devices}"
+    from pallas_kernels import paged_latent_attention_mosaic_gpu as mgpu  # noqa: PLC0415 (the Mosaic GPU toolchain)
+
+    _, _, _, c, dr, s, _ = call.shape
+    return mgpu.supports_reason(dtype=call.dtype, page_dtype=call.page_dtype, c=c, dr=dr, page_size=s)
+
+
 PAGED_DECODE = Registry("mla.paged_decode_attention", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU flash decoding reading each row's pages in place through the "
                           "scalar-prefetched page table", _tpu_reason),
     Backend("triton", "Pallas Triton split-K flash decoding over each row's pages through the page table, "
                       "log-sum-exp merge of the splits", _triton_reason),
+    Backend("mosaic_gpu", "Pallas Mosaic GPU split-K flash decoding (wgmma, TMA) over each row's pages through the "
+                          "page table, log-sum-exp merge of the splits", _mosaic_gpu_reason),
     Backend("xla", "split-K over each row's visited pages (lax.while_loop over work items, log-sum-exp merge)",
             lambda call: None),
 ))
@@ -124,9 +146,11 @@ def make_call(q_lat, pages, table, platform: str | None = None, mesh_devices: in
     """The :class:`PagedDecodeCall` of queries ``q_lat [B, T, H, C]`` against ``pages [(R,) P, S, C + Dr]``
     through ``table [B, max_pages]`` (arrays or ``jax.ShapeDtypeStruct`` s: only shapes and dtypes are read)."""
     b, t, h, c = q_lat.shape
-    return PagedDecodeCall(target_platform(platform), jnp.dtype(q_lat.dtype).name, jnp.dtype(pages.dtype).name,
+    target = target_platform(platform)
+    cc = visible_gpu_compute_capability() if target == "gpu" else None
+    return PagedDecodeCall(target, jnp.dtype(q_lat.dtype).name, jnp.dtype(pages.dtype).name,
                            (b, t, h, c, pages.shape[-1] - c, pages.shape[-2], table.shape[1]), int(mesh_devices),
-                           bool(interpret))
+                           bool(interpret), cc)
 
 
 def select(implementation: str, q_lat, pages, table, platform: str | None = None, mesh_devices: int = 1,
@@ -464,11 +488,35 @@ def paged_attention_triton(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array,
         name="mla_paged_decode_gpu",
     ), pos.astype(jnp.int32), last, base, table.astype(jnp.int32), q_lat.reshape(b, th, c),
         q_rot.reshape(b, th, dr), rows, name="paged_latent_attention.paged_attention_triton")
+    return merge_splits(m[..., 0], l[..., 0], acc).astype(q_lat.dtype).reshape(b, t, h, c)
+
+
+def merge_splits(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
+    """``[B, T·H, C]`` f32 from the splits' partial (max ``m``, denominator ``l`` ``[B, splits, T·H]``, unnormalised
+    output ``acc [B, splits, T·H, C]``) of a split-K kernel, by log-sum-exp; rows no split saw give zeros."""
     m_all = jnp.max(m, axis=1, keepdims=True)
     f = jnp.exp(m - m_all)
     den = jnp.sum(l * f, axis=1)
-    out = jnp.sum(acc * f, axis=1) / jnp.maximum(den, 1e-30)
-    return out.astype(q_lat.dtype).reshape(b, t, h, c)
+    return jnp.sum(acc * f[..., None], axis=1) / jnp.maximum(den, 1e-30)[..., None]
+
+
+def paged_attention_mgpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, page_scale: jax.Array | None,
+                         table: jax.Array, pos: jax.Array, scale: float, layer: jax.Array | None = None, *,
+                         splits: int | None = None, interpret=False) -> jax.Array:
+    """:func:`paged_attention_xla` on the Mosaic GPU kernel (forward only): the same arguments and result;
+    ``page_scale`` must be None, queries and pages bf16 (:mod:`pallas_kernels.paged_latent_attention_mosaic_gpu`)."""
+    from pallas_kernels import paged_latent_attention_mosaic_gpu as mgpu  # noqa: PLC0415
+
+    _check(q_lat, q_rot, pages, page_scale, table, pos, layer, "paged_attention_mgpu", fp8_pages=False)
+    b, t, h, c = q_lat.shape
+    last = visited_pages(table, pos, t, pages.shape[-2])
+    kernel = functools.partial(mgpu.paged_attention_mosaic_gpu, scale=float(scale), splits=splits,
+                               interpret=interpret)
+    stacked = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    m, l, acc = forward_only(lambda *a: kernel(*a[:6], layer=a[6] if stacked else None),
+                             q_lat, q_rot, pages, table, pos, last, *stacked,
+                             name="paged_latent_attention.paged_attention_mgpu")
+    return merge_splits(m, l, acc).astype(q_lat.dtype).reshape(b, t, h, c)
 
 
 def paged_attention(implementation: str, q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array,
@@ -482,4 +530,6 @@ def paged_attention(implementation: str, q_lat: jax.Array, q_rot: jax.Array, pag
     if backend == "triton":
         return paged_attention_triton(q_lat, q_rot, pages, page_scale, table, pos, scale, layer,
                                       interpret=interpret)
+    if backend == "mosaic_gpu":
+        return paged_attention_mgpu(q_lat, q_rot, pages, page_scale, table, pos, scale, layer, interpret=interpret)
     return paged_attention_xla(q_lat, q_rot, pages, page_scale, table, pos, scale, layer)

@@ -15,6 +15,7 @@ import pytest
 from k3_jax.layers import paged_latent
 from pallas_kernels import paged_latent_attention as pla
 from pallas_kernels.registry import TRITON_SHIPPED, KernelUnavailable
+from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_paged_attention, run_under_jax_0112
 
 B, H, C, DR, S, MAXP, P, R = 5, 4, 32, 8, 8, 16, 80, 2
 LENGTHS = [0, 5, 40, 121, 44]  # one token, a partial page, several pages, almost the whole table, a prefix sharer
@@ -136,6 +137,51 @@ def test_gpu_triton_kernel_at_k3_widths_equals_reference(t):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=3e-2 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("t, splits", [(1, None), (3, 3)])
+def test_mosaic_gpu_kernel_interpreted_equals_reference(t, splits):
+    """The Mosaic GPU kernel in its interpreter, bf16: 8 heads (one block of 64 query rows, padded), C 128, Dr 64,
+    16-token pages (two per step) with a NaN null page, rows of 1 to 153 positions, a stacked pool at a traced
+    layer; T = 3 puts three queries of a row in one block."""
+    q_lat, q_rot, pages, table, pos = _wide_inputs(t, 8, 128, 64, 16, [0, 5, 40, 150], jnp.bfloat16)
+    got = jax.jit(lambda lyr: pla.paged_attention_mgpu(q_lat, q_rot, pages, None, table, pos, 0.2, lyr,
+                                                       splits=splits, interpret=True))(jnp.int32(1))
+    f = lambda x: x.astype(jnp.float32)
+    want = pla.paged_attention_reference(f(q_lat), f(q_rot), f(pages), None, table, pos, 0.2, jnp.int32(1))
+    assert got.dtype == jnp.bfloat16 and bool(jnp.isfinite(got.astype(jnp.float32)).all())
+    assert float(jnp.linalg.norm(f(got) - want) / jnp.linalg.norm(want)) < 5e-3
+
+
+def test_mosaic_gpu_kernel_lowers_for_sm90():
+    """At K3's widths (two blocks of 64 of the 96 heads, C 512): one Mosaic GPU kernel, every copy between device and
+    shared memory with at most one integer index (also under the H200's jax 0.11.2)."""
+    calls, ints = lower_paged_attention()
+    assert calls == 1 and len(ints) == 8 and max(ints) == 1, (calls, ints)
+    if not os.path.exists(JAX_0112_PYTHON):
+        pytest.skip(f"no jax 0.11.2 environment at {JAX_0112_PYTHON} (K3_JAX_0112_PYTHON)")
+    out = run_under_jax_0112("""
+        from tests._mosaic_gpu_lowering import lower_paged_attention
+        calls, ints = lower_paged_attention(3)
+        assert calls == 1 and len(ints) == 8 and max(ints) == 1, (calls, ints)
+    """)
+    assert out.returncode == 0 and "ok 0.11.2" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_mosaic_gpu_kernel_at_k3_widths_equals_reference(t):
+    """The Mosaic GPU kernel on an sm_90 GPU at K3's MLA widths, rows of 1 to 5,000 tokens, bf16."""
+    from pallas_kernels.attention import visible_gpu_compute_capability
+
+    if (visible_gpu_compute_capability() or 0) < 9.0:
+        pytest.skip("needs an sm_90+ GPU")
+    q_lat, q_rot, pages, table, pos = _wide_inputs(t, 96, 512, 64, 16, [0, 17, 700, 5000, 2100, 64], jnp.bfloat16)
+    got = jax.jit(lambda lyr: pla.paged_attention_mgpu(q_lat, q_rot, pages, None, table, pos, 0.07, lyr))(
+        jnp.int32(1))
+    want = pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.07, jnp.int32(1))
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=3e-2 * np.abs(want).max())
+
+
 def test_write_pages_in_place_at_a_layer_and_null_rows():
     pages = jnp.zeros((R, P, S, C + DR))
     scale = jnp.ones((R, P, S))
@@ -162,6 +208,12 @@ def test_registry_choices():
     assert pla.select("auto", q_lat, pages, table, platform="tpu", mesh_devices=2) == "xla"
     with pytest.raises(KernelUnavailable, match="needs target platform tpu"):
         pla.select("mosaic_tpu", q_lat, pages, table, platform="gpu")
+    k3_pages, k3_q = jnp.zeros((P, 16, 576), jnp.bfloat16), jnp.zeros((B, 1, 96, 512), jnp.bfloat16)
+    assert pla.select("mosaic_gpu", k3_q, k3_pages, table, platform="cpu", interpret=True) == "mosaic_gpu"
+    with pytest.raises(KernelUnavailable, match="takes bfloat16 queries and pages"):
+        pla.select("mosaic_gpu", k3_q.astype(jnp.float32), k3_pages, table, platform="cpu", interpret=True)
+    with pytest.raises(KernelUnavailable, match="needs C a multiple of 128"):
+        pla.select("mosaic_gpu", q_lat, pages, table, platform="cpu", interpret=True)
     with pytest.raises(KernelUnavailable, match="fp8 pages"):
         pla.select("mosaic_tpu", q_lat, pages.astype(jnp.float8_e4m3fn), table, platform="tpu")
     with pytest.raises(ValueError, match=r"pages must be \[R, P, S, C \+ Dr\]"):
