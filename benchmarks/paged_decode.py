@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--gen", type=int, default=128, help="pages mapped beyond each row's length (its max_tokens)")
     ap.add_argument("--calls", type=int, default=10)
-    ap.add_argument("--impls", default="auto,xla", help="paged-attention implementations timed (registry names)")
+    ap.add_argument("--impls", default="auto,mosaic_gpu,xla",
+                    help="paged-attention implementations timed (registry names; one that cannot run is reported)")
     ap.add_argument("--label", default="")
     return ap.parse_args(argv)
 
