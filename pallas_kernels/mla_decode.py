@@ -15,6 +15,9 @@ and a cache row ``[ĉ (C) | k_rot (Dr)]`` per position,
   (blocks past it repeat the last block index: no DMA, no work), and no ``[B, H, S]`` scores reach HBM. It reads a
   segment's stacked cache ``[R, B, S, C + Dr]`` in place at the layer index (scalar prefetch), as the engine's
   in-place decode step holds it;
+* ``mosaic_gpu`` (:func:`latent_attention_mgpu`): the cache viewed as pages of 16 positions, read by the Pallas
+  Mosaic GPU paged kernel (:mod:`pallas_kernels.paged_latent_attention_mosaic_gpu`: split-K flash decoding with
+  wgmma, each row up to its position); sm_90, bf16, one device. Explicit only (after ``xla``) until timed on the H200;
 * ``xla``: the absorbed form of :mod:`k3_jax.layers.mla` (scores over the whole cache, masked softmax), which
   :func:`latent_attention_xla` restates here as the kernel's reference.
 
@@ -60,10 +63,32 @@ def _tpu_reason(call: DecodeCall) -> str | None:
     return None
 
 
+PAGE = 16
+"""Positions per page of the cache as :func:`latent_attention_mgpu` views it."""
+
+
+def _mosaic_gpu_reason(call: DecodeCall) -> str | None:
+    if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
+        return reason
+    from pallas_kernels.attention import visible_gpu_compute_capability  # noqa: PLC0415
+
+    cc = None if call.interpret else visible_gpu_compute_capability()
+    if not call.interpret and (cc is None or cc < 9.0):
+        return f"needs compute capability >= 9.0 (wgmma, TMA), the target GPU's is {cc or 'unknown'}"
+    b, h, c, dr, s = call.shape
+    if s % PAGE:
+        return f"needs the cache length to be a multiple of {PAGE} (its pages), got {s}"
+    from pallas_kernels import paged_latent_attention_mosaic_gpu as mgpu  # noqa: PLC0415
+
+    return mgpu.supports_reason(dtype=call.dtype, page_dtype=call.dtype, c=c, dr=dr, page_size=PAGE)
+
+
 DECODE = Registry("mla.decode_attention", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU flash decoding over the latent cache, read in place up to each "
                           "row's position", _tpu_reason),
     Backend("xla", "absorbed attention over the whole latent cache (k3_jax.layers.mla)", lambda call: None),
+    Backend("mosaic_gpu", "the cache as pages of 16 positions through the Pallas Mosaic GPU paged split-K kernel, "
+                          "each row up to its position", _mosaic_gpu_reason),
 ))
 
 
@@ -200,3 +225,30 @@ def latent_attention_tpu(q_lat: jax.Array, q_rot: jax.Array, store: jax.Array, p
         cost_estimate=cost,
         name="mla_decode",
     ), *prefetch, q_lat, q_rot, store, name="mla_decode.latent_attention_tpu")
+
+
+def latent_attention_mgpu(q_lat: jax.Array, q_rot: jax.Array, store: jax.Array, pos: jax.Array, scale: float,
+                          layer: jax.Array | None = None, *, interpret=False) -> jax.Array:
+    """:func:`latent_attention_xla` on the Mosaic GPU paged kernel (forward only): the same arguments and result;
+    bf16, ``S`` a multiple of :data:`PAGE`. The cache (a stack at ``layer``, clamped) is read in place as pages of
+    :data:`PAGE` positions, row ``b``'s page ``j`` being page ``b * S / PAGE + j`` of the layer, up to ``pos[b]``."""
+    from pallas_kernels import paged_latent_attention as pla  # noqa: PLC0415
+    from pallas_kernels import paged_latent_attention_mosaic_gpu as mgpu  # noqa: PLC0415
+
+    _check(q_lat, q_rot, store, pos, layer, "latent_attention_mgpu")
+    b, h, c = q_lat.shape
+    s_len, width = store.shape[-2], store.shape[-1]
+    if s_len % PAGE:
+        raise ValueError(f"latent_attention_mgpu: the cache length must be a multiple of {PAGE}, got {s_len}")
+    per_row = s_len // PAGE
+    pages = store.reshape(*store.shape[:-3], b * per_row, PAGE, width)  # a view: no copy
+    table = jnp.arange(b * per_row, dtype=jnp.int32).reshape(b, per_row) + 1  # 1-based: no entry is null
+    pos = pos.astype(jnp.int32)
+    last = jnp.minimum(pos // PAGE + 1, per_row)
+    kernel = functools.partial(mgpu.paged_attention_mosaic_gpu, scale=float(scale), page_offset=-1,
+                               interpret=interpret)
+    stacked = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    m, l, acc = forward_only(lambda *a: kernel(*a[:6], layer=a[6] if stacked else None),
+                             q_lat[:, None], q_rot[:, None], pages, table, pos, last, *stacked,
+                             name="mla_decode.latent_attention_mgpu")
+    return pla.merge_splits(m, l, acc).astype(q_lat.dtype).reshape(b, h, c)

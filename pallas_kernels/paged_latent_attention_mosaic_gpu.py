@@ -98,11 +98,14 @@ def _split_table(table, pos, last, t: int, page_size: int, splits: int, base) ->
 
 def paged_attention_mosaic_gpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, table: jax.Array,
                                pos: jax.Array, last: jax.Array, scale: float, layer: jax.Array | None = None, *,
-                               splits: int | None = None, interpret=False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                               splits: int | None = None, page_offset: int = 0,
+                               interpret=False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The kernel (module docstring): ``q_lat [B, T, H, C]``, ``q_rot [B, T, H, Dr]`` bf16, ``pages [(R,) P, S, C +
     Dr]`` bf16 (a stack read at ``layer``, clamped), ``table [B, max_pages]`` i32, ``pos [B]``, ``last [B]`` the
-    visited pages. Returns the splits' partials ``(m [B, splits, T·H], l [B, splits, T·H], acc [B, splits, T·H,
-    C])`` f32 (merge: :func:`pallas_kernels.paged_latent_attention.merge_splits`). ``interpret``: False, True or a
+    visited pages; a table entry ``e`` reads page ``e + page_offset`` of the layer (-1: a dense cache viewed as
+    pages, its entries 1-based so that none is the null page). Returns the splits' partials ``(m [B, splits, T·H],
+    l [B, splits, T·H], acc [B, splits, T·H, C])`` f32 (merge:
+    :func:`pallas_kernels.paged_latent_attention.merge_splits`). ``interpret``: False, True or a
     ``plgpu.InterpretGPUParams``."""
     from pallas_kernels.kda.mosaic_gpu_common import interpret_params  # noqa: PLC0415
 
@@ -120,7 +123,8 @@ def paged_attention_mosaic_gpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Ar
     pps = STEP // s_len
     ns = splits or num_splits(b, n_hb, -(-max_pages // pps))
     n_pool = pages.shape[-3]
-    base = jnp.int32(0) if layer is None else jnp.clip(jnp.asarray(layer, jnp.int32), 0, pages.shape[0] - 1) * n_pool
+    base = jnp.int32(page_offset) if layer is None else (
+        jnp.clip(jnp.asarray(layer, jnp.int32), 0, pages.shape[0] - 1) * n_pool + page_offset)
     meta, split_pages = _split_table(table.astype(jnp.int32), pos.astype(jnp.int32), last.astype(jnp.int32), t,
                                      s_len, ns, base)
     q = jnp.concatenate([q_lat.reshape(b, th, c), q_rot.reshape(b, th, dr)], axis=2)

@@ -59,9 +59,36 @@ def test_layer_kernel_path_equals_absorbed_xla_path(monkeypatch):
     monkeypatch.setattr(mla_decode, "latent_attention_tpu", lambda *a, **kw: real(*a, **kw, block=32, interpret=True))
     with mla.platform_scope("cpu"):
         want = mla._absorbed_cached_attention(q_nope, q_rot, store[1], kv, POS, 0.2)
-        got = mla._kernel_decode_attention(q_nope, q_rot, store, kv, POS, layer, 0.2)
+        got = mla._kernel_decode_attention("mosaic_tpu", q_nope, q_rot, store, kv, POS, layer, 0.2)
     assert got.shape == (B, 1, H, dv)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_mosaic_gpu_path_interpreted_equals_reference():
+    """The cache viewed as pages of 16 read by the Mosaic GPU paged kernel (its interpreter), bf16, a stack at a
+    traced layer, rows at positions 0, 37 and 95 of 96; through the layer's kernel path too."""
+    k = jax.random.split(jax.random.key(5), 6)
+    b, h, c, dr, s = 3, 8, 128, 64, 96
+    pos = jnp.array([0, 37, 95], jnp.int32)
+    q_lat = jax.random.normal(k[0], (b, h, c)).astype(jnp.bfloat16)
+    q_rot = jax.random.normal(k[1], (b, h, dr)).astype(jnp.bfloat16)
+    store = jax.random.normal(k[2], (R, b, s, c + dr)).astype(jnp.bfloat16)
+    got = jax.jit(lambda lyr: mla_decode.latent_attention_mgpu(q_lat, q_rot, store, pos, 0.1, lyr,
+                                                               interpret=True))(jnp.int32(1))
+    f = lambda x: x.astype(jnp.float32)
+    want = mla_decode.latent_attention_xla(f(q_lat), f(q_rot), f(store), pos, 0.1, jnp.int32(1))
+    assert got.dtype == jnp.bfloat16
+    assert float(jnp.linalg.norm(f(got) - want) / jnp.linalg.norm(want)) < 5e-3
+    dn, dv = 16, 32
+    q_nope = jax.random.normal(k[3], (b, 1, h, dn)).astype(jnp.bfloat16)
+    kv = (0.3 * jax.random.normal(k[4], (c, h, dn + dv))).astype(jnp.bfloat16)
+    real = mla_decode.latent_attention_mgpu
+    with pytest.MonkeyPatch.context() as mp, mla.platform_scope("cpu"):
+        mp.setattr(mla_decode, "latent_attention_mgpu", lambda *a, **kw: real(*a, **kw, interpret=True))
+        got = mla._kernel_decode_attention("mosaic_gpu", q_nope, q_rot[:, None], store, kv, pos, jnp.int32(1), 0.2)
+        want = mla._absorbed_cached_attention(f(q_nope), f(q_rot[:, None]), f(store[1]), f(kv), pos, 0.2)
+    assert got.shape == (b, 1, h, dv)
+    assert float(jnp.linalg.norm(f(got) - want) / jnp.linalg.norm(want)) < 1e-2
 
 
 def test_registry_choices():
@@ -71,6 +98,14 @@ def test_registry_choices():
     assert mla_decode.select("auto", q_lat, q_rot, store, platform="cpu", interpret=True) == "mosaic_tpu"
     with pytest.raises(KernelUnavailable, match="needs target platform tpu"):
         mla_decode.select("mosaic_tpu", q_lat, q_rot, store, platform="gpu")
+    k3 = (jnp.zeros((B, H, 512), jnp.bfloat16), jnp.zeros((B, H, 64), jnp.bfloat16))
+    assert mla_decode.select("mosaic_gpu", *k3, jnp.zeros((R, B, 96, 576), jnp.bfloat16), platform="cpu",
+                             interpret=True) == "mosaic_gpu"
+    with pytest.raises(KernelUnavailable, match="multiple of 16"):
+        mla_decode.select("mosaic_gpu", *k3, jnp.zeros((R, B, 100, 576), jnp.bfloat16), platform="cpu",
+                          interpret=True)
+    with pytest.raises(KernelUnavailable, match="needs compute capability"):
+        mla_decode.select("mosaic_gpu", *k3, jnp.zeros((R, B, 96, 576), jnp.bfloat16), platform="gpu")
     with pytest.raises(ValueError, match=r"store must be \[R, B, S, C \+ Dr\]"):
         mla_decode.latent_attention_tpu(q_lat, q_rot, store[0], POS, 0.1, jnp.int32(0), interpret=True)
 

@@ -245,14 +245,17 @@ def _absorbed_cached_attention(q_nope: jax.Array, q_rot: jax.Array, store: jax.A
     return map_query_blocks(attend_cached, [q_nope, q_rot, pos_q], QUERY_BLOCK)
 
 
-def _kernel_decode_attention(q_nope: jax.Array, q_rot: jax.Array, stacked: jax.Array, kv_kernel: jax.Array,
-                             lengths: jax.Array, layer: jax.Array, scale: float) -> jax.Array:
+def _kernel_decode_attention(backend: str, q_nope: jax.Array, q_rot: jax.Array, stacked: jax.Array,
+                             kv_kernel: jax.Array, lengths: jax.Array, layer: jax.Array, scale: float) -> jax.Array:
     """One-token decode (``q_nope [B, 1, H, Dn]``, ``q_rot [B, 1, H, Dr]``) in the absorbed form with the scores,
-    softmax and value product in :func:`pallas_kernels.mla_decode.latent_attention_tpu` over the stacked latent
-    cache ``[R, B, S, C+Dr]`` at repeat ``layer``; ``kv_kernel [C, H, Dn+Dv]``. Returns ``[B, 1, H, Dv]``."""
+    softmax and value product in the kernel of :data:`pallas_kernels.mla_decode.DECODE`'s ``backend``
+    (``mosaic_tpu``: :func:`~pallas_kernels.mla_decode.latent_attention_tpu`, ``mosaic_gpu``:
+    :func:`~pallas_kernels.mla_decode.latent_attention_mgpu`) over the stacked latent cache ``[R, B, S, C+Dr]`` at
+    repeat ``layer``; ``kv_kernel [C, H, Dn+Dv]``. Returns ``[B, 1, H, Dv]``."""
     dt, dn = q_nope.dtype, q_nope.shape[-1]
     q_lat = einsum_f32("bthd,chd->bthc", q_nope, kv_kernel[..., :dn].astype(dt)).astype(dt)
-    o_lat = mla_decode.latent_attention_tpu(q_lat[:, 0], q_rot[:, 0], stacked, lengths, scale, layer)
+    attend = mla_decode.latent_attention_tpu if backend == "mosaic_tpu" else mla_decode.latent_attention_mgpu
+    o_lat = attend(q_lat[:, 0], q_rot[:, 0], stacked, lengths, scale, layer)
     return einsum_f32("bthc,chd->bthd", o_lat[:, None], kv_kernel[..., dn:].astype(dt)).astype(dt)
 
 
@@ -359,7 +362,7 @@ class KimiMLAAttention(nn.Module):
                 raise ValueError("MLA with a cache needs `lengths` [B] (tokens already cached per row)")
             store = cache["latent"]
             new_entries = jnp.concatenate([latent, k_rot], axis=-1).astype(store.dtype)  # [B, T, C+Dr]
-            decode_kernel = False
+            decode_kernel = None  # the kernel backend reading the stacked cache in place, if any
             if cache_index is not None and t > 1:  # T tokens into repeat cache_index at each row's length, in place
                 pos = lengths[:, None] + jnp.arange(t, dtype=lengths.dtype)[None, :]  # [B, T]
                 stacked = store.at[cache_index, jnp.arange(b)[:, None], pos].set(new_entries, mode="clip")
@@ -369,8 +372,9 @@ class KimiMLAAttention(nn.Module):
                 stacked = store.at[cache_index, jnp.arange(b), lengths].set(new_entries[:, 0], mode="clip")
                 new_cache = {"latent": stacked}
                 q_lat_shape = jax.ShapeDtypeStruct((b, h, c), dt)
-                decode_kernel = mla_decode.select(cfg.mla_decode_attention_implementation, q_lat_shape,
-                                                  q_rot[:, 0], stacked) == "mosaic_tpu"
+                backend = mla_decode.select(cfg.mla_decode_attention_implementation, q_lat_shape, q_rot[:, 0],
+                                            stacked)
+                decode_kernel = backend if backend in ("mosaic_tpu", "mosaic_gpu") else None
                 store = stacked if decode_kernel else jax.lax.dynamic_index_in_dim(stacked, cache_index, 0,
                                                                                      keepdims=False)
             else:
@@ -378,7 +382,7 @@ class KimiMLAAttention(nn.Module):
                     store, new_entries, lengths)
                 new_cache = {"latent": store}
             if decode_kernel:  # the stacked cache read in place at cache_index, up to each row's position
-                o = _kernel_decode_attention(q_nope.astype(dt), q_rot.astype(dt), stacked,
+                o = _kernel_decode_attention(decode_kernel, q_nope.astype(dt), q_rot.astype(dt), stacked,
                                              kv_kernel.reshape(c, h, dn + dv), lengths, cache_index, scale)
             elif (t >= prefix_attention.MIN_QUERIES
                     and prefix_attention_backend(cfg, q.astype(dt), dv) == "cudnn"):
