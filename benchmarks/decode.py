@@ -70,6 +70,24 @@ sys.path.insert(0, str(REPO))
 from benchmarks._lock import accelerator_lock  # noqa: E402
 
 
+def overrides(items: list[str]) -> dict:
+    """``["field=value", ...]`` -> config fields (ints and floats parsed, the rest strings)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set wants FIELD=VALUE, got {item!r}")
+        for cast in (int, float):
+            try:
+                out[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/k3-slice.json")
@@ -88,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hlo-out", default=None, help="write the first case's optimised HLO text here")
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before JAX starts (--xla-flags=--xla_...)")
     ap.add_argument("--label", default="", help="free text copied into every line (e.g. the tree measured)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a config field for every case, e.g. --set kda_decode_implementation=mosaic_gpu (repeatable)")
     return ap.parse_args(argv)
 
 
@@ -464,7 +484,7 @@ def _time_case(cfg, args, state, call, count, params, nbytes_uniform, batch, pro
     rnd = lambda r: None if r is None else round(r, 3)
     roof_ms, roof_uniform_ms = roof(nbytes), roof(nbytes_uniform)
     rec = {
-        "bench": "decode", "label": args.label, "config": args.config, "layers": args.layers,
+        "bench": "decode", "label": args.label, "config": args.config, "layers": args.layers, "set": args.set,
         "experts": cfg.expert_format, "batch": batch, "prompt_len": prompt_len, "max_len": max_len,
         "decode_block": n, "calls": args.calls, "ms_per_step": round(ms, 3),
         "tokens_per_s": round(batch * 1000 / ms, 1), "experts_hit": hit, "bytes": nbytes,
@@ -498,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = [(c[0], c[1], c[2] if len(c) > 2 else args.decode_block) for c in cases]
     expert_list = args.experts.split(",")
     for experts in expert_list:
-        cfg = load_config(args.config).replace(expert_format=experts, param_dtype="bfloat16")
+        cfg = load_config(args.config).replace(expert_format=experts, param_dtype="bfloat16", **overrides(args.set))
         if args.layers:
             cfg = layer_config(cfg, args.layers.split(","), args.vocab)
         t0 = time.perf_counter()
