@@ -63,15 +63,15 @@ def supports_reason(*, dtype: str, page_dtype: str, c: int, dr: int, page_size: 
     return None
 
 
-def num_splits(b: int, head_blocks: int, max_steps: int) -> int:
+def num_splits(b: int, head_blocks: int, max_steps: int, pages_per_step: int) -> int:
     """Splits per row: about :data:`CTAS_TARGET` CTAs, at most :data:`MAX_SPLITS` and one per step, at least enough
     that a split spans no more than :data:`MAX_SPLIT_PAGES` pages."""
     want = min(MAX_SPLITS, -(-CTAS_TARGET // (b * head_blocks)))
-    floor = -(-max_steps * (STEP // 16) // MAX_SPLIT_PAGES)
+    floor = -(-max_steps * pages_per_step // MAX_SPLIT_PAGES)
     return max(1, min(want, max_steps), floor)
 
 
-def _split_table(table, pos, last, t: int, page_size: int, splits: int, base) -> tuple[jax.Array, int]:
+def _split_table(table, pos, last, page_size: int, splits: int, base) -> tuple[jax.Array, int]:
     """``([B * splits, HEADER + split_pages] i32, split_pages)``: the per-(row, split) rows of the module docstring.
     ``last [B]``: visited pages; ``base``: the layer's first page in the flattened pool."""
     b, max_pages = table.shape
@@ -92,7 +92,6 @@ def _split_table(table, pos, last, t: int, page_size: int, splits: int, base) ->
     header = jnp.zeros((b, splits, HEADER), jnp.int32)
     header = header.at[..., 0].set(pos[:, None]).at[..., 1].set(step0).at[..., 2].set(count)
     rows = jnp.concatenate([header, codes], axis=2).reshape(b * splits, HEADER + split_pages)
-    del t
     return rows, split_pages
 
 
@@ -121,12 +120,12 @@ def paged_attention_mosaic_gpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Ar
     n_hb = thp // ROWS
     max_pages = table.shape[1]
     pps = STEP // s_len
-    ns = splits or num_splits(b, n_hb, -(-max_pages // pps))
+    ns = splits or num_splits(b, n_hb, -(-max_pages // pps), pps)
     n_pool = pages.shape[-3]
     base = jnp.int32(page_offset) if layer is None else (
         jnp.clip(jnp.asarray(layer, jnp.int32), 0, pages.shape[0] - 1) * n_pool + page_offset)
-    meta, split_pages = _split_table(table.astype(jnp.int32), pos.astype(jnp.int32), last.astype(jnp.int32), t,
-                                     s_len, ns, base)
+    meta, split_pages = _split_table(table.astype(jnp.int32), pos.astype(jnp.int32), last.astype(jnp.int32), s_len,
+                                     ns, base)
     q = jnp.concatenate([q_lat.reshape(b, th, c), q_rot.reshape(b, th, dr)], axis=2)
     q = jnp.pad(q, ((0, 0), (0, thp - th), (0, 0))).reshape(b * thp, width)
     rows = pages.reshape(-1, width)
