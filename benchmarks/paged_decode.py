@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--impls", default="auto,mosaic_gpu,xla",
                     help="paged-attention implementations timed (registry names; one that cannot run is reported)")
+    ap.add_argument("--mosaic-gpu-splits", default="",
+                    help="comma list of split counts to time the mosaic_gpu kernel at too (attention case)")
     ap.add_argument("--label", default="")
     return ap.parse_args(argv)
 
@@ -130,6 +132,15 @@ def attention_case(cfg, lengths: list[int], args, gbps: float) -> dict:
                          "max_abs_diff": float(np.max(np.abs(got - want)))}
         except Exception as e:  # noqa: BLE001 - report the backend and go on
             rec[impl] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    for ns in (int(x) for x in args.mosaic_gpu_splits.split(",") if x):
+        try:
+            fn = jax.jit(lambda *a, ns=ns: pla.paged_attention_mgpu(*a[:6], scale, splits=ns))
+            got = np.asarray(jax.block_until_ready(fn(*args_)), np.float32)
+            ms = timed(lambda fn=fn: fn(*args_), args.calls)
+            rec[f"mosaic_gpu_splits{ns}"] = {"ms": round(ms, 4), "roofline_fraction": round(roof / ms, 3),
+                                             "max_abs_diff": float(np.max(np.abs(got - want)))}
+        except Exception as e:  # noqa: BLE001 - report the setting and go on
+            rec[f"mosaic_gpu_splits{ns}"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     rec["kernel"] = [s.describe() for s in selections() if s.op == pla.PAGED_DECODE.op]
     return rec
 

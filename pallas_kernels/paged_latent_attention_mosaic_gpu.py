@@ -39,8 +39,9 @@ STEP = 32
 SLOTS = 2
 HEADER = 32
 """i32 header of each table row: first query position, first step, step count, then padding."""
-CTAS_TARGET = 264
-"""Splits are chosen so that about this many CTAs run (two waves of the H200's 132 SMs)."""
+CTAS_TARGET = 132
+"""Splits are chosen so that at most about this many CTAs run (one wave on the H200's 132 SMs: a CTA's ~160 KB of
+shared memory leaves room for one per SM)."""
 MAX_SPLITS = 16
 MAX_SPLIT_PAGES = 2048
 """Pages per split at most (each CTA holds its split's table row in shared memory: 8 KB)."""
@@ -66,7 +67,7 @@ def supports_reason(*, dtype: str, page_dtype: str, c: int, dr: int, page_size: 
 def num_splits(b: int, head_blocks: int, max_steps: int, pages_per_step: int) -> int:
     """Splits per row: about :data:`CTAS_TARGET` CTAs, at most :data:`MAX_SPLITS` and one per step, at least enough
     that a split spans no more than :data:`MAX_SPLIT_PAGES` pages."""
-    want = min(MAX_SPLITS, -(-CTAS_TARGET // (b * head_blocks)))
+    want = min(MAX_SPLITS, CTAS_TARGET // (b * head_blocks))
     floor = -(-max_steps * pages_per_step // MAX_SPLIT_PAGES)
     return max(1, min(want, max_steps), floor)
 
