@@ -148,6 +148,7 @@ def paged_attention_mosaic_gpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Ar
             plgpu.Barrier(num_arrivals=pps, num_barriers=SLOTS),  # a slot's pages landed
             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # both compute warpgroups done with a slot
             plgpu.Barrier(num_arrivals=2))  # both left the loop: the output staging may overwrite the loop buffers
+
     def mla_paged_decode_mosaic_gpu(meta_ref, q_ref, rows_ref, m_ref, l_ref, acc_ref, smem, bar):
         ((q_s, k_s, p_s), (o_s,)), tab_s, ml_s = smem
         ready, loaded, free, done = bar
