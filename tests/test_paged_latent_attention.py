@@ -220,6 +220,24 @@ def test_registry_choices():
         pla.paged_attention_xla(q_lat, q_lat[..., :DR], pages[0], None, table, table[:, 0], 0.1, jnp.int32(0))
 
 
+@pytest.mark.parametrize("shipped, cc, want", [(True, 9.0, "triton"), (False, 9.0, "mosaic_gpu"),
+                                                 (False, 8.0, "xla"), (True, 8.0, "triton")])
+def test_gpu_order_at_k3_widths(monkeypatch, shipped, cc, want):
+    """On a GPU at K3's widths: ``triton`` while JAX ships it, then ``mosaic_gpu`` on sm_90+, else ``xla``, each
+    branch with its reason recorded."""
+    from pallas_kernels import registry
+
+    monkeypatch.setattr(registry, "TRITON_SHIPPED", shipped)
+    monkeypatch.setattr(pla, "visible_gpu_compute_capability", lambda: cc)
+    q = jnp.zeros((B, 1, 96, 512), jnp.bfloat16)
+    call = pla.make_call(q, jnp.zeros((P, 16, 576), jnp.bfloat16), jnp.zeros((B, 8), jnp.int32), platform="gpu")
+    sel = pla.PAGED_DECODE.select("auto", call, record=False)
+    assert sel.backend == want
+    passed = dict(sel.passed_over)
+    if want == "xla":
+        assert "compute capability >= 9.0" in passed["mosaic_gpu"] and "no longer ships" in passed["triton"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
 def test_kernel_compiles_for_v5p_and_reads_a_row_major_pool_in_place():
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
