@@ -122,25 +122,22 @@ def attention_case(cfg, lengths: list[int], args, gbps: float) -> dict:
            "device": jax.devices()[0].device_kind}
     rec["gather_ms"] = round(timed(lambda: gather(*args_), args.calls), 4)
     rec["gather_roofline_fraction"] = round(roof / rec["gather_ms"], 3)
-    for impl in args.impls.split(","):
+    def time_path(name: str, fn, relative: bool) -> None:  # fills rec[name]; a path that cannot run is reported
         try:
-            fn = jax.jit(lambda *a, impl=impl: pla.paged_attention(impl, *a[:6], scale))
             got = np.asarray(jax.block_until_ready(fn(*args_)), np.float32)
-            ms = timed(lambda fn=fn: fn(*args_), args.calls)
-            rec[impl] = {"ms": round(ms, 4), "roofline_fraction": round(roof / ms, 3),
-                         "speedup_vs_gather": round(rec["gather_ms"] / ms, 2),
+            ms = timed(lambda: fn(*args_), args.calls)
+            rec[name] = {"ms": round(ms, 4), "roofline_fraction": round(roof / ms, 3),
                          "max_abs_diff": float(np.max(np.abs(got - want)))}
+            if relative:
+                rec[name]["speedup_vs_gather"] = round(rec["gather_ms"] / ms, 2)
         except Exception as e:  # noqa: BLE001 - report the backend and go on
-            rec[impl] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            rec[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+    for impl in args.impls.split(","):
+        time_path(impl, jax.jit(lambda *a, impl=impl: pla.paged_attention(impl, *a[:6], scale)), True)
     for ns in (int(x) for x in args.mosaic_gpu_splits.split(",") if x):
-        try:
-            fn = jax.jit(lambda *a, ns=ns: pla.paged_attention_mgpu(*a[:6], scale, splits=ns))
-            got = np.asarray(jax.block_until_ready(fn(*args_)), np.float32)
-            ms = timed(lambda fn=fn: fn(*args_), args.calls)
-            rec[f"mosaic_gpu_splits{ns}"] = {"ms": round(ms, 4), "roofline_fraction": round(roof / ms, 3),
-                                             "max_abs_diff": float(np.max(np.abs(got - want)))}
-        except Exception as e:  # noqa: BLE001 - report the setting and go on
-            rec[f"mosaic_gpu_splits{ns}"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        time_path(f"mosaic_gpu_splits{ns}", jax.jit(lambda *a, ns=ns: pla.paged_attention_mgpu(*a[:6], scale,
+                                                                                               splits=ns)), False)
     rec["kernel"] = [s.describe() for s in selections() if s.op == pla.PAGED_DECODE.op]
     return rec
 

@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.forward_only import forward_only
-from pallas_kernels.registry import Backend, Registry, platform_reason, target_platform
+from pallas_kernels.registry import Backend, Registry, platform_reason, sm90_reason, target_platform
 
 NEG_INF = -1e30
 BLOCK = 512
@@ -53,6 +54,7 @@ class DecodeCall:
     dtype: str
     shape: tuple[int, int, int, int, int]
     interpret: bool = False
+    compute_capability: float | None = None
 
 
 def _tpu_reason(call: DecodeCall) -> str | None:
@@ -70,11 +72,8 @@ PAGE = 16
 def _mosaic_gpu_reason(call: DecodeCall) -> str | None:
     if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
         return reason
-    from pallas_kernels.attention import visible_gpu_compute_capability  # noqa: PLC0415
-
-    cc = None if call.interpret else visible_gpu_compute_capability()
-    if not call.interpret and (cc is None or cc < 9.0):
-        return f"needs compute capability >= 9.0 (wgmma, TMA), the target GPU's is {cc or 'unknown'}"
+    if (reason := sm90_reason(call, "wgmma, TMA")) is not None:
+        return reason
     b, h, c, dr, s = call.shape
     if s % PAGE:
         return f"needs the cache length to be a multiple of {PAGE} (its pages), got {s}"
@@ -96,8 +95,10 @@ def make_call(q_lat, q_rot, store, platform: str | None = None, interpret: bool 
     """The :class:`DecodeCall` of queries ``q_lat [B, H, C]``, ``q_rot [B, H, Dr]`` against ``store [(R,) B, S,
     C + Dr]`` (arrays or ``jax.ShapeDtypeStruct`` s: only shapes and dtypes are read)."""
     b, h, c = q_lat.shape
-    return DecodeCall(target_platform(platform), jnp.dtype(q_lat.dtype).name,
-                      (b, h, c, q_rot.shape[-1], store.shape[-2]), bool(interpret))
+    target = target_platform(platform)
+    cc = visible_gpu_compute_capability() if target == "gpu" else None
+    return DecodeCall(target, jnp.dtype(q_lat.dtype).name, (b, h, c, q_rot.shape[-1], store.shape[-2]),
+                      bool(interpret), cc)
 
 
 def select(implementation: str, q_lat, q_rot, store, platform: str | None = None, interpret: bool = False) -> str:
@@ -233,7 +234,6 @@ def latent_attention_mgpu(q_lat: jax.Array, q_rot: jax.Array, store: jax.Array, 
     bf16, ``S`` a multiple of :data:`PAGE`. The cache (a stack at ``layer``, clamped) is read in place as pages of
     :data:`PAGE` positions, row ``b``'s page ``j`` being page ``b * S / PAGE + j`` of the layer, up to ``pos[b]``."""
     from pallas_kernels import paged_latent_attention as pla  # noqa: PLC0415
-    from pallas_kernels import paged_latent_attention_mosaic_gpu as mgpu  # noqa: PLC0415
 
     _check(q_lat, q_rot, store, pos, layer, "latent_attention_mgpu")
     b, h, c = q_lat.shape
@@ -243,12 +243,6 @@ def latent_attention_mgpu(q_lat: jax.Array, q_rot: jax.Array, store: jax.Array, 
     per_row = s_len // PAGE
     pages = store.reshape(*store.shape[:-3], b * per_row, PAGE, width)  # a view: no copy
     table = jnp.arange(b * per_row, dtype=jnp.int32).reshape(b, per_row) + 1  # 1-based: no entry is null
-    pos = pos.astype(jnp.int32)
-    last = jnp.minimum(pos // PAGE + 1, per_row)
-    kernel = functools.partial(mgpu.paged_attention_mosaic_gpu, scale=float(scale), page_offset=-1,
-                               interpret=interpret)
-    stacked = () if layer is None else (jnp.asarray(layer, jnp.int32),)
-    m, l, acc = forward_only(lambda *a: kernel(*a[:6], layer=a[6] if stacked else None),
-                             q_lat[:, None], q_rot[:, None], pages, table, pos, last, *stacked,
-                             name="mla_decode.latent_attention_mgpu")
-    return pla.merge_splits(m, l, acc).astype(q_lat.dtype).reshape(b, h, c)
+    o = pla.paged_attention_mgpu(q_lat[:, None], q_rot[:, None], pages, None, table, pos, scale, layer,
+                                 page_offset=-1, interpret=interpret)
+    return o.reshape(b, h, c)

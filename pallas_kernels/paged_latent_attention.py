@@ -52,7 +52,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.forward_only import forward_only
-from pallas_kernels.registry import Backend, Registry, platform_reason, target_platform, triton_missing_reason
+from pallas_kernels.registry import (
+    Backend,
+    Registry,
+    platform_reason,
+    sm90_reason,
+    target_platform,
+    triton_missing_reason,
+)
 
 NEG_INF = -1e30
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -118,9 +125,8 @@ def _triton_reason(call: PagedDecodeCall) -> str | None:
 def _mosaic_gpu_reason(call: PagedDecodeCall) -> str | None:
     if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
         return reason
-    cc = call.compute_capability
-    if not call.interpret and (cc is None or cc < 9.0):
-        return f"needs compute capability >= 9.0 (wgmma, TMA), the target GPU's is {cc or 'unknown'}"
+    if (reason := sm90_reason(call, "wgmma, TMA")) is not None:
+        return reason
     if call.mesh_devices > 1:
         return f"runs on one device (no shard_map wrapper), the active mesh has {call.mesh_devices}"
     from pallas_kernels import paged_latent_attention_mosaic_gpu as mgpu  # noqa: PLC0415 (the Mosaic GPU toolchain)
@@ -502,16 +508,17 @@ def merge_splits(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
 
 def paged_attention_mgpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Array, page_scale: jax.Array | None,
                          table: jax.Array, pos: jax.Array, scale: float, layer: jax.Array | None = None, *,
-                         splits: int | None = None, interpret=False) -> jax.Array:
+                         splits: int | None = None, page_offset: int = 0, interpret=False) -> jax.Array:
     """:func:`paged_attention_xla` on the Mosaic GPU kernel (forward only): the same arguments and result;
-    ``page_scale`` must be None, queries and pages bf16 (:mod:`pallas_kernels.paged_latent_attention_mosaic_gpu`)."""
+    ``page_scale`` must be None, queries and pages bf16 (:mod:`pallas_kernels.paged_latent_attention_mosaic_gpu`,
+    which also says what ``page_offset`` does)."""
     from pallas_kernels import paged_latent_attention_mosaic_gpu as mgpu  # noqa: PLC0415
 
     _check(q_lat, q_rot, pages, page_scale, table, pos, layer, "paged_attention_mgpu", fp8_pages=False)
     b, t, h, c = q_lat.shape
     last = visited_pages(table, pos, t, pages.shape[-2])
     kernel = functools.partial(mgpu.paged_attention_mosaic_gpu, scale=float(scale), splits=splits,
-                               interpret=interpret)
+                               page_offset=page_offset, interpret=interpret)
     stacked = () if layer is None else (jnp.asarray(layer, jnp.int32),)
     m, l, acc = forward_only(lambda *a: kernel(*a[:6], layer=a[6] if stacked else None),
                              q_lat, q_rot, pages, table, pos, last, *stacked,

@@ -56,6 +56,15 @@ def platform_reason(call: Any, platform: str, interpreter: str = "") -> str | No
     return f"needs target platform {platform} (or cpu with interpret=True{which}), target is {call.platform}"
 
 
+def sm90_reason(call: Any, needs: str) -> str | None:
+    """None when ``call.compute_capability`` (the target GPU's) is 9.0 or more or the call runs in the Mosaic GPU
+    interpreter (``call.interpret``), else why not; ``needs`` names what the backend takes from sm_90."""
+    cc = call.compute_capability
+    if call.interpret or (cc is not None and cc >= 9.0):
+        return None
+    return f"needs compute capability >= 9.0 ({needs}), the target GPU's is {cc or 'unknown'}"
+
+
 class KernelUnavailable(ValueError):
     """An explicitly chosen backend cannot run this call; the message names the op, backend and reason."""
 

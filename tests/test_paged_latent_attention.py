@@ -125,16 +125,22 @@ def test_triton_kernel_interpreted_equals_reference(t, splits, step):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4])
-def test_gpu_triton_kernel_at_k3_widths_equals_reference(t):
-    """K3's MLA widths (96 heads, C 512, Dr 64), 16-token pages, rows of 1 to 5,000 tokens, bf16."""
+def _check_k3_widths_on_gpu(attend, t: int) -> None:
+    """``attend(q_lat, q_rot, pages, table, pos, layer)`` at K3's MLA widths (96 heads, C 512, Dr 64), 16-token
+    pages, rows of 1 to 5,000 tokens, bf16, against the reference."""
     q_lat, q_rot, pages, table, pos = _wide_inputs(t, 96, 512, 64, 16, [0, 17, 700, 5000, 2100, 64], jnp.bfloat16)
-    got = jax.jit(lambda lyr: pla.paged_attention_triton(q_lat, q_rot, pages, None, table, pos, 0.07, lyr))(
-        jnp.int32(1))
+    got = jax.jit(lambda lyr: attend(q_lat, q_rot, pages, table, pos, lyr))(jnp.int32(1))
     want = pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.07, jnp.int32(1))
     want = np.asarray(want, np.float32)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=3e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_triton_kernel_at_k3_widths_equals_reference(t):
+    """The Triton kernel at K3's widths (:func:`_check_k3_widths_on_gpu`)."""
+    _check_k3_widths_on_gpu(lambda ql, qr, p, tb, pos, lyr: pla.paged_attention_triton(ql, qr, p, None, tb, pos, 0.07,
+                                                                                       lyr), t)
 
 
 @pytest.mark.parametrize("t, splits", [(1, None), (3, 3)])
@@ -169,17 +175,13 @@ def test_mosaic_gpu_kernel_lowers_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 4])
 def test_gpu_mosaic_gpu_kernel_at_k3_widths_equals_reference(t):
-    """The Mosaic GPU kernel on an sm_90 GPU at K3's MLA widths, rows of 1 to 5,000 tokens, bf16."""
+    """The Mosaic GPU kernel on an sm_90 GPU at K3's widths (:func:`_check_k3_widths_on_gpu`)."""
     from pallas_kernels.attention import visible_gpu_compute_capability
 
     if (visible_gpu_compute_capability() or 0) < 9.0:
         pytest.skip("needs an sm_90+ GPU")
-    q_lat, q_rot, pages, table, pos = _wide_inputs(t, 96, 512, 64, 16, [0, 17, 700, 5000, 2100, 64], jnp.bfloat16)
-    got = jax.jit(lambda lyr: pla.paged_attention_mgpu(q_lat, q_rot, pages, None, table, pos, 0.07, lyr))(
-        jnp.int32(1))
-    want = pla.paged_attention_reference(q_lat, q_rot, pages, None, table, pos, 0.07, jnp.int32(1))
-    want = np.asarray(want, np.float32)
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=3e-2 * np.abs(want).max())
+    _check_k3_widths_on_gpu(lambda ql, qr, p, tb, pos, lyr: pla.paged_attention_mgpu(ql, qr, p, None, tb, pos, 0.07,
+                                                                                     lyr), t)
 
 
 def test_write_pages_in_place_at_a_layer_and_null_rows():

@@ -45,7 +45,7 @@ from pallas_kernels import registry
 from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.kda import launch
 from pallas_kernels.kda import reference as ref
-from pallas_kernels.registry import Backend, Registry, platform_reason, target_platform
+from pallas_kernels.registry import Backend, Registry, platform_reason, sm90_reason, target_platform
 
 KERNEL_GATE_BOUND = -5.0
 """The Pallas kernels' factored decay products need every per-token log-decay ``>= KERNEL_GATE_BOUND``."""
@@ -113,18 +113,10 @@ def _triton_chunk(call: KdaCall) -> str | None:
                   smem)
 
 
-def _sm90_reason(call: KdaCall, needs: str) -> str | None:
-    """None when the target GPU is sm_90+ or the call runs in the Mosaic GPU interpreter, else why not."""
-    cc = call.compute_capability
-    if call.interpret or (cc is not None and cc >= 9.0):
-        return None
-    return f"needs compute capability >= 9.0 ({needs}), the target GPU's is {cc or 'unknown'}"
-
-
 def _mosaic_gpu_chunk(call: KdaCall) -> str | None:
     if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
         return reason
-    arch = _sm90_reason(call, "wgmma, TMA")
+    arch = sm90_reason(call, "wgmma, TMA")
     from pallas_kernels.kda import mosaic_gpu  # noqa: PLC0415  (imports the Mosaic GPU toolchain)
 
     _, _, _, k, v = call.shape
@@ -148,7 +140,7 @@ def _triton_decode(call: KdaCall) -> str | None:
 def _mosaic_gpu_decode(call: KdaCall) -> str | None:
     if (reason := platform_reason(call, "gpu", "the Mosaic GPU interpreter")) is not None:
         return reason
-    arch = _sm90_reason(call, "TMA")
+    arch = sm90_reason(call, "TMA")
     from pallas_kernels.kda import mosaic_gpu_decode  # noqa: PLC0415  (imports the Mosaic GPU toolchain)
 
     _, _, _, k, v = call.shape
