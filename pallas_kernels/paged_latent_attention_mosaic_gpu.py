@@ -40,11 +40,16 @@ SLOTS = 2
 HEADER = 32
 """i32 header of each table row: first query position, first step, step count, then padding."""
 CTAS_TARGET = 132
-"""Splits are chosen so that at most about this many CTAs run (one wave on the H200's 132 SMs: a CTA's ~160 KB of
+"""At least about this many CTAs run when the table allows (one wave on the H200's 132 SMs: a CTA's ~160 KB of
 shared memory leaves room for one per SM)."""
-MAX_SPLITS = 16
+SPLIT_STEPS = 32
+"""Splits are chosen so that the table's longest row gives each split about this many steps: the longest CTA bounds
+the kernel, and each split costs a ``[T·H, C]`` fp32 partial written and merged."""
+MAX_SPLITS = 64
 MAX_SPLIT_PAGES = 2048
 """Pages per split at most (each CTA holds its split's table row in shared memory: 8 KB)."""
+TABLE_COPY = 256
+"""i32 entries per copy of a table row into shared memory (a TMA box spans at most 256 elements per dimension)."""
 NEG_INF = -1e30
 REGISTERS = {"memory": 40, "compute": 232}
 """Per-thread registers (``setmaxnreg``): the three warpgroups share 504 per lane; a compute warpgroup holds its
@@ -65,9 +70,10 @@ def supports_reason(*, dtype: str, page_dtype: str, c: int, dr: int, page_size: 
 
 
 def num_splits(b: int, head_blocks: int, max_steps: int, pages_per_step: int) -> int:
-    """Splits per row: about :data:`CTAS_TARGET` CTAs, at most :data:`MAX_SPLITS` and one per step, at least enough
-    that a split spans no more than :data:`MAX_SPLIT_PAGES` pages."""
-    want = min(MAX_SPLITS, CTAS_TARGET // (b * head_blocks))
+    """Splits per row: :data:`SPLIT_STEPS` steps each over the table's ``max_steps``, or more for about
+    :data:`CTAS_TARGET` CTAs; at most :data:`MAX_SPLITS` and one per step, at least enough that a split spans no
+    more than :data:`MAX_SPLIT_PAGES` pages."""
+    want = min(MAX_SPLITS, max(-(-max_steps // SPLIT_STEPS), CTAS_TARGET // (b * head_blocks)))
     floor = -(-max_steps * pages_per_step // MAX_SPLIT_PAGES)
     return max(1, min(want, max_steps), floor)
 
@@ -144,7 +150,9 @@ def paged_attention_mosaic_gpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Ar
     scratch = (plgpu.RefUnion(loop_smem, out_smem),
                plgpu.SMEM((HEADER + split_pages,), jnp.int32),  # this CTA's table row
                plgpu.SMEM((2, ROWS), F32))  # m, l staging
-    bars = (plgpu.Barrier(num_arrivals=2),  # table row and queries landed
+    row_len = HEADER + split_pages
+    table_copies = [(k, min(TABLE_COPY, row_len - k)) for k in range(0, row_len, TABLE_COPY)]
+    bars = (plgpu.Barrier(num_arrivals=1 + len(table_copies)),  # table row and queries landed
             plgpu.Barrier(num_arrivals=pps, num_barriers=SLOTS),  # a slot's pages landed
             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # both compute warpgroups done with a slot
             plgpu.Barrier(num_arrivals=2))  # both left the loop: the output staging may overwrite the loop buffers
@@ -159,7 +167,8 @@ def paged_attention_mosaic_gpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Ar
         def _memory():
             if not interpret:
                 plgpu.set_max_registers(REGISTERS["memory"], action="decrease")
-            plgpu.copy_gmem_to_smem(meta_ref.at[cta], tab_s, ready)
+            for k, size in table_copies:
+                plgpu.copy_gmem_to_smem(meta_ref.at[cta, pl.ds(k, size)], tab_s.at[pl.ds(k, size)], ready)
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row * thp + hb * ROWS, ROWS)], q_s, ready)
             plgpu.barrier_wait(ready)
             n = tab_s[2]

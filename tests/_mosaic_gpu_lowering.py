@@ -62,17 +62,21 @@ def lower_decode(block_v: int) -> tuple[int, bool, list[int]]:
     return text.count("custom_call @mosaic_gpu"), "output_operand_alias" in text, ints
 
 
-def lower_paged_attention(t: int = 1) -> tuple[int, list[int]]:
+def lower_paged_attention(t: int = 1, batch: int = 2, max_pages: int = 8, splits: int | None = None
+                          ) -> tuple[int, list[int]]:
     """``(mosaic_gpu custom calls, integer indices of every copy)`` of the Mosaic GPU paged MLA decode attention
     (:func:`pallas_kernels.paged_latent_attention.paged_attention_mgpu`) lowered for sm_90 at K3's widths (96 heads,
-    C 512, Dr 64, 16-token pages), two rows, a stacked pool read at a traced layer."""
+    C 512, Dr 64, 16-token pages), ``batch`` rows of ``max_pages`` table entries, a stacked pool read at a traced
+    layer."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     from pallas_kernels import paged_latent_attention as pla  # noqa: PLC0415
 
     s = jax.ShapeDtypeStruct
-    args = (s((2, t, 96, 512), jnp.bfloat16), s((2, t, 96, 64), jnp.bfloat16), s((2, 40, 16, 576), jnp.bfloat16),
-            s((2, 8), jnp.int32), s((2,), jnp.int32), s((), jnp.int32))
+    args = (s((batch, t, 96, 512), jnp.bfloat16), s((batch, t, 96, 64), jnp.bfloat16),
+            s((2, max(40, max_pages), 16, 576), jnp.bfloat16), s((batch, max_pages), jnp.int32), s((batch,), jnp.int32),
+            s((), jnp.int32))
     text, ints = lower_for_sm90(
-        lambda ql, qr, p, tb, pos, lyr: pla.paged_attention_mgpu(ql, qr, p, None, tb, pos, 0.1, lyr), *args)
+        lambda ql, qr, p, tb, pos, lyr: pla.paged_attention_mgpu(ql, qr, p, None, tb, pos, 0.1, lyr, splits=splits),
+        *args)
     return text.count("custom_call @mosaic_gpu"), ints

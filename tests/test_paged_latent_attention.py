@@ -159,9 +159,15 @@ def test_mosaic_gpu_kernel_interpreted_equals_reference(t, splits):
 
 def test_mosaic_gpu_kernel_lowers_for_sm90():
     """At K3's widths (two blocks of 64 of the 96 heads, C 512): one Mosaic GPU kernel, every copy between device and
-    shared memory with at most one integer index (also under the H200's jax 0.11.2)."""
+    shared memory with at most one integer index (also under the H200's jax 0.11.2); table rows longer than a TMA box
+    (256 entries) too."""
     calls, ints = lower_paged_attention()
     assert calls == 1 and len(ints) == 8 and max(ints) == 1, (calls, ints)
+    from pallas_kernels import paged_latent_attention_mosaic_gpu as pla_mgpu
+
+    for splits in (None, 1, 4, pla_mgpu.MAX_SPLITS):  # 32k-token rows: 1 or 4 splits take table rows of 2,080 or 576
+        calls, ints = lower_paged_attention(batch=16, max_pages=2056, splits=splits)
+        assert calls == 1 and max(ints) == 1, (splits, calls, ints)
     if not os.path.exists(JAX_0112_PYTHON):
         pytest.skip(f"no jax 0.11.2 environment at {JAX_0112_PYTHON} (K3_JAX_0112_PYTHON)")
     out = run_under_jax_0112("""
