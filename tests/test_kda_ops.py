@@ -37,14 +37,19 @@ BWD_KERNEL_NAMES = {"mosaic_tpu": ("kda_chunk_bwd",),
 
 def make_inputs(B, T, H, K, V, dtype=jnp.float32, seed=0, gate="k3"):
     """L2-normed q/k, sigmoid beta, small initial state; ``gate``: ``"k3"`` (kda_gate of 2 N(0,1), in (-5, 0)),
-    ``"strong"`` (kda_gate of N(0,1): mean ~-2.5, the benchmark's inputs) or ``"extreme"`` (-4.999 on half the
-    channels, -1e-4 on the rest: the strongest allowed decay next to almost none)."""
+    ``"strong"`` (kda_gate of N(0,1): mean ~-2.5, the benchmark's inputs), ``"extreme"`` (-4.999 on half the
+    channels, -1e-4 on the rest: the strongest allowed decay next to almost none) or ``"aligned"`` (-1e-3 and keys
+    near one direction: the powers of ``diag(beta) A_kk`` reach ~1e17 while its inverse stays bounded, as in a
+    trained model's repetitive text)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
     q = ref.l2norm(jax.random.normal(ks[0], (B, T, H, K)))
     k = ref.l2norm(jax.random.normal(ks[1], (B, T, H, K)))
     v = jax.random.normal(ks[2], (B, T, H, V))
     if gate == "extreme":
         g = jnp.where(jnp.arange(K) % 2 == 0, -4.999, -1e-4) * jnp.ones((B, T, H, K))
+    elif gate == "aligned":
+        g = jnp.full((B, T, H, K), -1e-3)
+        k = ref.l2norm(k[:, :1] + 0.3 * k)
     else:
         g = ref.kda_gate((2.0 if gate == "k3" else 1.0) * jax.random.normal(ks[3], (B, T, H, K)), jnp.zeros((H,)))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
@@ -73,6 +78,7 @@ CASES = {
     "fp32-K128-docs": (1, 150, 2, 128, 128, [(40, 64, 110)], jnp.float32, "k3", 64, True, 1e-4, 1e-3),
     "fp32-K64-B2H2": (2, 100, 2, 64, 64, [(17, 70), (5, 64)], jnp.float32, "k3", 64, True, 1e-4, 1e-3),
     "fp32-extreme-gate": (1, 128, 1, 64, 64, None, jnp.float32, "extreme", 64, True, 1e-3, 1e-3),
+    "fp32-aligned-keys": (1, 128, 1, 64, 64, None, jnp.float32, "aligned", 64, True, 1e-3, 1e-3),
     "bf16-K128-docs": (1, 150, 1, 128, 128, [(40, 64, 110)], jnp.bfloat16, "k3", 64, True, 2e-2, 2e-2),
     "bf16-strong-gate": (1, 128, 1, 64, 64, None, jnp.bfloat16, "strong", 64, False, 2e-2, 2e-2),
 }

@@ -15,7 +15,7 @@ is not a multiple of the chunk). ``G``, the chunk-local cumsum of g, comes from 
    plus the rows of ``q e^G scale`` and ``e^{G_C - G} k``. The tile index is the fastest grid axis, so a
    chunk's programs run together and share its k / g tiles in L2.
 2. ``_solve_kernel``, grid ``(B*H, N)``: ``X = (I + N)^-1`` from the 16x16 tiles of ``N``: diagonal tiles by
-   the Neumann product, the rest by blocked substitution, all matmuls (exact fp32 FMA products); writes
+   doubling, the rest by blocked substitution, all matmuls (exact fp32 FMA products); writes
    ``X [C, C]``.
 3. ``_wu_kernel``, grid ``(B*H, N)``: ``W = X (beta e^G k)``, ``U = X (beta v)`` as ``[C, C] x [C, 64]``
    matmuls, and the chunk decay ``e^{G_C}``.
@@ -161,7 +161,7 @@ def _a_kernel(
 
 def _solve_kernel(n_ref, x_ref, *, interpret: bool):
     """``X = (I + N)^-1`` for one chunk (grid ``(B*H, N)``), ``N [C, C]`` strictly lower, as 16x16 tiles:
-    ``X_aa = D_a^-1`` (Neumann product), ``X_ab = -D_a^-1 sum_{b <= c < a} N_ac X_cb``."""
+    ``X_aa = D_a^-1`` (by doubling), ``X_ab = -D_a^-1 sum_{b <= c < a} N_ac X_cb``."""
     C = n_ref.shape[0]
     nt = C // SUB
     # Exact fp32 products ("ieee": FMAs, no tensor cores): for 16x16 tiles a quarter of the instructions of

@@ -13,7 +13,7 @@ layouts) and are skipped when the forward saved them (``residuals``: the Mosaic 
 
 1. ``_a_kernel``, grid ``(C/16, B*H, N)``: rows of ``A_kk`` (strictly lower, same document; fp32, no beta),
    masked ``A_qk``, ``q e^G scale`` and ``e^{G_C - G} k`` per 16-token row tile (the forward's factoring).
-2. ``_solve_kernel``, grid ``(B*H, N)``: ``X = (I + diag(beta) A_kk)^-1`` in fp32 (16x16 tiles, Neumann
+2. ``_solve_kernel``, grid ``(B*H, N)``: ``X = (I + diag(beta) A_kk)^-1`` in fp32 (16x16 tiles, doubling
    product on the diagonal, blocked substitution below it).
 3. ``_w_kernel``, grid ``(B*H, N)``: ``X' = X diag(beta)``, ``-W = -X' e^G k``, chunk decay ``e^{G_C}``.
 4. ``_h_kernel`` (state sweep), grid ``(B*H, V/BV)``: forward recurrence with ``S^T [BV, K]`` (fp32) in
@@ -45,9 +45,8 @@ gradients of step 8 take TF32 operands (one tensor-core pass; emulated by roundi
 matmul dtype (bf16 for bf16 inputs, as fla stores its states and ``dv``; -3.2 GB of HBM traffic at T=8192,
 H=96 vs fp32, dq/dk/dv errors +0.5e-3): ``h``, ``dh``, ``dV~`` and the step-6 partials of dq and dk; ``dW``,
 ``dB_k``, the ``dG`` partial and ``dA`` stay fp32; ``X'`` is stored in the matmul dtype (it only enters matmul
-operands: ``U = X' v``, ``W``). With the Mosaic GPU forward's ``residuals``, ``X`` is that forward's (a Neumann product
-on bf16 operands summed in fp32): the gradients' distance to the fp32 VJP is that of the recomputed ``X`` (CPU
-interpret, 1x256x2: q 2.32e-3 both, g 9.33e-3 both). Requires the lower-bounded gate ``g >= -5``.
+operands: ``U = X' v``, ``W``). With the Mosaic GPU forward's ``residuals``, ``X`` is that forward's (by doubling
+on bf16 operands summed in fp32). Requires the lower-bounded gate ``g >= -5``.
 """
 
 from __future__ import annotations

@@ -18,8 +18,10 @@ some shapes (1x64x2, 1x128x1, 4x64x8, ...: ``benchmarks/kda_mosaic_probe.py defe
   that the causal mask keeps, where ``G_i <= m_b``) meet columns ``k_j e^{m_b - G_j}`` (exponent ``<= 80``) in
   ``[64, 64] x [64, 16]`` products over the two halves of K; the row operands are staged through two pairs of
   shared-memory buffers in turn (the pair written two steps back is free once at most two wgmma are in flight).
-* ``X = (I + diag(beta) A_kk)^-1`` by the Neumann product ``(I - N)(I + N^2)(I + N^4)...(I + N^32)`` (the running
-  product in fp32), then ``X' = X diag(beta)`` (in registers) and ``-W = -X' (e^G k)``.
+* ``X = (I + diag(beta) A_kk)^-1`` by doubling (:func:`pallas_kernels.kda._layout.unit_lower_inverse`: five
+  levels ``X <- X - X (N_s X)`` of two ``64 x 64 x 64`` products each, bf16 operands, fp32 sums; every
+  intermediate a block of the exact inverse, so aligned keys stay exact where a Neumann product's powers of ``N``
+  would not), then ``X' = X diag(beta)`` (in registers) and ``-W = -X' (e^G k)``.
 
 Outputs (bf16 unless said): ``qg = q e^G scale``, ``kd = e^{G_C - G} k``, ``wn = -W`` (each ``[B, Tp, H, 128]``),
 ``x = X'`` and ``aqk`` = the causal ``A_qk`` (each ``[B, Tp, H, 64]``: row ``t`` holds token ``t``'s row of its
@@ -40,8 +42,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, SUB, bcast_cols, tiled
 
-NEUMANN_STEPS = 5
-"""``(I + N)^-1 = (I - N)(I + N^2)...(I + N^32)`` for a strictly lower ``64 x 64`` N: five multiply steps."""
 HALF = HEAD_DIM // 2
 HALVES = (slice(0, HALF), slice(HALF, HEAD_DIM))
 TILES = CHUNK // SUB
@@ -70,10 +70,10 @@ registers): ``akk`` = ``A_kk`` masked strictly lower (one document), no beta; ``
 @dataclasses.dataclass(frozen=True)
 class _Smem:
     """Shared memory of one CTA. ``ghi`` / ``glo`` (``g`` split) alias the four staging buffers ``st`` (A operands
-    of the tile products and of the Neumann steps), first written after ``G`` is formed. ``g`` (the loaded
+    of the tile products and of the inverse's levels), first written after ``G`` is formed. ``g`` (the loaded
     log-decay) aliases ``gs`` (``G``, untiled, written after ``g`` was split and read once to fill ``rows``) and
     ``w`` and ``x`` (first written after that). ``aqk``: the ``"cum"`` selector ->
-    the causal ``A_qk``; ``w``: the column operand of ``A`` -> ``e^G k`` -> ``-W``; ``x``: the Neumann powers ->
+    the causal ``A_qk``; ``w``: the column operand of ``A`` -> ``e^G k`` -> ``-W``; ``x``: the inverse's levels ->
     ``X'``; ``q``: ``q`` -> ``qg``; ``k``: ``k`` -> ``kd``."""
 
     q: object  # [64, 128] bf16
@@ -214,27 +214,23 @@ def _decayed_products(s: _Smem, G, scale: float, tap: Tap):
     return pl.run_scoped(run, plgpu.ACC((CHUNK, CHUNK), F32), plgpu.ACC((CHUNK, CHUNK), F32))
 
 
-def _inverse(n, xs, st):
-    """``(I + n)^-1`` for strictly lower ``n`` ``[64, 64]`` f32; ``xs`` holds the powers of ``n``, ``st`` the
-    running product (``[64, 64]`` bf16 buffers)."""
-    x = _ones(_iota(0) == _iota(1)) - n
-    xs[...] = n.astype(BF16)
-    plgpu.commit_smem()
-    p = _products(xs, (xs,), CHUNK)
-    for step in range(NEUMANN_STEPS):
-        last = step == NEUMANN_STEPS - 1
-        xs[...] = p.astype(BF16)
-        st[...] = x.astype(BF16)
+def _inverse(n, xs, st, ys):
+    """``(I + n)^-1`` for strictly lower ``n`` ``[64, 64]`` f32 by doubling (module docstring): ``X_1 = I - n_1``,
+    then ``X <- X - X (n_s X)`` for ``s = 2 .. 32``, ``n_s`` the lower-left ``s x s`` blocks of ``n``'s ``2s``
+    diagonal blocks. The products' operands are staged as bf16 in ``[64, 64]`` buffers: ``st`` ``n_s``, ``xs``
+    ``X``, ``ys`` ``n_s X``."""
+    r, c = _iota(0), _iota(1)
+    lower_left = lambda s: (lax.div(r, s) == lax.div(c, s) + 1) & (lax.rem(lax.div(r, s), 2) == 1)
+    x = _ones(r == c) - jnp.where(lower_left(1), n, 0.0)
+    s = 2
+    while s < CHUNK:
+        st[...] = jnp.where(lower_left(s), n, 0.0).astype(BF16)
+        xs[...] = x.astype(BF16)
         plgpu.commit_smem()
-
-        def run(acc_x, acc_p, last=last):
-            _mma(acc_x, st, xs)
-            if not last:
-                _mma(acc_p, xs, xs)
-            return acc_x[...], acc_p[...]
-
-        dx, p = pl.run_scoped(run, plgpu.ACC((CHUNK, CHUNK), F32), plgpu.ACC((CHUNK, CHUNK), F32))
-        x = x + dx
+        ys[...] = _products(st, (xs,), CHUNK).astype(BF16)
+        plgpu.commit_smem()
+        x = x - _products(xs, (ys,), CHUNK)
+        s *= 2
     return x
 
 
@@ -282,7 +278,7 @@ def _chunk(s: _Smem, scale: float, tap: Tap = None, save: Tap = None):
     if tap is not None:
         tap("w_eg", _load(s.w, slice(0, HEAD_DIM)))
 
-    x_inv = _inverse(n, s.x, s.st[0])
+    x_inv = _inverse(n, s.x, s.st[0], s.st[1])
     _emit(tap, "x_inv", x_inv)
     _emit(save, "x_inv", x_inv)
     beta_col = bcast_cols(plgpu.layout_cast(s.beta[...], wg.reduce(0)))

@@ -13,7 +13,7 @@ Two ``pallas_call`` s, both on the grid ``(B*H, N)`` with the chunk axis ``"arbi
 2. **Reverse sweep** (:func:`chunk_kda_bwd`, chunks in reverse through the index maps): ``dS^T [V, K] f32``
    lives in a VMEM scratch across chunks (initialised from the final-state cotangent); per chunk the kernel
    recomputes the intra-chunk quantities from q, k, v, g, beta of that chunk (``A_kk``, ``A_qk`` by the
-   forward's 16-token factored tiles, ``X = (I + diag(beta) A_kk)^-1`` by the Neumann product, ``W``, ``U``,
+   forward's 16-token factored tiles, ``X = (I + diag(beta) A_kk)^-1`` by doubling, ``W``, ``U``,
    ``V~ = U - W S``) and emits ``dq, dk, dv, dg, dbeta`` for the chunk and, at the last step, ``dh0``.
 
 Per chunk, with ``qs = scale q``, ``e = carry * e^G``, ``B_k = beta e k``, ``B_v = beta v``,
@@ -84,7 +84,7 @@ def _decay_tiles(x_ref, k_ref, gam_ref, out_scr, x_scale: float, mm_dtype) -> No
 def _ut(k, v, gam, beta, segc, akk, mm_dtype):
     """UT transform of one chunk: ``X``, ``e`` (carry * e^G), ``B_k``, ``B_v``, ``W``, ``U``."""
     C = k.shape[0]
-    x = _layout.neumann_inverse(beta * akk, C, lambda a_, b_: _mm(a_, b_, NN, jnp.float32))
+    x = _layout.unit_lower_inverse(beta * akk, C, lambda a_, b_: _mm(a_, b_, NN, jnp.float32))
     eg = jnp.where(segc == 0, jnp.exp(gam), 0.0)
     bk = beta * eg * k
     bv = beta * v
