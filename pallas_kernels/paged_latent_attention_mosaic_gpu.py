@@ -42,9 +42,10 @@ HEADER = 32
 CTAS_TARGET = 132
 """At least about this many CTAs run when the table allows (one wave on the H200's 132 SMs: a CTA's ~160 KB of
 shared memory leaves room for one per SM)."""
-SPLIT_STEPS = 32
+SPLIT_STEPS = 64
 """Splits are chosen so that the table's longest row gives each split about this many steps: the longest CTA bounds
-the kernel, and each split costs a ``[T·H, C]`` fp32 partial written and merged."""
+the kernel, and each split costs a ``[T·H, C]`` fp32 partial written and merged (benchmarks/RESULTS.md has the
+split sweep this value comes from)."""
 MAX_SPLITS = 64
 MAX_SPLIT_PAGES = 2048
 """Pages per split at most (each CTA holds its split's table row in shared memory: 8 KB)."""

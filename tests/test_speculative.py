@@ -367,6 +367,27 @@ def test_losses_at_the_serving_temperature_match_numpy():
         draft_training.DraftTrainConfig(temperature=-0.5).validate()
 
 
+def test_draft_training_stops_on_a_nonfinite_loss(tmp_path, monkeypatch):
+    """A target whose outputs are NaN makes the draft's loss NaN: training stops at the first read loss with
+    TrainingDiverged (the CLI exits 3) and exports no draft."""
+    from k3_jax.training.loop import TrainingDiverged
+
+    cfg = micro_config(vocab=1024)
+    monkeypatch.setattr(draft_training, "load_config", lambda *a, **k: cfg)
+    load = draft_training.load_target
+
+    def nan_target(dtc, mesh):
+        c, params = load(dtc, mesh)
+        return c, jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+    monkeypatch.setattr(draft_training, "load_target", nan_target)
+    dtc = draft_training.DraftTrainConfig(out=str(tmp_path / "a"), steps=2, batch_size=2, seq_len=8, ttt_steps=2,
+                                          save_every=0, warmup_steps=1)
+    with pytest.raises(TrainingDiverged, match="draft step 1: loss nan"):
+        draft_training.train(dtc, say=lambda s: None)
+    assert not (tmp_path / "a" / "draft").exists()
+
+
 def test_draft_training_resumes_exactly(tmp_path, monkeypatch):
     cfg = micro_config(vocab=1024)
     monkeypatch.setattr(draft_training, "load_config", lambda *a, **k: cfg)

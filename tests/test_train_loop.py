@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3_jax.training.loop import TrainConfig, Trainer
+from k3_jax.training.loop import TrainConfig, Trainer, TrainingDiverged
 from k3_jax.training.resume import ResumeError, run_config
 
 MICRO = {
@@ -177,6 +177,32 @@ def _copy(src, dst):
 def _run(tr, **kw):
     tr.tc = dataclasses.replace(_tc(tr.tmp), **kw)
     return tr.run()
+
+
+def test_a_nonfinite_loss_stops_the_run_and_saves_nothing_after_it(trainer, tmp_path, monkeypatch):
+    """A step whose loss is NaN (here: the compiled step's loss replaced at step 3 of a run saving every 2 steps)
+    raises TrainingDiverged naming the step and the last save; the NaN state is not checkpointed (checkpoint 2
+    only, no final one) and the metrics say why. ``halt_on_nonfinite=False`` trains on to the end."""
+    tr = trainer
+    compiled = tr.compiled_steps
+
+    def with_nan_at_step_3(state):
+        train_step, eval_step = compiled(state)
+
+        def step(state, batch):
+            state, m = train_step(state, batch)
+            return state, {**m, "loss": jnp.where(state["step"] == 3, jnp.nan, m["loss"])}
+
+        return step, eval_step
+
+    monkeypatch.setattr(tr, "compiled_steps", with_nan_at_step_3)
+    work = tmp_path / "run"
+    with pytest.raises(TrainingDiverged, match=r"step 3: loss = nan; nothing saved after step 2"):
+        _run(tr, workdir=str(work), save_every=2, async_checkpoint=False)
+    assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["2"]
+    assert any('"event": "nonfinite"' in ln for ln in (work / "metrics.jsonl").read_text().splitlines())
+    out = _run(tr, workdir=str(tmp_path / "on"), halt_on_nonfinite=False)
+    assert out["final_step"] == 6 and np.isnan(out["losses"][3]) and np.isfinite(out["losses"][6])
 
 
 def _set_aside(workdir):

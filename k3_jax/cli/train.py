@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_cache.enable()
 
     from k3_jax.training.checkpoint import CheckpointError
+    from k3_jax.training.loop import TrainingDiverged
     from k3_jax.training.resume import ResumeError
 
     trainer = Trainer(tc)
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ResumeError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingDiverged as e:
+        print(f"error: training diverged: {e}", file=sys.stderr, flush=True)
+        return 3
     losses = out["losses"]
     if losses:
         steps = sorted(losses)

@@ -88,7 +88,7 @@ from k3_jax.model import FEATURES, K3ForCausalLM
 from k3_jax.serving.engine import shard_variables
 from k3_jax.training.checkpoint import Checkpointer
 from k3_jax.training.data import TOKENS_FILE, DataConfig, DataIterator, load_token_shard, make_dataset
-from k3_jax.training.loop import one_device
+from k3_jax.training.loop import TrainingDiverged, one_device
 from k3_jax.training.resume import RUN_CONFIG_FORMAT, resume
 from sharding import rules
 from sharding.mesh import make_mesh
@@ -510,8 +510,15 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     unread: list[jax.Array] = []  # losses still on the device: read at log lines, so steps queue up meanwhile
 
     def read_losses() -> list[float]:
+        """The losses so far; raises :class:`TrainingDiverged` at the first that is not finite (a target whose
+        outputs are not finite gives that too)."""
+        first = len(losses) + 1 + start
         losses.extend(float(x) for x in unread)
         unread.clear()
+        bad = [(first + i, x) for i, x in enumerate(losses[first - 1 - start:]) if not np.isfinite(x)]
+        if bad:
+            raise TrainingDiverged(f"draft step {bad[0][0]}: loss {bad[0][1]}; nothing saved after the last "
+                                   "checkpoint")
         return losses
 
     t0 = time.perf_counter()
@@ -570,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"error: training diverged: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -125,6 +125,9 @@ class TrainConfig:
     eval_every: int = 25
     eval_batches: int = 2
     log_every: int = 10
+    # stop at the first step whose loss or gradient norm is not finite (TrainingDiverged; that step's state is not
+    # saved, the checkpoints before it stay); False: train on (the step's metrics still record it)
+    halt_on_nonfinite: bool = True
     save_every: int = 0  # 0: only at the end / on SIGTERM
     save_final: bool = True  # False: no checkpoint at the end (runs kept only for their metrics); SIGTERM still saves
     keep: int = 3
@@ -146,6 +149,15 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = ("attention", "shared_experts", "latent", "experts")
     lora_experts: str = "shared_a"  # routed experts: "shared_a" | "per_expert"
 
+
+
+class TrainingDiverged(RuntimeError):
+    """A train step's loss or gradient norm was not finite (:attr:`TrainConfig.halt_on_nonfinite`)."""
+
+
+def nonfinite_metrics(row: dict[str, Any], names: tuple[str, ...] = ("loss", "grad_norm")) -> dict[str, float]:
+    """The scalars of ``row`` among ``names`` that are present and not finite."""
+    return {k: row[k] for k in names if isinstance(row.get(k), float) and not np.isfinite(row[k])}
 
 
 def one_device() -> jax.sharding.SingleDeviceSharding:
@@ -473,6 +485,12 @@ class Trainer:
                     row["mfu"] = achieved / (self.peak * n_dev) if self.peak else None
                     losses[step] = row["loss"]
                     logger.log(step, row)
+                    bad = nonfinite_metrics(row) if tc.halt_on_nonfinite else {}
+                    if bad:
+                        logger.log(step, {"event": "nonfinite", **bad, "last_saved": last_saved}, kind="meta")
+                        raise TrainingDiverged(
+                            f"step {step}: {', '.join(f'{k} = {v}' for k, v in bad.items())}; nothing saved after "
+                            f"step {last_saved} (set halt_on_nonfinite=False to train on)")
                     if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
                         ev = self.evaluate(eval_step, state["params"])
                         evals.append({"step": step, **ev})
