@@ -83,7 +83,14 @@ done
 K3_COMPILATION_CACHE=off timeout -s TERM "$TARGET_LIMIT_S" "$PY" train.py --config "$CONFIG" \
     --workdir "$WORK/target" --steps "$TARGET_STEPS" --batch-size "$TARGET_BATCH" --seq-len "$TARGET_SEQ" \
     --eval-every 0 --quiet --no-resume >"$OUT/target.log" 2>&1
-echo "target: rc $? at $(($(date +%s) - start)) s: $(tail -n 1 "$OUT/target.log")"
+rc=$?
+echo "target: rc $rc at $(($(date +%s) - start)) s: $(tail -n 1 "$OUT/target.log")"
+if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then  # 124: the time limit's SIGTERM, which saves the target
+    echo "target failed (rc $rc; 3 = a non-finite loss): stopping the drafts and the benchmark"
+    kill "${drafts[@]}" "$bench" 2>/dev/null
+    wait
+    exit 1
+fi
 touch "$WORK/target.done"
 
 wait "${drafts[@]}"

@@ -157,6 +157,17 @@ def test_mosaic_gpu_kernel_interpreted_equals_reference(t, splits):
     assert float(jnp.linalg.norm(f(got) - want) / jnp.linalg.norm(want)) < 5e-3
 
 
+def test_mosaic_gpu_split_count():
+    """Splits per row: ~SPLIT_STEPS steps of the table's longest row, more to fill one wave, at most one per step and
+    MAX_SPLITS, fewer pages per split than MAX_SPLIT_PAGES whatever that takes."""
+    from pallas_kernels import paged_latent_attention_mosaic_gpu as m
+
+    assert m.num_splits(16, 2, 1028, 2) == 17  # the H200 sweep's case (32k-token rows, batch 16): 16 was fastest
+    assert m.num_splits(1, 2, 200, 2) == m.MAX_SPLITS  # one wave wants 66 CTAs per block
+    assert m.num_splits(1, 2, 5, 2) == 5 and m.num_splits(64, 2, 5, 2) == 1
+    assert m.num_splits(1, 1, 10**5, 2) == 98  # 2,048 pages per split at most
+
+
 def test_mosaic_gpu_kernel_lowers_for_sm90():
     """At K3's widths (two blocks of 64 of the 96 heads, C 512): one Mosaic GPU kernel, every copy between device and
     shared memory with at most one integer index (also under the H200's jax 0.11.2); table rows longer than a TMA box
