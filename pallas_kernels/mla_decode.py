@@ -17,7 +17,8 @@ and a cache row ``[ĉ (C) | k_rot (Dr)]`` per position,
   in-place decode step holds it;
 * ``mosaic_gpu`` (:func:`latent_attention_mgpu`): the cache viewed as pages of 16 positions, read by the Pallas
   Mosaic GPU paged kernel (:mod:`pallas_kernels.paged_latent_attention_mosaic_gpu`: split-K flash decoding with
-  wgmma, each row up to its position); sm_90, bf16, one device. Explicit only (after ``xla``) until timed on the H200;
+  wgmma, each row up to its position); sm_90, bf16, one device. After ``xla`` in the order (explicit) until the GPU
+  suite has run with it first;
 * ``xla``: the absorbed form of :mod:`k3_jax.layers.mla` (scores over the whole cache, masked softmax), which
   :func:`latent_attention_xla` restates here as the kernel's reference.
 

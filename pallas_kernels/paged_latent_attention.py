@@ -29,7 +29,7 @@ Implementations (registry :data:`PAGED_DECODE`, ``cfg.mla_decode_attention_imple
 * ``mosaic_gpu`` (:mod:`pallas_kernels.paged_latent_attention_mosaic_gpu`): Pallas Mosaic GPU split-K flash
   decoding with wgmma and TMA (sm_90): 64 query rows per CTA, a memory warpgroup loading each step's pages through
   the table into two slots, two compute warpgroups sharing the output's columns; bf16, one device. After ``triton``
-  in the order until an H200 run shows it faster;
+  in the order until the GPU suite has run with it first;
 * ``mosaic_tpu`` (:func:`paged_attention_tpu`): Pallas Mosaic TPU flash decoding with the page table and the
   positions scalar-prefetched: grid ``(B, max_pages)``, one page per step DMA'd straight from the pool at
   ``table[b, j]`` (steps past the row's last visible page repeat the previous page index: no DMA, no work), online

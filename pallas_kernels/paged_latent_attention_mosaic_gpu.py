@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu_common import BF16, F32, accumulate, tiled
+from pallas_kernels.kda.mosaic_gpu_common import BF16, F32, accumulate, copy_row_to_smem, row_pieces, tiled
 
 ROWS = 64
 """Query rows per CTA (the wgmma M)."""
@@ -49,8 +49,6 @@ split sweep this value comes from)."""
 MAX_SPLITS = 64
 MAX_SPLIT_PAGES = 2048
 """Pages per split at most (each CTA holds its split's table row in shared memory: 8 KB)."""
-TABLE_COPY = 256
-"""i32 entries per copy of a table row into shared memory (a TMA box spans at most 256 elements per dimension)."""
 NEG_INF = -1e30
 REGISTERS = {"memory": 40, "compute": 232}
 """Per-thread registers (``setmaxnreg``): the three warpgroups share 504 per lane; a compute warpgroup holds its
@@ -151,8 +149,7 @@ def paged_attention_mosaic_gpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Ar
     scratch = (plgpu.RefUnion(loop_smem, out_smem),
                plgpu.SMEM((HEADER + split_pages,), jnp.int32),  # this CTA's table row
                plgpu.SMEM((2, ROWS), F32))  # m, l staging
-    row_len = HEADER + split_pages
-    table_copies = [(k, min(TABLE_COPY, row_len - k)) for k in range(0, row_len, TABLE_COPY)]
+    table_copies = row_pieces(HEADER + split_pages)
     bars = (plgpu.Barrier(num_arrivals=1 + len(table_copies)),  # table row and queries landed
             plgpu.Barrier(num_arrivals=pps, num_barriers=SLOTS),  # a slot's pages landed
             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # both compute warpgroups done with a slot
@@ -168,8 +165,7 @@ def paged_attention_mosaic_gpu(q_lat: jax.Array, q_rot: jax.Array, pages: jax.Ar
         def _memory():
             if not interpret:
                 plgpu.set_max_registers(REGISTERS["memory"], action="decrease")
-            for k, size in table_copies:
-                plgpu.copy_gmem_to_smem(meta_ref.at[cta, pl.ds(k, size)], tab_s.at[pl.ds(k, size)], ready)
+            copy_row_to_smem(meta_ref, cta, tab_s, ready, table_copies)
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row * thp + hb * ROWS, ROWS)], q_s, ready)
             plgpu.barrier_wait(ready)
             n = tab_s[2]

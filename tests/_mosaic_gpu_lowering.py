@@ -45,20 +45,22 @@ def lower_for_sm90(fn, *args) -> tuple[str, list[int]]:
     return text, int_indices
 
 
-def lower_decode(block_v: int) -> tuple[int, bool, list[int]]:
+def lower_decode(block_v: int, batch: int = 2, heads: int = 3, num_ctas: int | None = None
+                 ) -> tuple[int, bool, list[int]]:
     """``(mosaic_gpu custom calls, pool aliased, integer indices of every copy)`` of the KDA decode step
-    (:func:`pallas_kernels.kda.mosaic_gpu_decode.decode_step`) lowered for sm_90 at two sequences of three heads
-    on a pool of five rows."""
+    (:func:`pallas_kernels.kda.mosaic_gpu_decode.decode_step`) lowered for sm_90 at ``batch`` sequences of ``heads``
+    heads on a pool of ``batch + 3`` rows over ``num_ctas`` CTAs."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     from pallas_kernels.kda import mosaic_gpu_decode  # noqa: PLC0415
 
     s = jax.ShapeDtypeStruct
-    vec = s((2, 3, 128), jnp.bfloat16)
-    args = (vec, vec, vec, s((2, 3, 128), jnp.float32), s((2, 3), jnp.float32), s((5, 3, 128, 128), jnp.float32),
-            s((2,), jnp.int32))
+    vec = s((batch, heads, 128), jnp.bfloat16)
+    args = (vec, vec, vec, s((batch, heads, 128), jnp.float32), s((batch, heads), jnp.float32),
+            s((batch + 3, heads, 128, 128), jnp.float32), s((batch,), jnp.int32))
     text, ints = lower_for_sm90(
-        lambda q, k, v, g, b, p, sl: mosaic_gpu_decode.decode_step(q, k, v, g, b, 0.1, p, sl, block_v=block_v), *args)
+        lambda q, k, v, g, b, p, sl: mosaic_gpu_decode.decode_step(q, k, v, g, b, 0.1, p, sl, block_v=block_v,
+                                                                   num_ctas=num_ctas), *args)
     return text.count("custom_call @mosaic_gpu"), "output_operand_alias" in text, ints
 
 

@@ -105,6 +105,10 @@ def test_lowers_to_one_mosaic_gpu_kernel_with_the_pool_aliased():
     calls, aliased, ints = lower_decode(64)
     assert calls == 1 and aliased
     assert len(ints) == COPIES and max(ints) == 1, ints
+    # 1,024 sequences of 96 heads over 264 CTAs: 745 tiles per CTA, a row table of 768 entries copied in 3 pieces
+    # (a TMA box holds at most 256 per dimension)
+    calls, aliased, ints = lower_decode(64, batch=1024, heads=96, num_ctas=264)
+    assert calls == 1 and aliased and len(ints) == COPIES + 2 and max(ints) == 1, ints
 
 
 @pytest.mark.parametrize("stages, lookahead, num_ctas", [(2, 1, 5), (4, 2, 3), (3, 2, 7)])

@@ -512,13 +512,12 @@ def train(dtc: DraftTrainConfig, *, stop_at: int | None = None, say=print) -> di
     def read_losses() -> list[float]:
         """The losses so far; raises :class:`TrainingDiverged` at the first that is not finite (a target whose
         outputs are not finite gives that too)."""
-        first = len(losses) + 1 + start
-        losses.extend(float(x) for x in unread)
+        for x in unread:
+            losses.append(float(x))
+            if not np.isfinite(losses[-1]):
+                raise TrainingDiverged(f"draft step {start + len(losses)}: loss {losses[-1]}; nothing saved after "
+                                       "the last checkpoint")
         unread.clear()
-        bad = [(first + i, x) for i, x in enumerate(losses[first - 1 - start:]) if not np.isfinite(x)]
-        if bad:
-            raise TrainingDiverged(f"draft step {bad[0][0]}: loss {bad[0][1]}; nothing saved after the last "
-                                   "checkpoint")
         return losses
 
     t0 = time.perf_counter()

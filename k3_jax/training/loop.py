@@ -149,8 +149,6 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = ("attention", "shared_experts", "latent", "experts")
     lora_experts: str = "shared_a"  # routed experts: "shared_a" | "per_expert"
 
-
-
 class TrainingDiverged(RuntimeError):
     """A train step's loss or gradient norm was not finite (:attr:`TrainConfig.halt_on_nonfinite`)."""
 

@@ -103,43 +103,19 @@ def finish_chunk_outputs(o: jax.Array, ht: jax.Array, B: int, T: int, H: int) ->
     return o, jnp.swapaxes(ht.reshape(B, H, V, K), -1, -2)
 
 
-def unit_lower_inverse(n: jax.Array, size: int, dot) -> jax.Array:
-    """``(I + N)^-1`` for strictly lower-triangular ``N [C, C]`` as matmuls, by doubling.
-
-    With ``X_s`` the inverse of ``I + N``'s block diagonal of ``s x s`` blocks (``X_1 = I``), merging neighbouring
-    blocks uses ``[[A, 0], [M, B]]^-1 = [[A^-1, 0], [-B^-1 M A^-1, B^-1]]``: ``X_2s = X_s - X_s (N_s X_s)``, ``N_s``
-    the lower-left ``s x s`` blocks of the ``2s`` diagonal blocks. Every intermediate is a block of the exact
-    inverse, bounded wherever the inverse is (the delta rule's is: aligned keys give entries of at most 1), where
-    the Neumann product ``(I - N)(I + N^2)...`` forms powers of ``N`` whose entries reach binomial sizes
-    (``~1e17`` at 64 aligned keys) and cancel only in exact arithmetic. ``2 (log2(C) - 1)`` products of
-    ``C x C`` matrices; ``dot(a, b)`` is the caller's fp32 matmul; ``size`` a power of two.
-    """
-    row = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
-    def lower_left(level: int):  # blocks of s = 2^level: block row = block column + 1, block row odd
-        br, bc = jax.lax.shift_right_logical(row, level), jax.lax.shift_right_logical(col, level)
-        return (br == bc + 1) & (jax.lax.bitwise_and(br, 1) == 1)
-
-    x = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32) - jnp.where(lower_left(0), n, 0.0)
-    level = 1
-    while (1 << level) < size:
-        x = x - dot(x, dot(jnp.where(lower_left(level), n, 0.0), x))
-        level += 1
-    return x
-
-
 def blocked_unit_lower_inverse(n_tile, tiles: int, size: int, dot) -> list[list]:
     """``X = (I + N)^-1`` for strictly lower-triangular ``N`` given as ``tiles x tiles`` blocks of ``size``.
 
     ``n_tile(a, c)`` returns block ``N_ac [size, size]`` (called for ``c <= a`` only, once each); the result
     is the nested list of blocks ``X[a][b]`` for ``b <= a`` (``None`` above the diagonal): ``X_aa = D_a^-1``
-    by :func:`unit_lower_inverse` and ``X_ab = -X_aa sum_{b <= c < a} N_ac X_cb`` (blocked substitution, all
-    matmuls ``dot(p, q)``). For Triton kernels, which cannot slice values: the blocks are loaded from refs.
+    by :func:`pallas_kernels.kda.reference.unit_lower_inverse` and ``X_ab = -X_aa sum_{b <= c < a} N_ac X_cb``
+    (blocked substitution, all matmuls ``dot(p, q)``). For Triton kernels, which cannot slice values: the blocks
+    are loaded from refs.
     """
     x = [[None] * tiles for _ in range(tiles)]
     for a in range(tiles):
         n_row = [n_tile(a, c) for c in range(a + 1)]
-        dinv = unit_lower_inverse(n_row[a], size, dot)
+        dinv = ref.unit_lower_inverse(n_row[a], size, dot)
         x[a][a] = dinv
         for b in range(a):
             acc = dot(n_row[b], x[b][b])

@@ -1,5 +1,6 @@
-"""Shared pieces of the Mosaic GPU KDA kernels (:mod:`.mosaic_gpu_intra`, :mod:`.mosaic_gpu_state`): sizes,
-shared-memory tilings and the wgmma helpers that also run in the Mosaic GPU interpreter.
+"""Shared pieces of the Mosaic GPU kernels (:mod:`.mosaic_gpu_intra`, :mod:`.mosaic_gpu_state`,
+:mod:`.mosaic_gpu_decode`, :mod:`pallas_kernels.paged_latent_attention_mosaic_gpu`): sizes, shared-memory tilings,
+row copies within a TMA box and the wgmma helpers that also run in the Mosaic GPU interpreter.
 
 In ``interpret`` mode (CPU, ``plgpu.InterpretGPUParams``) the register operands of wgmma are staged through shared
 memory, which the interpreter needs (it reads every wgmma operand from memory): a ``stage`` is a dict
@@ -20,6 +21,23 @@ VTILE = 64
 """Columns of V one state warpgroup carries (its transposed state is ``[VTILE, K]`` fp32 in registers)."""
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+TMA_BOX = 256
+"""Elements one TMA copy moves along a dimension at most."""
+
+
+def row_pieces(length: int) -> tuple[tuple[int, int], ...]:
+    """``(start, size)`` of the copies that move a ``[length]`` row into shared memory: each within
+    :data:`TMA_BOX` (a barrier they arrive on takes ``len(row_pieces(length))`` arrivals)."""
+    return tuple((k, min(TMA_BOX, length - k)) for k in range(0, length, TMA_BOX))
+
+
+def copy_row_to_smem(src, row, dst, barrier, pieces: tuple[tuple[int, int], ...]) -> None:
+    """Row ``row`` of the 2-D device ref ``src`` into the 1-D shared ref ``dst``, in the copies ``pieces``
+    (:func:`row_pieces`), each arriving on ``barrier``."""
+    for k, size in pieces:
+        plgpu.copy_gmem_to_smem(src.at[row, pl.ds(k, size)], dst.at[pl.ds(k, size)], barrier)
 
 
 def tiled(dtype=BF16):

@@ -13,8 +13,9 @@ registers, the step of :func:`pallas_kernels.kda.reference.recurrent_kda`:
 The pool enters the kernel as a mutable ref (``jax.new_ref``), so the custom call aliases it (in place when the
 caller donates it). Every copy between device and shared memory has at most one integer index: the pool as a ``[P
 * H * K, V]`` view, the token vectors as ``[B * H, D]`` views, the pool row of each tile from a ``[num_ctas,
-tiles per CTA]`` i32 table built by XLA beside the kernel (one copy per CTA at its start), as is the fp32 ``[B * H *
-4, K]`` pack of the per-token vectors (``scale q``, ``k``, ``exp g``, ``beta k``).
+tiles per CTA]`` i32 table built by XLA beside the kernel (copied into each CTA at its start, in pieces within a
+TMA box), as is the fp32 ``[B * H * 4, K]`` pack of the per-token vectors (``scale q``, ``k``, ``exp g``,
+``beta k``).
 
 Contract: bf16 or fp32 ``q, k, v``, ``K = V = 128``, distinct slots. Any ``g <= 0`` (no gate bound needed).
 """
@@ -27,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu_common import F32, HEAD_DIM, interpret_params, tiled
+from pallas_kernels.kda.mosaic_gpu_common import F32, HEAD_DIM, copy_row_to_smem, interpret_params, row_pieces, tiled
 
 BLOCK_V = 64
 """Columns of V per tile (its state slice is ``[K, BLOCK_V]`` fp32 in shared memory and registers)."""
@@ -51,9 +52,10 @@ def supports_reason(*, dtype: str, k: int, v: int) -> str | None:
 
 
 def _decode_kernel(rows_ref, vecs_ref, v_ref, pool_ref, o_ref, rows_s, vec_s, v_s, s_s, o_s, bar_rows, bar_in, *,
-                   block_v: int, n_v: int, n_tiles: int, n_ctas: int, per_cta: int, stages: int, lookahead: int):
+                   block_v: int, n_v: int, n_tiles: int, n_ctas: int, per_cta: int, stages: int, lookahead: int,
+                   row_copies: tuple[tuple[int, int], ...]):
     c = lax.axis_index("c")
-    plgpu.copy_gmem_to_smem(rows_ref.at[c], rows_s, bar_rows)
+    copy_row_to_smem(rows_ref, c, rows_s, bar_rows, row_copies)
     plgpu.barrier_wait(bar_rows)
     n_mine = (n_tiles - c + n_ctas - 1) // n_ctas
 
@@ -151,19 +153,20 @@ def decode_step(q, k, v, g, beta, scale: float, state_pool, state_slots, block_v
     tiles = jnp.arange(n_ctas, dtype=jnp.int32)[:, None] + jnp.arange(padded, dtype=jnp.int32)[None, :] * n_ctas
     rows = bh_rows[jnp.minimum(tiles, n_tiles - 1) // n_v]  # [n_ctas, padded]; entries past n_tiles unused
     vb = v.reshape(B * H, V)
+    row_copies = row_pieces(padded)
     scratch = [
         plgpu.SMEM((padded,), jnp.int32),
         plgpu.SMEM((stages, 4, K), F32),
         plgpu.SMEM((stages, block_v), vb.dtype),
         plgpu.SMEM((stages, K, block_v), F32, transforms=tiled(F32)),
         plgpu.SMEM((stages, block_v), vb.dtype),
-        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=len(row_copies)),
         plgpu.Barrier(num_arrivals=3, num_barriers=stages),
     ]
     pool = jax.new_ref(state_pool.reshape(P * H * K, V))
     o = plgpu.kernel(
         lambda *refs: _decode_kernel(*refs, block_v=block_v, n_v=n_v, n_tiles=n_tiles, n_ctas=n_ctas,
-                                     per_cta=per_cta, stages=stages, lookahead=lookahead),
+                                     per_cta=per_cta, stages=stages, lookahead=lookahead, row_copies=row_copies),
         out_type=jax.ShapeDtypeStruct((B * H, V), vb.dtype),
         scratch_types=scratch,
         grid=(n_ctas,),

@@ -18,7 +18,7 @@ some shapes (1x64x2, 1x128x1, 4x64x8, ...: ``benchmarks/kda_mosaic_probe.py defe
   that the causal mask keeps, where ``G_i <= m_b``) meet columns ``k_j e^{m_b - G_j}`` (exponent ``<= 80``) in
   ``[64, 64] x [64, 16]`` products over the two halves of K; the row operands are staged through two pairs of
   shared-memory buffers in turn (the pair written two steps back is free once at most two wgmma are in flight).
-* ``X = (I + diag(beta) A_kk)^-1`` by doubling (:func:`pallas_kernels.kda._layout.unit_lower_inverse`: five
+* ``X = (I + diag(beta) A_kk)^-1`` by doubling (:func:`pallas_kernels.kda.reference.unit_lower_inverse`: five
   levels ``X <- X - X (N_s X)`` of two ``64 x 64 x 64`` products each, bf16 operands, fp32 sums; every
   intermediate a block of the exact inverse, so aligned keys stay exact where a Neumann product's powers of ``N``
   would not), then ``X' = X diag(beta)`` (in registers) and ``-W = -X' (e^G k)``.

@@ -12,7 +12,7 @@ never factored as ``exp(G_i) exp(-G_j)``):
   max) thanks to the lower-bounded gate ``g >= -5``; columns past tile ``a`` are clamped at 80 before
   ``exp`` and masked afterwards. **The kernels therefore require g >= -5** (K3's ``kda_gate``; fla's
   ``safe_gate=True, lower_bound=-5``); the reference has no such restriction.
-* ``(I + diag(beta) A_kk)^-1`` by doubling (``_layout.unit_lower_inverse``, 10 matmuls of 64^3).
+* ``(I + diag(beta) A_kk)^-1`` by doubling (``reference.unit_lower_inverse``, 10 matmuls of 64^3).
 * ``W = X (beta e^G K)``, ``U = X (beta V)``, ``V~ = U - W S``, ``O = (q e^G) S + A_qk V~``,
   ``S' = diag(e^{G_C}) S + (e^{G_C - G} K)^T V~`` - with the document masks for packed sequences.
 
@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.forward_only import forward_only
 from pallas_kernels.kda import _layout
+from pallas_kernels.kda import reference as ref
 
 HIGHEST = jax.lax.Precision.HIGHEST
 SUB = 16  # sub-tile (tokens) for the factored decay products
@@ -95,7 +96,7 @@ def _chunk_fwd_kernel(
     aqk = jnp.where((row >= col) & same, aqk_scr[...], 0.0)
 
     # --- UT transform: X = (I + diag(beta) A_kk)^-1 (fp32), W = X (beta e^G K), U = X (beta V).
-    x = _layout.unit_lower_inverse(beta * akk, C, lambda a_, b_: _mm(a_, b_, NN, f32))
+    x = ref.unit_lower_inverse(beta * akk, C, lambda a_, b_: _mm(a_, b_, NN, f32))
     carry = segc == 0  # [C, 1]: tokens still in the document that entered with the state
     eg = jnp.where(carry, jnp.exp(gam), 0.0)  # [C, K]
     w = _mm(x, beta * eg * k, NN, f32)  # [C, K]

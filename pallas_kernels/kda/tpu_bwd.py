@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import _layout
+from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.tpu import EXP_CLAMP, NN, NT, SUB, TN, _mm
 
 __all__ = ["chunk_states", "chunk_kda_bwd"]
@@ -84,7 +85,7 @@ def _decay_tiles(x_ref, k_ref, gam_ref, out_scr, x_scale: float, mm_dtype) -> No
 def _ut(k, v, gam, beta, segc, akk, mm_dtype):
     """UT transform of one chunk: ``X``, ``e`` (carry * e^G), ``B_k``, ``B_v``, ``W``, ``U``."""
     C = k.shape[0]
-    x = _layout.unit_lower_inverse(beta * akk, C, lambda a_, b_: _mm(a_, b_, NN, jnp.float32))
+    x = ref.unit_lower_inverse(beta * akk, C, lambda a_, b_: _mm(a_, b_, NN, jnp.float32))
     eg = jnp.where(segc == 0, jnp.exp(gam), 0.0)
     bk = beta * eg * k
     bv = beta * v
