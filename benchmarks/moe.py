@@ -11,16 +11,24 @@ Parts (``--parts``, in this order; each under its own wall-clock budget, one JSO
   (``gpu.mxfp4_tiles``): the expert FFN (fused w1/w3 + SiTU-GLU, then w2), the reference (dequantize to bf16 +
   ``jax.lax.ragged_dot``) on the same, and routed decode steps (``--routing`` ``tokens:topk:experts``, uniform
   random top-k: dispatch + FFN + combine; K3's 64 tokens top-16 of 896 and k3-slice's 64 tokens top-4 of 16).
+  Peers ``mgpu_gmm_w1``, ``mgpu_glu_w1w3`` and ``mgpu_ffn``: the same on the Pallas Mosaic GPU MXFP4 kernel
+  (:mod:`pallas_kernels.moe.mosaic_gpu_mxfp4`, TMA + wgmma; tiles ``--mx-mgpu-tiles`` ``tm,stages,mode``; the FFN
+  through ``expert_ffn(implementation="mosaic_gpu")``), in the same run.
   ``gbps`` = weight bytes of the experts that received rows (codes + scales) / time; ``pct_hbm`` = that / the copy
   bandwidth.
 - ``ffn``: the routed expert FFN ``w2(SiTU-GLU(x w1, x w3))`` at K3 shapes (L = 3584, I = 3072; 65,536 rows over 64
   local experts, balanced and skewed), forward and forward+backward (grads of x, w1, w3, w2), peers: ``ours``
   (``expert_ffn(implementation="triton")``: two grouped matmuls + XLA SiTU-GLU, then w2), ``mosaic_gpu`` (the same
-  with the Pallas Mosaic GPU grouped matmuls, ``implementation="mosaic_gpu"``), ``ours_unfused``
+  with the Pallas Mosaic GPU kernels, ``implementation="mosaic_gpu"``: the fused w1/w3 + SiTU-GLU kernel, then w2;
+  ``mosaic_gpu_unfused``: three Mosaic GPU grouped matmuls, SiTU-GLU in XLA), ``ours_unfused``
   (the same products through ``gpu.gmm`` directly, forward), ``tokamax``
   (``tokamax.ragged_dot(implementation="mosaic")`` for the three products), ``reference``
   (``jax.lax.ragged_dot``), ``dense`` (bf16 matmuls [M,L]x[L,I] x2 and [M,I]x[I,L]: the same FLOPs).
   FLOPs = 6 M L I (x3 with backward); ``pct_dense`` vs the dense peer of the same pass.
+- ``glu`` (not run by default): the fused w1/w3 + SiTU-GLU forward, ``situ_glu(x w1, x w3)`` per group, at the
+  ``ffn`` shapes: the Mosaic GPU kernel (:mod:`pallas_kernels.moe.mosaic_gpu_glu`) over ``--glu-blocks`` against
+  the unfused products on the Mosaic GPU and Triton grouped matmuls, the reference and dense matmuls (FLOPs
+  4 M L I).
 - ``gmm`` (not run by default): one grouped matmul [M, L] x [E, L, I] with a tile sweep of ``gpu.gmm`` and a block
   sweep of the Mosaic GPU kernel behind ``mosaic_gpu`` (``--mgpu-blocks``).
 
@@ -46,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.moe import gpu, ops
+from pallas_kernels.moe import mosaic_gpu_mxfp4 as mgpu_mx
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.registry import selections
 
@@ -178,7 +187,14 @@ def _decode_case(a, e: int, rows: int, report, budget: Budget) -> None:
               ("ours_glu_w1w3", a.mx_glu_tiles, mx_bytes(w1, e) + mx_bytes(w3, e), glu_base,
                lambda x, w1, w3, g, t: gpu.gmm_mxfp4(x, [(w["weight_packed"], w["weight_scale"]) for w in (w1, w3)],
                                                      g, epilogue=glu, out_dtype=jnp.float32, tiles=t,
-                                                     interpret=a.interpret))]
+                                                     interpret=a.interpret)),
+              ("mgpu_gmm_w1", a.mx_mgpu_tiles, mx_bytes(w1, e), base,
+               lambda x, w1, w3, g, t: mgpu_mx.gmm_mxfp4(x, [(w1["weight_packed"], w1["weight_scale"])], g,
+                                                         out_dtype=jnp.float32, tiles=t, interpret=a.interpret)),
+              ("mgpu_glu_w1w3", a.mx_mgpu_tiles, mx_bytes(w1, e) + mx_bytes(w3, e), glu_base,
+               lambda x, w1, w3, g, t: mgpu_mx.gmm_mxfp4(
+                   x, [(w["weight_packed"], w["weight_scale"]) for w in (w1, w3)], g, epilogue=glu,
+                   out_dtype=jnp.float32, tiles=t, interpret=a.interpret))]
     for peer, cfgs, nbytes, want, call in sweeps:
         for cfg in filter(None, cfgs.split(";")):
             tiles = tuple(int(v) for v in cfg.split(","))
@@ -197,20 +213,29 @@ def _decode_case(a, e: int, rows: int, report, budget: Budget) -> None:
     ffn_bytes = mx_bytes(w1, e) + mx_bytes(w3, e) + mx_bytes(w2, e)
     ours = jax.jit(lambda x, g, w1, w3, w2: ops.expert_ffn(x, g, w1, w3, w2, implementation="triton",
                                                             interpret=a.interpret))
+    mgpu = jax.jit(lambda x, g, w1, w3, w2: ops.expert_ffn(x, g, w1, w3, w2, implementation="mosaic_gpu",
+                                                            interpret=a.interpret))
     refn = jax.jit(lambda x, g, w1, w3, w2: ref.expert_ffn(x, g, w1, w3, w2))
-    out_ours = None
+    out_ours = out_mgpu = None
     try:
         out_ours, tm = timeit(ours, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
         report("ours_ffn", case, tm, ffn_bytes, tiles=list(gpu.mxfp4_tiles(m, e)))
     except Exception as exc:  # noqa: BLE001
         err_line(part, "ours_ffn", exc, case=case)
     try:
+        out_mgpu, tm = timeit(mgpu, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
+        report("mgpu_ffn", case, tm, ffn_bytes, tiles=list(mgpu_mx.mxfp4_tiles(m, e, 2)),
+               tiles_w2=list(mgpu_mx.mxfp4_tiles(m, e, 1)))
+    except Exception as exc:  # noqa: BLE001
+        err_line(part, "mgpu_ffn", exc, case=case)
+    try:
         out_ref, tm = timeit(refn, x, gs, w1, w3, w2, iters=a.decode_iters, budget=budget)
-        extra = {"rel_err_ours_vs_ref": rel_err(out_ours, out_ref)} if out_ours is not None else {}
+        extra = {f"rel_err_{name}_vs_ref": rel_err(out, out_ref)
+                 for name, out in (("ours", out_ours), ("mgpu", out_mgpu)) if out is not None}
         report("reference_ffn", case, tm, ffn_bytes, **extra)
     except Exception as exc:  # noqa: BLE001
         err_line(part, "reference_ffn", exc, case=case)
-    del x, w1, w3, w2, out_ours
+    del x, w1, w3, w2, out_ours, out_mgpu
 
 
 def part_decode(a, budget: Budget) -> None:
@@ -263,6 +288,12 @@ def part_decode(a, budget: Budget) -> None:
 
 
 # ----------------------------------------------------------------------------------------- bf16 expert FFN
+def _mosaic_gpu_gmm():
+    from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415 (the Mosaic GPU toolchain, GPU runs only)
+
+    return mosaic_gpu.gmm
+
+
 def part_ffn(a, budget: Budget) -> None:
     m, e, lat, inter = a.m, a.e, a.lat, a.inter
     part = "ffn"
@@ -293,6 +324,8 @@ def part_ffn(a, budget: Budget) -> None:
                                                         interpret=a.interpret),
         "mosaic_gpu": lambda x, w1, w3, w2, g: ops.expert_ffn(x, g, w1, w3, w2, implementation="mosaic_gpu"),
         "ours_unfused": glu_ffn(lambda x, w, g: gpu.gmm(x, w, g, interpret=a.interpret)),
+        # the mosaic_gpu backend before its fused w1/w3 + SiTU-GLU kernel: three grouped matmuls, SiTU-GLU in XLA
+        "mosaic_gpu_unfused": glu_ffn(lambda x, w, g: _mosaic_gpu_gmm()(x, w, g)),
         "reference": lambda x, w1, w3, w2, g: ref.expert_ffn(x, g, w1, w3, w2),
     }
     try:
@@ -309,8 +342,9 @@ def part_ffn(a, budget: Budget) -> None:
 
     # (peer, pass) in priority order; each compiled once, then timed on both distributions.
     plan = [("dense", "fwd"), ("ours", "fwd"), ("mosaic_gpu", "fwd"), ("dense", "fwdbwd"), ("ours", "fwdbwd"),
-            ("mosaic_gpu", "fwdbwd"), ("tokamax", "fwd"), ("tokamax", "fwdbwd"), ("reference", "fwd"),
-            ("reference", "fwdbwd"), ("ours_unfused", "fwd")]
+            ("mosaic_gpu", "fwdbwd"), ("mosaic_gpu_unfused", "fwd"), ("mosaic_gpu_unfused", "fwdbwd"),
+            ("tokamax", "fwd"), ("tokamax", "fwdbwd"), ("reference", "fwd"), ("reference", "fwdbwd"),
+            ("ours_unfused", "fwd")]
     dense_tf: dict[str, float] = {}
     outs: dict[tuple[str, str, str], object] = {}
     for peer, pas in plan:
@@ -336,9 +370,9 @@ def part_ffn(a, budget: Budget) -> None:
                 rec["pct_dense"] = round(100 * tf / dense_tf[pas], 1)
             if "fwd" in dense_tf:
                 rec["pct_dense_fwd"] = round(100 * tf / dense_tf["fwd"], 1)
-            if peer in ("ours", "mosaic_gpu", "reference"):
+            if peer in ("ours", "mosaic_gpu", "mosaic_gpu_unfused", "reference"):
                 outs[(peer, pas, dist)] = out
-            for mine in ("ours", "mosaic_gpu"):
+            for mine in ("ours", "mosaic_gpu", "mosaic_gpu_unfused"):
                 if peer == "reference" and (mine, pas, dist) in outs:
                     rec[f"rel_err_{mine}_vs_ref"] = rel_err(outs[(mine, pas, dist)], out)
             emit(rec)
@@ -381,6 +415,52 @@ def part_gmm(a, budget: Budget) -> None:
             err_line(part, peer, exc, tiles=tiles)
 
 
+# --------------------------------------------------------------------------- fused w1/w3 + SiTU-GLU (forward)
+def part_glu(a, budget: Budget) -> None:
+    """``situ_glu(x w1, x w3)`` per group: the Mosaic GPU fused kernel over ``--glu-blocks`` against the unfused
+    products (two grouped matmuls + XLA SiTU-GLU) on the Mosaic GPU and Triton kernels and dense matmuls of the
+    same FLOPs; each checked against the ``reference`` output (``jax.lax.ragged_dot``) of its distribution."""
+    from pallas_kernels.moe import mosaic_gpu_glu  # noqa: PLC0415 (the Mosaic GPU toolchain, GPU runs only)
+
+    m, e, k, n = a.m, a.e, a.lat, a.inter
+    part = "glu"
+    flops = 4.0 * m * k * n
+    ks = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
+    w1, w3 = ((jax.random.normal(kk, (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16) for kk in ks[1:])
+    dists = {"balanced": jnp.full((e,), m // e, jnp.int32), "skewed": jnp.asarray(skewed_sizes(m, e))}
+    unfused = lambda mm: lambda x, w1, w3, g: ref.situ_glu(mm(x, w1, g), mm(x, w3, g))
+    runs = [("dense", lambda x, w1, w3, g: ref.situ_glu(x @ w1[0], x @ w3[0]), None),
+            ("reference", unfused(ref.grouped_matmul), None),
+            ("triton_unfused", unfused(lambda x, w, g: gpu.gmm(x, w, g, interpret=a.interpret)), None),
+            ("mosaic_gpu_unfused", unfused(lambda x, w, g: _mosaic_gpu_gmm()(x, w, g)), None)]
+    for cfg in filter(None, a.glu_blocks.split(";")):
+        bn, stages, gbn = (int(v) for v in cfg.split(","))
+        blocks = mosaic_gpu_glu.Blocks(block_n=bn, stages=stages, grid_block_n=gbn)
+        runs.append(("mosaic_gpu_glu", functools.partial(mosaic_gpu_glu.gmm_glu, blocks=blocks, interpret=a.interpret),
+                     [bn, stages, gbn]))
+    want: dict[str, object] = {}
+    for peer, f, blocks in runs:
+        fn = jax.jit(f)
+        for dist, gs in dists.items():
+            if peer == "dense" and dist != "balanced":
+                continue
+            try:
+                out, tm = timeit(fn, x, w1, w3, gs, iters=2 if peer == "reference" else a.iters, budget=budget)
+            except Exception as exc:  # noqa: BLE001
+                err_line(part, peer, exc, dist=dist, blocks=blocks)
+                continue
+            rec = {"part": part, "peer": peer, "dist": dist, "blocks": blocks, **tm,
+                   "tflops": round(flops / (tm["ms"] * 1e-3) / 1e12, 1)}
+            if peer == "reference":
+                want[dist] = out
+            elif dist in want and peer != "dense":
+                rec["rel_err_vs_ref"] = rel_err(out, want[dist])
+            emit(rec)
+            del out
+        gc.collect()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="decode,ffn")
@@ -398,9 +478,15 @@ def main() -> None:
                     help="'tm,tq,tn,warps,stages;...' MXFP4 tiles for the w1 sweep (each checked against the f32 "
                          "reference)")
     ap.add_argument("--mx-glu-tiles", default=MX_GLU_TILES, help="the same for the fused w1/w3 + SiTU-GLU kernel")
+    ap.add_argument("--mx-mgpu-tiles", default="8,2,1;8,4,1;8,2,0;8,2,2;16,2,1;16,3,1;16,2,2;32,2,1",
+                    help="'tm,stages,mode;...' of the Mosaic GPU MXFP4 kernel (w1 and fused w1/w3 sweeps; mode: "
+                         "0 JAX-op decode, 1 inline-PTX decode, 2 PTX with the operand staged in shared memory)")
     ap.add_argument("--gmm-tiles", default="128,64,256,8,3;128,64,128,8,4")
     ap.add_argument("--mgpu-blocks", default="128,128,64,4,1;128,128,64,6,4;64,256,64,4,1;128,192,64,4,1",
                     help="'block_m,block_n,block_k,stages,grid_block_n;...' of the Mosaic GPU kernel (gmm part)")
+    ap.add_argument("--glu-blocks", default="128,4,8;128,3,8;128,4,1;128,4,16;64,4,8;192,2,8",
+                    help="'block_n,stages,grid_block_n;...' of the Mosaic GPU fused w1/w3 + SiTU-GLU kernel (glu part)")
+    ap.add_argument("--budget-glu", type=float, default=90.0)
     ap.add_argument("--budget-decode", type=float, default=60.0)
     ap.add_argument("--budget-ffn", type=float, default=150.0)
     ap.add_argument("--budget-gmm", type=float, default=90.0)
@@ -408,7 +494,7 @@ def main() -> None:
     a = ap.parse_args()
     emit({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "args": vars(a)})
     parts = {"decode": (part_decode, a.budget_decode), "ffn": (part_ffn, a.budget_ffn),
-             "gmm": (part_gmm, a.budget_gmm)}
+             "gmm": (part_gmm, a.budget_gmm), "glu": (part_glu, a.budget_glu)}
     for name in a.parts.split(","):
         fn, seconds = parts[name]
         try:

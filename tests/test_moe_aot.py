@@ -49,7 +49,7 @@ def test_tpu_moe_kernels_compile_aot(topology):
 
     def train_ffn(x, w1, w3, w2, gs):
         def loss(x, w1, w3, w2):
-            h = ops.tpu_glu_fn(4.0, 25.0, False)(x, w1, w3, gs)  # fused kernel, kernel backward
+            h = ops.fused_glu_fn("mosaic_tpu", 4.0, 25.0, False)(x, w1, w3, gs)  # fused kernel, kernel backward
             return jnp.sum(tpu.gmm(h, w2, gs).astype(jnp.float32))
 
         # gmm forward + its kernel backward (transposed gmm, tgmm) on both expert matmul shapes

@@ -10,7 +10,11 @@ that cannot run raises with the reason):
   in XLA), MXFP4 weights decoded in registers from the packed HF layout (forward only; the w1/w3 pair in one
   kernel with the SiTU-GLU epilogue);
 * ``mosaic_gpu`` (:mod:`.mosaic_gpu`, sm_90+): grouped matmul (forward, ``dlhs``, ``drhs``) on Pallas Mosaic GPU
-  (wgmma + TMA), bf16 with K, N multiples of 128; w1 and w3 as two grouped matmuls, SiTU-GLU in XLA; not MXFP4;
+  (wgmma + TMA), bf16 with K, N multiples of 128 (JAX's ``ragged_dot_mgpu`` kernels); w1/w3 + SiTU-GLU fused in one
+  kernel (:mod:`.mosaic_gpu_glu`, whose backward recomputes gate and up with the grouped matmul); MXFP4 weights
+  through :mod:`.mosaic_gpu_mxfp4` (bf16 activations, K a multiple of 512, N of 64; decoded in registers from the
+  packed HF layout, forward only; the w1/w3 pair in one kernel with the SiTU-GLU epilogue; stacked weights read in
+  place); only that MXFP4 kernel has an interpret mode (the Mosaic GPU interpreter);
 * ``xla`` (:mod:`.reference`): ``jax.lax.ragged_dot`` (a tiled einsum form on CPU), any dtype.
 
 Order on a GPU: ``triton`` while JAX ships the Pallas Triton backend (``registry.TRITON_SHIPPED``), then
@@ -19,7 +23,7 @@ ahead because the Mosaic GPU grouped matmul loses to it on Hopper (benchmarks/RE
 what ``"auto"`` picks on Hopper once the Triton backend is gone, and can be chosen by name today.
 Backends check the target platform (``platform=`` or :func:`pallas_kernels.registry.target_platform`;
 ``interpret=True`` runs the Pallas kernels on CPU in interpret mode, ``"auto"`` then picks ``mosaic_tpu``;
-JAX's Mosaic GPU grouped-matmul kernels take no interpret flag) and the dtype.
+JAX's Mosaic GPU bf16 grouped-matmul kernels take no interpret flag, the MXFP4 one does) and the dtype.
 
 Gradients: every bf16/f32 path is differentiable w.r.t. tokens, routing weights and expert weights; the MXFP4
 kernels are forward only, and :func:`expert_ffn` over MXFP4 weights differentiates w.r.t. the tokens alone
@@ -36,7 +40,7 @@ low-rank grouped matmuls); tokens get theirs as without adapters.
 Stacked weights (``layer=``, one-token decode): :func:`expert_ffn` and :func:`moe_dispatch_combine` also take the
 whole ``[L, E, ...]`` stack of a scanned layer segment plus the layer index. ``triton`` and ``mosaic_tpu`` read
 that layer in place (no per-layer weight copy; forward only) when the weights are MXFP4 or already in the
-activations' dtype; every other case takes the layer's slice
+activations' dtype, ``mosaic_gpu`` when they are MXFP4; every other case takes the layer's slice
 (:func:`reference.layer_of`, which XLA may copy) and runs as without ``layer``, so results are the same.
 """
 
@@ -87,15 +91,31 @@ def _kernel_reason(platform: str):
 
 
 def _mosaic_gpu_reason(call: MoeCall) -> str | None:
+    if call.mxfp4:
+        return _mosaic_gpu_mxfp4_reason(call)
     if call.platform != "gpu":
         return (f"needs target platform gpu (JAX's ragged_dot_mgpu kernels have no interpret mode), "
                 f"target is {call.platform}")
-    if call.mxfp4:
-        return "takes bf16 weights, not MXFP4"
     from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415  (imports the Mosaic GPU toolchain)
 
     _, k, n = call.shape
     return mosaic_gpu.arch_reason(call.compute_capability) or mosaic_gpu.shape_reason(call.dtype, k, n)
+
+
+def _mosaic_gpu_mxfp4_reason(call: MoeCall) -> str | None:
+    """The MXFP4 kernel (:mod:`.mosaic_gpu_mxfp4`): sm_90+ or its interpreter on CPU, bf16 activations, K a
+    multiple of 512 and N of 64 (checked on the first product)."""
+    reason = platform_reason(call, "gpu", "the Mosaic GPU interpreter")
+    if reason is None and call.platform == "gpu":
+        from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415
+
+        reason = mosaic_gpu.arch_reason(call.compute_capability)
+    if reason is None and call.dtype != "bfloat16":
+        reason = f"takes bfloat16 activations with MXFP4 weights, got {call.dtype}"
+    _, k, n = call.shape
+    if reason is None and (k % 512 or n % 64):
+        reason = f"needs K a multiple of 512 and N of 64 with MXFP4 weights, got K={k}, N={n}"
+    return reason
 
 
 def _triton_reason(call: MoeCall) -> str | None:
@@ -105,7 +125,8 @@ def _triton_reason(call: MoeCall) -> str | None:
 EXPERT_FFN = Registry("moe.expert_ffn", (
     Backend("mosaic_tpu", "Pallas Mosaic TPU grouped matmul, fused SiTU-GLU, MXFP4 in VMEM", _kernel_reason("tpu")),
     Backend("triton", "Pallas Triton grouped matmul, MXFP4 decoded in registers", _triton_reason),
-    Backend("mosaic_gpu", "Pallas Mosaic GPU grouped matmul (sm_90 wgmma + TMA), bf16", _mosaic_gpu_reason),
+    Backend("mosaic_gpu", "Pallas Mosaic GPU grouped matmul (sm_90 wgmma + TMA), bf16; MXFP4 decoded in registers",
+            _mosaic_gpu_reason),
     Backend("xla", "jax.lax.ragged_dot reference (tiled einsum on CPU)", lambda call: None),
 ), ALIASES)
 
@@ -144,7 +165,7 @@ def grouped_matmul(
     if impl == "xla":
         return ref.grouped_matmul(lhs, ref.dense_expert_weight(rhs, lhs.dtype), group_sizes,
                                   preferred_element_type=preferred_element_type, platform=platform)
-    if impl == "mosaic_gpu":
+    if impl == "mosaic_gpu" and not is_mxfp4(rhs):
         from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415
 
         return mosaic_gpu.gmm(lhs, ref.dense_expert_weight(rhs, lhs.dtype), group_sizes,
@@ -158,9 +179,12 @@ def grouped_matmul(
 
 
 def _kernels(impl: str):
-    """``(kernel module, MXFP4 weight dict -> that module's MXFP4 operand)`` for a kernel backend."""
+    """``(kernel module, MXFP4 weight dict -> that module's MXFP4 operand)`` for a kernel backend (``mosaic_gpu``:
+    its MXFP4 module, whose ``gmm_mxfp4`` is the only kernel taken from it)."""
     if impl == "mosaic_tpu":
         from pallas_kernels.moe import tpu as kern  # noqa: PLC0415
+    elif impl == "mosaic_gpu":
+        from pallas_kernels.moe import mosaic_gpu_mxfp4 as kern  # noqa: PLC0415
     else:
         from pallas_kernels.moe import gpu as kern  # noqa: PLC0415
 
@@ -168,19 +192,31 @@ def _kernels(impl: str):
 
 
 @functools.cache
-def tpu_glu_fn(beta1: float, beta2: float, interpret: bool):
-    """``f(x, w1, w3, group_sizes) -> [M, I]``: the fused Mosaic w1/w3 + SiTU-GLU kernel forward; the backward
-    recomputes gate/up with ``tpu.gmm`` and runs its kernel backward."""
-    from pallas_kernels.moe import tpu  # noqa: PLC0415
+def fused_glu_fn(impl: str, beta1: float, beta2: float, interpret: bool):
+    """``f(x, w1, w3, group_sizes) -> [M, I]``: ``impl``'s fused w1/w3 + SiTU-GLU kernel forward (``mosaic_tpu``:
+    ``tpu.gmm_glu``; ``mosaic_gpu``: ``mosaic_gpu_glu.gmm_glu``, no interpret mode here); the backward recomputes
+    gate and up with ``impl``'s grouped matmul and runs its kernel backward."""
+    if impl == "mosaic_tpu":
+        from pallas_kernels.moe import tpu  # noqa: PLC0415
+
+        fused = functools.partial(tpu.gmm_glu, beta1=beta1, beta2=beta2, interpret=interpret)
+        mm = functools.partial(tpu.gmm, interpret=interpret)
+    elif impl == "mosaic_gpu":
+        from pallas_kernels.moe import mosaic_gpu, mosaic_gpu_glu  # noqa: PLC0415
+
+        fused = functools.partial(mosaic_gpu_glu.gmm_glu, beta1=beta1, beta2=beta2)
+        mm = mosaic_gpu.gmm
+    else:
+        raise ValueError(f"fused_glu_fn: no fused w1/w3 + SiTU-GLU kernel on {impl!r} (mosaic_tpu, mosaic_gpu)")
 
     def products(x, w1, w3, gs):
-        return (tpu.gmm(x, w1, gs, interpret=interpret), tpu.gmm(x, w3, gs, interpret=interpret))
+        return mm(x, w1, gs), mm(x, w3, gs)
 
     act = lambda g, u: ref.situ_glu(g, u, beta1, beta2)
 
     @jax.custom_vjp
     def f(x, w1, w3, gs):
-        return tpu.gmm_glu(x, w1, w3, gs, beta1=beta1, beta2=beta2, interpret=interpret)
+        return fused(x, w1, w3, gs)
 
     def fwd(x, w1, w3, gs):
         return f(x, w1, w3, gs), (x, w1, w3, gs)
@@ -216,7 +252,8 @@ def _padded_adapter(adapter: ref.ExpertAdapter, multiple: int) -> ref.ExpertAdap
 def mxfp4_grouped_matmul(impl: str, interpret: bool, platform: str | None, x: jax.Array, group_sizes: jax.Array,
                          w: dict[str, jax.Array]) -> jax.Array:
     """``x [M, K] x W_e`` -> f32 ``[M, N]`` for an MXFP4 weight dict ``w`` (HF ``[E, N, K/2]`` codes) on ``impl``'s
-    forward-only MXFP4 kernel (``mosaic_tpu`` or ``triton``: decoded tile by tile, nothing dequantized in memory).
+    forward-only MXFP4 kernel (``mosaic_tpu``, ``triton`` or ``mosaic_gpu``: decoded tile by tile, nothing
+    dequantized in memory).
 
     Differentiable w.r.t. ``x`` only: the backward is the transposed product on ``impl``'s bf16 grouped matmul over
     ``W`` decoded to ``x.dtype`` (E2M1 x E8M0 values are exact in bf16, so it is the derivative of the function
@@ -326,7 +363,7 @@ def expert_ffn(
     """Routed experts on expert-sorted rows (same contract as :func:`reference.expert_ffn`).
 
     ``layer`` (i32 scalar): w1/w3/w2 are stacks ``[L, ...]`` of that contract's weights, and layer ``layer`` is
-    used (read in place by ``triton`` and ``mosaic_tpu``; sliced for the other backends).
+    used (read in place by ``triton`` and ``mosaic_tpu``, and by ``mosaic_gpu`` for MXFP4; sliced otherwise).
     ``adapters``: LoRA adapters of the expert weights (see the module docstring); not with ``layer``.
     """
     impl = select(implementation, x_sorted, w1 if layer is None else _one_layer_shape(w1), interpret, platform)
@@ -343,7 +380,8 @@ def expert_ffn(
                                    interpret=interpret, platform=platform)
     in_place = all(is_mxfp4(w) for w in (w1, w3, w2)) or all(
         not is_mxfp4(w) and w.dtype == x_sorted.dtype for w in (w1, w3, w2))  # no cast of the whole stack
-    if layer is not None and impl in ("triton", "mosaic_tpu") and in_place:
+    all_mxfp4 = all(is_mxfp4(w) for w in (w1, w3, w2))
+    if layer is not None and in_place and (impl in ("triton", "mosaic_tpu") or (impl == "mosaic_gpu" and all_mxfp4)):
         return _kernel_ffn_layer(impl, x_sorted, group_sizes, w1, w3, w2, layer, beta1=beta1, beta2=beta2,
                                  mxfp8_activations=mxfp8_activations, interpret=interpret)
     if layer is not None:
@@ -362,11 +400,10 @@ def expert_ffn(
     if impl == "mosaic_gpu":
         from pallas_kernels.moe import mosaic_gpu  # noqa: PLC0415
 
-        mm = lambda lhs, w, **kw: mosaic_gpu.gmm(lhs, w, group_sizes, **kw)
-        h = ref.situ_glu(mm(a, d1), mm(a, d3), beta1, beta2)
-        return mm(quant(h), d2).astype(dt)
+        h = fused_glu_fn(impl, float(beta1), float(beta2), False)(a, d1, d3, group_sizes)
+        return mosaic_gpu.gmm(quant(h), d2, group_sizes).astype(dt)
     if impl == "mosaic_tpu":
-        h = tpu_glu_fn(float(beta1), float(beta2), bool(interpret))(a, d1, d3, group_sizes)
+        h = fused_glu_fn(impl, float(beta1), float(beta2), bool(interpret))(a, d1, d3, group_sizes)
     else:
         gate = kern.gmm(a, d1, group_sizes, interpret=interpret)
         up = kern.gmm(a, d3, group_sizes, interpret=interpret)
@@ -377,8 +414,8 @@ def expert_ffn(
 
 def _kernel_ffn_layer(impl, x_sorted, group_sizes, w1, w3, w2, layer, *, beta1, beta2, mxfp8_activations,
                       interpret):
-    """:func:`expert_ffn`'s ``triton`` / ``mosaic_tpu`` path on stacked weights read in place at ``layer``
-    (forward only): the same kernels as on the layer's slice."""
+    """:func:`expert_ffn`'s ``triton`` / ``mosaic_tpu`` (and ``mosaic_gpu`` MXFP4) path on stacked weights read in
+    place at ``layer`` (forward only): the same kernels as on the layer's slice."""
     kern, pair = _kernels(impl)
     dt = x_sorted.dtype
     a = fake_quant_mxfp8(x_sorted) if mxfp8_activations else x_sorted
@@ -390,7 +427,7 @@ def _kernel_ffn_layer(impl, x_sorted, group_sizes, w1, w3, w2, layer, *, beta1, 
                              layer=layer)
         return out.astype(dt)
     mm = lambda lhs, w, **kw: kern.gmm(lhs, w, group_sizes, interpret=interpret, layer=layer, **kw)
-    if impl == "mosaic_tpu":  # the fused w1/w3 + SiTU-GLU kernel, as tpu_glu_fn's forward on the slice
+    if impl == "mosaic_tpu":  # the fused w1/w3 + SiTU-GLU kernel, as fused_glu_fn's forward on the slice
         h = kern.gmm_glu(a, w1, w3, group_sizes, beta1=beta1, beta2=beta2, interpret=interpret, layer=layer)
     else:
         h = ref.situ_glu(mm(a, w1), mm(a, w3), beta1, beta2)
