@@ -179,7 +179,7 @@ def step_case(cfg, lengths: list[int], args, gbps: float) -> dict:
     active, table = jnp.ones((b,), bool), jnp.asarray(table)
 
     def make(gather_view: bool, impl: str):
-        model = K3ForCausalLM(cfg.replace(mla_decode_attention_implementation=impl))
+        model = K3ForCausalLM(cfg.replace(mla_paged_decode_implementation=impl))
 
         def step(variables, cache, toks):
             logits, new = apply_on_cache(model, variables, toks[:, None], cache, table, eng.compute_dtype,

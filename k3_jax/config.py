@@ -101,7 +101,7 @@ class K3Config:
     kda_implementation: str = "auto"  # mosaic_tpu | mosaic_gpu | triton | xla
     kda_decode_implementation: str = "auto"  # mosaic_tpu | triton | mosaic_gpu | xla
     kda_verify_implementation: str = "auto"  # mosaic_tpu | triton | xla
-    moe_implementation: str = "auto"  # pallas_kernels.moe.ops.EXPERT_FFN: mosaic_tpu | triton | xla
+    moe_implementation: str = "auto"  # pallas_kernels.moe.ops.EXPERT_FFN: mosaic_tpu | triton | mosaic_gpu | xla
     # expert parallelism over the `expert` mesh axis: "auto" = "allgather" when that axis has size > 1 and the
     # expert FFN is not explicitly "xla" (then XLA partitions the pure-JAX MoE), "none" otherwise
     moe_expert_parallel: str = "auto"  # auto | none | allgather | all_to_all
@@ -110,9 +110,11 @@ class K3Config:
     # MLA attention of a prefill chunk (>= 256 queries) against a cached prefix:
     # pallas_kernels.prefix_attention.PREFIX_ATTENTION (cudnn = expanded form, xla = absorbed form)
     mla_prefix_attention_implementation: str = "auto"  # cudnn | xla
-    # MLA attention of the decode step over the latent cache: pallas_kernels.mla_decode.DECODE (contiguous cache),
-    # pallas_kernels.paged_latent_attention.PAGED_DECODE (paged cache; also triton)
-    mla_decode_attention_implementation: str = "auto"  # mosaic_tpu | triton (paged) | mosaic_gpu (paged) | xla
+    # MLA attention of the decode step over the contiguous latent cache: pallas_kernels.mla_decode.DECODE
+    mla_decode_attention_implementation: str = "auto"  # mosaic_tpu | mosaic_gpu | xla
+    # MLA attention of the decode step over a paged latent cache (the server's): pallas_kernels.paged_latent_attention
+    # .PAGED_DECODE
+    mla_paged_decode_implementation: str = "auto"  # mosaic_tpu | triton | mosaic_gpu | xla
     # where the kernels will run: "auto" = the active mesh's devices, else the default device; set it to lower
     # for another platform without a mesh of its devices (ahead-of-time compiles)
     platform: str = "auto"  # auto | cpu | gpu | tpu
@@ -284,9 +286,9 @@ def _validate_kernel_choices(c: K3Config) -> None:
                      ("kda_verify_implementation", VERIFY), ("moe_implementation", EXPERT_FFN),
                      ("mla_attention_implementation", ATTENTION),
                      ("mla_prefix_attention_implementation", PREFIX_ATTENTION),
-                     ("mla_decode_attention_implementation", (MLA_DECODE, PAGED_DECODE))):
-        choices = tuple(dict.fromkeys(n for r in (reg if isinstance(reg, tuple) else (reg,)) for n in r.choices))
-        _check(getattr(c, key) in choices, key, f"one of {choices}", getattr(c, key))
+                     ("mla_decode_attention_implementation", MLA_DECODE),
+                     ("mla_paged_decode_implementation", PAGED_DECODE)):
+        _check(getattr(c, key) in reg.choices, key, f"one of {reg.choices}", getattr(c, key))
     _check(c.moe_expert_parallel in EXPERT_PARALLEL, "moe_expert_parallel", f"one of {EXPERT_PARALLEL}",
            c.moe_expert_parallel)
     _check(c.platform in ("auto", "cpu", "gpu", "tpu"), "platform", "one of ('auto', 'cpu', 'gpu', 'tpu')",

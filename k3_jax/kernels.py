@@ -102,13 +102,12 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
                                cfg.mla_prefix_attention_implementation, call))
             call = mla_decode.DecodeCall(p, dt, (batch, cfg.num_attention_heads, cfg.kv_lora_rank,
                                                  cfg.qk_rope_head_dim, seq_len))
-            if cfg.mla_decode_attention_implementation in mla_decode.DECODE.choices:
-                out.append(_choose("mla (decode)", mla_decode.DECODE, cfg.mla_decode_attention_implementation, call))
+            out.append(_choose("mla (decode)", mla_decode.DECODE, cfg.mla_decode_attention_implementation, call))
             call = paged_latent_attention.PagedDecodeCall(
                 p, dt, dt, (batch, 1, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 16,
                             -(-seq_len // 16)))
             out.append(_choose("mla (paged decode)", paged_latent_attention.PAGED_DECODE,
-                               cfg.mla_decode_attention_implementation, call))
+                               cfg.mla_paged_decode_implementation, call))
         if has_moe:
             rows = batch * seq_len * cfg.num_experts_per_token
             call = moe_ops.MoeCall(p, dt, (rows, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),

@@ -12,7 +12,7 @@ multiplied into the latent space), ``q_rot [B, T, H, Dr]`` and ``pos [B]`` (quer
 
 FP8 pages carry one f32 scale per token (``page_scale [(R,) P, S]``); the values read are ``page · scale``.
 
-Implementations (registry :data:`PAGED_DECODE`, ``cfg.mla_decode_attention_implementation``):
+Implementations (registry :data:`PAGED_DECODE`, ``cfg.mla_paged_decode_implementation``):
 
 * :func:`paged_attention_reference`: every row's whole table gathered into a dense ``[B, max_pages · S, C + Dr]``
   view, then one masked softmax (the engine's former path; the tests' reference);

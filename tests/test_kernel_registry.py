@@ -159,6 +159,11 @@ def test_explain_per_layer_kind_and_platform():
                                            compute_capability=8.0)}
     assert refused["kda (decode)"].backend is None and "compute capability >= 9.0" in refused["kda (decode)"].error
     assert "ERROR" in refused["kda (decode)"].line()
+    # one field per MLA decode cache: the paged backend named leaves the contiguous cache's decode to its own field
+    named = {c.layer: c for c in explain(cfg.replace(mla_paged_decode_implementation="xla"), "tpu")}
+    assert named["mla (paged decode)"].backend == "xla" and named["mla (decode)"].backend == "mosaic_tpu"
+    named = {c.layer: c for c in explain(cfg.replace(mla_decode_attention_implementation="xla"), "tpu")}
+    assert named["mla (decode)"].backend == "xla" and named["mla (paged decode)"].backend == "mosaic_tpu"
 
 
 def test_attention_choice_in_the_layer_raises_off_gpu():
@@ -175,7 +180,9 @@ def test_attention_choice_in_the_layer_raises_off_gpu():
 
 BAD_FIELDS = [("kda_implementation", "pallas_gpu"), ("kda_decode_implementation", "cuda"),
               ("kda_verify_implementation", "mosaic_gpu"), ("moe_implementation", "ep_allgather"),
-              ("mla_attention_implementation", "flash"), ("moe_expert_parallel", "ring"), ("platform", "cuda")]
+              ("mla_attention_implementation", "flash"), ("moe_expert_parallel", "ring"), ("platform", "cuda"),
+              ("mla_decode_attention_implementation", "triton"),  # a paged-cache backend only: its own field
+              ("mla_paged_decode_implementation", "cudnn")]
 
 
 @pytest.mark.parametrize("key, value", BAD_FIELDS)

@@ -159,7 +159,7 @@ def config_overrides(args: argparse.Namespace) -> dict:
     unknown = unknown_fields(overrides)
     if unknown:
         raise SystemExit(f"--set {', '.join(unknown)}: not a model-config field (K3Config), e.g. kda_implementation, "
-                         "moe_implementation, mla_attention_implementation, mla_decode_attention_implementation")
+                         "moe_implementation, mla_decode_attention_implementation, mla_paged_decode_implementation")
     if args.dtype:
         overrides["dtype"] = args.dtype
     return overrides

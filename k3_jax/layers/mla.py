@@ -22,12 +22,13 @@ absorbed form above.
 
 The one-token decode step (the engine's in-place step on a segment's stacked cache) takes its scores, softmax and
 value product from the registry :data:`pallas_kernels.mla_decode.DECODE` (``cfg.mla_decode_attention_implementation``):
-``mosaic_tpu`` = flash decoding over the stacked latent cache read in place, up to each row's position; ``xla`` =
-the absorbed form above over the layer's whole cache.
+``mosaic_tpu`` / ``mosaic_gpu`` = flash decoding over the stacked latent cache read in place, up to each row's
+position; ``xla`` = the absorbed form above over the layer's whole cache.
 
 A paged cache entry (``{"pages", "scale"}`` with the model's ``page_table``; the serving engine's paged cache) goes
 through :mod:`k3_jax.layers.paged_latent`: the new tokens are written into their pages and the queries attend over
-each row's pages read in place (registry :data:`pallas_kernels.paged_latent_attention.PAGED_DECODE`).
+each row's pages read in place (registry :data:`pallas_kernels.paged_latent_attention.PAGED_DECODE`,
+``cfg.mla_paged_decode_implementation``).
 """
 
 from __future__ import annotations
@@ -355,7 +356,7 @@ class KimiMLAAttention(nn.Module):
                 raise ValueError("MLA with a paged cache needs `lengths` [B] and `page_table` [B, max_pages]")
             new_entries = jnp.concatenate([latent, k_rot], axis=-1)  # [B, T, C+Dr]
             o, new_cache = paged_latent.paged_cached_attention(
-                cfg.mla_decode_attention_implementation, cfg.platform, q_nope.astype(dt), q_rot.astype(dt),
+                cfg.mla_paged_decode_implementation, cfg.platform, q_nope.astype(dt), q_rot.astype(dt),
                 new_entries, cache, page_table, lengths, kv_kernel.reshape(c, h, dn + dv), scale, cache_index)
         else:
             if lengths is None:
