@@ -76,12 +76,12 @@ def test_gmm_mxfp4_fused_situ_glu():
 def test_scale_edge_values():
     """E8M0 0 (2^-127), 127 (1.0), 240 (largest exact), 255 (NaN) against the reference decode."""
     s = jnp.array([0, 1, 127, 200, 240, 255], jnp.int32)
-    f = np.asarray(gpu._scale_factor(s)) / 16384.0
+    f = np.asarray(gpu.scale_factor_f16(s)) / 16384.0
     want = np.ldexp(np.float32(1.0), np.asarray(s[1:5]) - 127).astype(np.float32)
     np.testing.assert_array_equal(f[1:5], want)
     assert f[0] == np.float32(2.0**-127) and np.isnan(f[5])
     codes = jnp.arange(16, dtype=jnp.int32)[None, :]
-    vals = np.asarray(gpu._decode(codes + 0x70, jnp.ones((1, 16), jnp.float32) * 16384.0, jnp.float32))[0]
+    vals = np.asarray(gpu.decode_f16(codes + 0x70, jnp.ones((1, 16), jnp.float32) * 16384.0, jnp.float32))[0]
     np.testing.assert_array_equal(vals, E2M1_LUT)  # high bits ignored, signed zero kept
     assert np.signbit(vals[8])
 
@@ -201,7 +201,7 @@ def _ptx_decode(scales) -> list[np.ndarray]:
     """gpu._mxfp4_asm's four classes through the emulator on all 256 bytes under each scale, times 2^XSHIFT (the
     activations' factor): ``[S, 128]`` f32 per class."""
     s = np.asarray(list(scales), np.int32)
-    sbits = np.asarray(gpu._scale_bits(jnp.asarray(s)), np.uint32)
+    sbits = np.asarray(gpu.scale_bits_bf16(jnp.asarray(s)), np.uint32)
     words = np.arange(256, dtype=np.uint32).reshape(64, 2, 2)  # words [64, 2]: bytes (2w, 2w + 1)
     words = (words[..., 0] | words[..., 1] << 8).astype(np.uint32)
     pair = np.broadcast_to((words[:, 0] | words[:, 1] << 16)[None], (s.size, 64))

@@ -128,7 +128,7 @@ def test_compiled_decode_places_every_code_exactly():
     byte = jnp.arange(256, dtype=jnp.uint16)
     lo, hi = (np.asarray(mx.code_bits(byte, high)).view(ml_dtypes.bfloat16).astype(np.float64) for high in (0, 1))
     s = np.arange(gpu.EXACT_SCALES[0], gpu.EXACT_SCALES[1] + 1)
-    factor = np.asarray(jax.lax.bitcast_convert_type(gpu._scale_bits(jnp.asarray(s)).astype(jnp.int16),
+    factor = np.asarray(jax.lax.bitcast_convert_type(gpu.scale_bits_bf16(jnp.asarray(s)).astype(jnp.int16),
                                                      jnp.bfloat16)).astype(np.float64)
     for vals, codes in ((lo, np.arange(256) & 15), (hi, np.arange(256) >> 4)):
         got = vals[:, None] * factor[None, :]
@@ -173,7 +173,7 @@ def test_compiled_ptx_decode_equals_the_integer_decode():
     bf16 values of :func:`mx.code_bits` times the factor for both bytes and both nibbles."""
     pairs = np.arange(1 << 16, dtype=np.uint32)
     for s in (gpu.EXACT_SCALES[0], 127, gpu.EXACT_SCALES[1]):
-        f = int(np.asarray(gpu._scale_bits(jnp.int32(s))))
+        f = int(np.asarray(gpu.scale_bits_bf16(jnp.int32(s))))
         regs = _run_ptx(mx.DECODE_PTX, {"$2": pairs, "$3": np.full_like(pairs, f | (f << 16))})
         fac = np.array(f, np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
         for out, high in (("$0", False), ("$1", True)):

@@ -87,7 +87,7 @@ def _gmm_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, lhs_ref, rhs_re
 
 def _gmm_call(lhs, rhs, group_sizes, *, trans_b, out_dtype, tiles, interpret, layer=None):
     """``rhs [E, K, N]`` (``[E, N, K]`` with ``trans_b``), or ``[L, E, ...]`` read at ``layer`` (i32 scalar)."""
-    lyr = _layer_index(rhs, layer, 3)
+    lyr = layer_index(rhs, layer, 3)
     m, k = lhs.shape
     e = rhs.shape[-3]
     n = rhs.shape[-2] if trans_b else rhs.shape[-1]
@@ -105,7 +105,7 @@ def _gmm_call(lhs, rhs, group_sizes, *, trans_b, out_dtype, tiles, interpret, la
     )(gid, row0, ends, num, lyr, lhs, rhs)
 
 
-def _layer_index(w: jax.Array, layer: jax.Array | None, ndim: int) -> jax.Array:
+def layer_index(w: jax.Array, layer: jax.Array | None, ndim: int) -> jax.Array:
     """The kernels' layer input ``i32 [1]`` for weight ``w``: 0 for an unstacked ``ndim``-D weight (unused), else
     ``layer`` of the stack ``[L, ...]`` (``ndim + 1`` dims)."""
     if layer is None:
@@ -261,7 +261,7 @@ def tgmm(lhs, dout, group_sizes, *, tiles=None, out_dtype=jnp.float32, interpret
 # the exact products. Exact for every E8M0 scale in [EXACT_SCALES[0], EXACT_SCALES[1]]; smaller scales
 # (|w| < 6 * 2^(EXACT_SCALES[0] - 127)) round in the bf16 subnormal range; larger scales (and 255, NaN in E8M0)
 # decode as +-inf (NaN for code 0): a non-finite output, never a finite wrong one. f32 activations, and the
-# interpreter (no inline PTX there), use the f32 decode (:func:`_decode`: exact for s in 0..240 on the GPU, 2..240
+# interpreter (no inline PTX there), use the f32 decode (:func:`decode_f16`: exact for s in 0..240 on the GPU, 2..240
 # on XLA:CPU, which flushes the f32 subnormals of s <= 1), with unscaled activations.
 XSHIFT = 16
 EXACT_SCALES = (XSHIFT - 5, 128 + XSHIFT)
@@ -281,8 +281,8 @@ def code_words(codes: jax.Array) -> jax.Array:
     return lo[..., 0].astype(jnp.uint16) | (hi[..., 0].astype(jnp.uint16) << 8)
 
 
-def _scale_factor(scales: jax.Array) -> jax.Array:
-    """E8M0 ``i32 [...]`` -> ``f32 2^(s - 127) * 2^14`` (the 2^14 undoes the f16 placement in :func:`_decode`).
+def scale_factor_f16(scales: jax.Array) -> jax.Array:
+    """E8M0 ``i32 [...]`` -> ``f32 2^(s - 127) * 2^14`` (the 2^14 undoes the f16 placement in :func:`decode_f16`).
 
     Exact for s in 0..240; 255 (NaN in E8M0) gives NaN; s > 240 (|w| >= 2^114, absent from real weights)
     overflows to inf where the reference is finite.
@@ -292,7 +292,7 @@ def _scale_factor(scales: jax.Array) -> jax.Array:
     return jnp.where(scales == 255, jnp.float32(jnp.nan), f)
 
 
-def _decode(codes: jax.Array, factor: jax.Array, dtype) -> jax.Array:
+def decode_f16(codes: jax.Array, factor: jax.Array, dtype) -> jax.Array:
     """4-bit E2M1 codes (low 4 bits of ``i32 [tn, tq]``; higher bits ignored) x ``factor f32 [tn, tq]``.
 
     The 3 magnitude bits go to f16 bits 9..11 (exponent low bits + top mantissa bit) and the sign to bit 15:
@@ -309,7 +309,7 @@ def _broadcast_groups(v: jax.Array, tq: int) -> jax.Array:
     return jnp.broadcast_to(v[:, :, None], (tn, ts, 8)).reshape(tn, tq)
 
 
-def _scale_bits(s: jax.Array) -> jax.Array:
+def scale_bits_bf16(s: jax.Array) -> jax.Array:
     """E8M0 ``i32`` -> bf16 bits (``i32``) of ``2^(s - 1 - XSHIFT)``, saturated to +inf above EXACT_SCALES[1]."""
     return (jnp.minimum(s, EXACT_SCALES[1] + 1) + (126 - XSHIFT)) << 7
 
@@ -334,14 +334,14 @@ def _decode_tile(words: jax.Array, scales_u8: jax.Array, dtype, interpret: bool)
     tq = words.shape[1]
     s = scales_u8.astype(jnp.int32) & 0xFF
     if jnp.dtype(dtype) == jnp.bfloat16 and not interpret:
-        sf = jax.lax.bitcast_convert_type(_broadcast_groups(_scale_bits(s), tq).astype(jnp.int16), jnp.bfloat16)
+        sf = jax.lax.bitcast_convert_type(_broadcast_groups(scale_bits_bf16(s), tq).astype(jnp.int16), jnp.bfloat16)
         out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
         # one result per asm block: this JAX's Pallas lowering of elementwise_inline_asm returns a single value
         return [pltriton.elementwise_inline_asm(_mxfp4_asm(c), args=[words, sf], constraints="=r,r,r", pack=2,
                                                 result_shape_dtypes=[out])[0] for c in range(4)]
     w = words.astype(jnp.int32)
-    f = _broadcast_groups(_scale_factor(s), tq)
-    return [_decode(w >> (4 * c), f, dtype) for c in range(4)]
+    f = _broadcast_groups(scale_factor_f16(s), tq)
+    return [decode_f16(w >> (4 * c), f, dtype) for c in range(4)]
 
 
 def _gmm_mxfp4_kernel(gid_ref, row0_ref, ends_ref, num_ref, layer_ref, x_ref, *refs,
@@ -448,7 +448,7 @@ def gmm_mxfp4(
         raise ValueError("gpu.gmm_mxfp4: pass one weight, or two weights with an epilogue")
     m, k = x.shape
     codes0, _ = weights[0]
-    lyr = [_layer_index(a, layer, 3) for w in weights for a in w][0]  # checks every array's rank
+    lyr = [layer_index(a, layer, 3) for w in weights for a in w][0]  # checks every array's rank
     lead, (e, n, kh) = codes0.shape[:-3], codes0.shape[-3:]
     for codes, scales in weights:
         if codes.dtype != jnp.uint8 or scales.dtype != jnp.uint8:

@@ -26,7 +26,7 @@ scales in :data:`pallas_kernels.moe.gpu.EXACT_SCALES` and ``|x| < 2^(128 - XSHIF
 (:data:`A_PTX`) both nibbles of a register's two bytes decode in one inline-PTX block (:data:`DECODE_PTX`, 9
 instructions per 2 code bytes); :data:`A_JAX` writes the same in JAX integer ops; :data:`A_STAGED` writes the
 decoded operands to shared memory for wgmma instead of passing them in registers. The Mosaic GPU interpreter
-(XLA:CPU flushes subnormal products) decodes through f16 and f32 instead (:func:`pallas_kernels.moe.gpu._decode`:
+(XLA:CPU flushes subnormal products) decodes through f16 and f32 instead (:func:`pallas_kernels.moe.gpu.decode_f16`:
 exact for scales 2..240) with unscaled activations, and stages the operands (it reads every wgmma operand from
 memory).
 
@@ -142,11 +142,14 @@ def _decode_ptx(codes: jax.Array, factor: jax.Array) -> tuple[jax.Array, jax.Arr
 def _scale_operand(columns: list[jax.Array], interpret: bool) -> jax.Array:
     """The per-row scales ``u8 [64]`` of a chunk's groups -> ``[64, CHUNK_BYTES]`` factors, each repeated over its
     group's 16 code bytes: bf16 ``2^(s - 1 - XSHIFT)`` compiled, f32 ``2^(s - 127) * 2^14``
-    (:func:`pallas_kernels.moe.gpu._scale_factor`) in the interpreter."""
+    (:func:`pallas_kernels.moe.gpu.scale_factor_f16`) in the interpreter."""
     pieces = []
     for s_u8 in columns:
         s = s_u8.astype(jnp.int32)
-        f = gpu._scale_factor(s) if interpret else lax.bitcast_convert_type(gpu._scale_bits(s).astype(jnp.int16), BF16)
+        if interpret:
+            f = gpu.scale_factor_f16(s)
+        else:
+            f = lax.bitcast_convert_type(gpu.scale_bits_bf16(s).astype(jnp.int16), BF16)
         pieces.append(lax.broadcast_in_dim(f, (ROWS, GROUP_BYTES), [0]))
     return jnp.concatenate(pieces, axis=1)
 
@@ -156,7 +159,7 @@ def _decode_chunk(codes: jax.Array, factor: jax.Array, interpret: bool, ptx: boo
     decode in the interpreter; compiled, the bf16 decode in inline PTX (``ptx``) or in JAX integer ops."""
     if interpret:
         c = codes.astype(jnp.int32)
-        return gpu._decode(c, factor, BF16), gpu._decode(c >> 4, factor, BF16)
+        return gpu.decode_f16(c, factor, BF16), gpu.decode_f16(c >> 4, factor, BF16)
     if ptx:
         return _decode_ptx(codes, factor)
     u = codes.astype(jnp.uint16)
@@ -362,7 +365,7 @@ def gmm_mxfp4(
     if len(tiles) != 3 or tm not in (8, 16, 32) or stages < 1 or mode not in (A_JAX, A_PTX, A_STAGED):
         raise ValueError(f"mosaic_gpu_mxfp4.gmm_mxfp4: tiles=(tm, stages[, mode]) needs tm in (8, 16, 32), "
                          f"stages >= 1, mode in (0, 1, 2), got {tiles}")
-    lyr = gpu._layer_index(weights[0][0], layer, 3)
+    lyr = gpu.layer_index(weights[0][0], layer, 3)
     xe = chunk_halves(x)
     if not interpret:  # the compiled decode's weights carry 2^-XSHIFT
         xe = xe * jnp.asarray(2.0**XSHIFT, xe.dtype)
