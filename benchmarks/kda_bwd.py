@@ -15,7 +15,8 @@ Example sweep of the launch parameters (each config costs its compile plus ~1 s 
 
 ``--configs``: comma list of ``block_v:block_k[:warps][:key=value...]`` (``warps`` = num_warps of the per-chunk
 gradient kernels dqkw / wy_dx / wy_dl / da; the others keep ``gpu_bwd.DEFAULT_WARPS``); keys: ``dabk``
-(``da_block_k``), ``abk`` (``a_block_k``) and per-kernel warps ``wda``, ``wdx``, ``wdl``, ``wdq`` (da, wy_dx,
+(``da_block_k``), ``abk`` (``a_block_k``), ``mgpu`` (``mosaic_gpu_steps``: the steps on Mosaic GPU kernels,
+``+``-joined, e.g. ``mgpu=sweeps+dqkw+wy``) and per-kernel warps ``wda``, ``wdx``, ``wdl``, ``wdq`` (da, wy_dx,
 wy_dl, dqkw). A config that fails prints its error in the sweep and the sweep goes on; the fastest on the first
 shape is used for the rest.
 bf16 q/k/v/beta, fp32 log-decay in (-5, 0), K = V = 128, random output and final-state cotangents.
@@ -44,7 +45,8 @@ from pallas_kernels.kda import reference as ref  # noqa: E402
 
 PER_CHUNK = ("kda_bwd_dqkw_gpu", "kda_bwd_wy_dx_gpu", "kda_bwd_wy_dl_gpu", "kda_bwd_da_gpu")
 WARP_KEYS = {"wda": "kda_bwd_da_gpu", "wdx": "kda_bwd_wy_dx_gpu", "wdl": "kda_bwd_wy_dl_gpu", "wdq": "kda_bwd_dqkw_gpu"}
-VARIANT_KEYS = {"dabk": ("da_block_k", int), "abk": ("a_block_k", int)}
+VARIANT_KEYS = {"dabk": ("da_block_k", int), "abk": ("a_block_k", int),
+                "mgpu": ("mosaic_gpu_steps", lambda s: tuple(filter(None, s.split("+"))))}
 
 
 def bwd_kwargs(cfg: str) -> dict:

@@ -47,6 +47,11 @@ H=96 vs fp32, dq/dk/dv errors +0.5e-3): ``h``, ``dh``, ``dV~`` and the step-6 pa
 ``dB_k``, the ``dG`` partial and ``dA`` stay fp32; ``X'`` is stored in the matmul dtype (it only enters matmul
 operands: ``U = X' v``, ``W``). With the Mosaic GPU forward's ``residuals``, ``X`` is that forward's (by doubling
 on bf16 operands summed in fp32). Requires the lower-bounded gate ``g >= -5``.
+
+Mosaic GPU steps (``chunk_kda_bwd(mosaic_gpu_steps=...)``, sm_90 or the Mosaic GPU interpreter; bf16, ``K = V =
+128``, chunk 64; the same arrays in and out as the Triton kernels they replace, except that ``wy`` keeps ``dX`` on
+chip): ``"sweeps"`` = steps 4-5 (:mod:`.mosaic_gpu_bwd_sweeps`), ``"dqkw"`` = step 6 (:mod:`.mosaic_gpu_bwd_dqkw`),
+``"wy"`` = step 7, both kernels in one (:mod:`.mosaic_gpu_bwd_wy`).
 """
 
 from __future__ import annotations
@@ -511,11 +516,37 @@ def _pow2(name: str, d: int) -> None:
         raise ValueError(f"gpu_bwd.chunk_kda_bwd: {name} must be a power of two >= 16, got {d}")
 
 
+MOSAIC_GPU_STEPS = ("sweeps", "dqkw", "wy")
+"""Steps :func:`chunk_kda_bwd` can run as Mosaic GPU kernels (module docstring)."""
+
+
+def _mosaic_gpu_steps(steps, dtype: str, k: int, v: int, chunk: int, state_dtype: str, name: str) -> dict:
+    """``{step: its Mosaic GPU module}`` for the named steps, after checking each can take the call (``ValueError``
+    with the reason otherwise)."""
+    from pallas_kernels.kda import mosaic_gpu_bwd_dqkw, mosaic_gpu_bwd_sweeps, mosaic_gpu_bwd_wy  # noqa: PLC0415
+
+    unknown = sorted(set(steps) - set(MOSAIC_GPU_STEPS))
+    if unknown:
+        raise ValueError(f"{name}: mosaic_gpu_steps must be among {MOSAIC_GPU_STEPS}, got {unknown}")
+    modules = {"sweeps": mosaic_gpu_bwd_sweeps, "dqkw": mosaic_gpu_bwd_dqkw, "wy": mosaic_gpu_bwd_wy}
+    out = {}
+    for step in steps:
+        mod = modules[step]
+        kw = dict(dtype=dtype, k=k, v=v, chunk_size=chunk)
+        if step != "wy":  # the steps that read the stored states h / dh
+            kw["state_dtype"] = state_dtype
+        reason = mod.supports_reason(**kw)
+        if reason is not None:
+            raise ValueError(f"{name}: the Mosaic GPU kernel of step {step!r} cannot take this call: {reason}")
+        out[step] = mod
+    return out
+
+
 def chunk_kda_bwd(
     q, k, v, g, beta, scale: float, initial_state=None, segment_ids=None, do=None, dht=None,
     chunk_size: int = 64, interpret: bool = False, block_v: int | None = None, block_k: int | None = None,
     num_warps: dict | None = None, num_stages: int | None = None, state_dtype=None, da_block_k: int = 32,
-    a_block_k: int = 64, residuals: _layout.ChunkResiduals | None = None,
+    a_block_k: int = 64, residuals: _layout.ChunkResiduals | None = None, mosaic_gpu_steps: tuple[str, ...] = (),
 ):
     """Gradients of :func:`pallas_kernels.kda.gpu.chunk_kda_fwd` (``g >= -5``), eleven Triton kernels.
 
@@ -534,7 +565,9 @@ def chunk_kda_bwd(
     (:class:`pallas_kernels.kda._layout.ChunkResiduals`, e.g. from the Mosaic GPU forward): steps 1-3 are then
     skipped (their kernels, :data:`RECOMPUTE_KERNEL_NAMES`, not launched). ``num_stages``: the sweeps' pipeline
     stages, None = the most (up to 2) whose shared-memory estimate fits the GPU
-    (:func:`pallas_kernels.kda.launch.fit_num_stages`).
+    (:func:`pallas_kernels.kda.launch.fit_num_stages`). ``mosaic_gpu_steps``: the steps run as Mosaic GPU kernels
+    instead (names in :data:`MOSAIC_GPU_STEPS`, module docstring; sm_90, or the Mosaic GPU interpreter with
+    ``interpret``); a step whose kernel cannot take the call raises ``ValueError`` with the reason.
     Returns ``(dq, dk, dv, dg, dbeta)`` in the dtypes of ``q, k, v, g, beta`` and ``dh0 [B, H, K, V] f32``.
     """
     name = "gpu_bwd.chunk_kda_bwd"
@@ -562,6 +595,8 @@ def chunk_kda_bwd(
     st_dtype = jnp.dtype(state_dtype or mm_dtype)
     da_dtype = jnp.float32 if mm_dtype == jnp.float32 else TF32
     wy_dtype = TF32 if mm_dtype != jnp.float32 else jnp.float32  # step 7's X / dX products: one TF32 pass
+    mgpu = _mosaic_gpu_steps(mosaic_gpu_steps, jnp.promote_types(q.dtype, v.dtype).name, K, V, C, st_dtype.name,
+                             name)
     nt = C // SUB
     f32 = jnp.float32
     interp = bool(interpret)
@@ -604,47 +639,59 @@ def chunk_kda_bwd(
     state = pl.BlockSpec((None, BV, K), lambda bh, j: (bh, j, 0))
     states = pl.BlockSpec((None, N, BV, K), lambda bh, j: (bh, 0, j, 0))
     sweep = dict(chunk=C, n_chunks=N, mm_dtype=mm_dtype, interpret=interp)
-    h, vt = call(
-        functools.partial(_h_kernel, **sweep), "kda_bwd_h_gpu", (BH, V // BV),
-        [seq(K), seq(C), seq_in_v, seq(K), dl_spec, state], [states, seq_v],
-        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype)], stages=stages["kda_bwd_h_gpu"],
-    )(r.wn, r.xb, x.v, r.kd, dl, x.h0t)
-    dh, dvt, dh0t = call(
-        functools.partial(_ds_kernel, **sweep), "kda_bwd_ds_gpu", (BH, V // BV),
-        [seq(C), seq(K), seq(K), seq(K), dl_spec, seq_in_v, state], [states, seq_v, state],
-        [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype), sds((BH, V, K), f32)],
-        stages=stages["kda_bwd_ds_gpu"],
-    )(r.aqk, r.qg, r.kd, r.wn, dl, x.do, x.dhtt)
+    if "sweeps" in mgpu:
+        h, vt = mgpu["sweeps"].h_sweep(r.wn, r.xb, x.v, r.kd, dl, x.h0t, interpret=interp)
+        dh, dvt, dh0t = mgpu["sweeps"].ds_sweep(r.aqk, r.qg, r.kd, r.wn, dl, x.do, x.dhtt, interpret=interp)
+    else:
+        h, vt = call(
+            functools.partial(_h_kernel, **sweep), "kda_bwd_h_gpu", (BH, V // BV),
+            [seq(K), seq(C), seq_in_v, seq(K), dl_spec, state], [states, seq_v],
+            [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype)], stages=stages["kda_bwd_h_gpu"],
+        )(r.wn, r.xb, x.v, r.kd, dl, x.h0t)
+        dh, dvt, dh0t = call(
+            functools.partial(_ds_kernel, **sweep), "kda_bwd_ds_gpu", (BH, V // BV),
+            [seq(C), seq(K), seq(K), seq(K), dl_spec, seq_in_v, state], [states, seq_v, state],
+            [sds((BH, N, V, K), st_dtype), sds((BH, Tp, V), mm_dtype), sds((BH, V, K), f32)],
+            stages=stages["kda_bwd_ds_gpu"],
+        )(r.aqk, r.qg, r.kd, r.wn, dl, x.do, x.dhtt)
 
     # 6. State products per K block.
     kin = lambda: pl.BlockSpec((None, C, None, BK), lambda kb, bh, c: (bi(bh), c, hi(bh), kb))
     kout = lambda: pl.BlockSpec((None, C, BK), lambda kb, bh, c: (bh, c, kb))
     st_spec = pl.BlockSpec((None, None, V, BK), lambda kb, bh, c: (bh, c, 0, kb))
     tok3 = lambda d: pl.BlockSpec((None, C, d), lambda kb, bh, c: (bh, c, 0))
-    dw, dqp, dkp, dgp = call(
-        functools.partial(_dqkw_kernel, scale=float(scale), block_v=BL, mm_dtype=mm_dtype, interpret=interp),
-        "kda_bwd_dqkw_gpu", (K // BK, BH, N),
-        [kin(), kin(), kin(), pl.BlockSpec((None, C, 1), lambda kb, bh, c: (bi(bh), c, 0)),
-         pl.BlockSpec((None, C, None, V), lambda kb, bh, c: (bi(bh), c, hi(bh), 0)), tok3(V), tok3(V),
-         st_spec, st_spec],
-        [kout(), kout(), kout(), kout()],
-        [sds((BH, Tp, K), f32), sds((BH, Tp, K), mm_dtype), sds((BH, Tp, K), mm_dtype), sds((BH, Tp, K), f32)],
-    )(x.q, x.k, x.gam, x.seg_col, x.do, vt, dvt, h, dh)
+    if "dqkw" in mgpu:
+        dw, dqp, dkp, dgp = mgpu["dqkw"].dqkw(x.q, x.k, x.gam, x.seg_col, x.do, vt, dvt, h, dh, scale=float(scale),
+                                              interpret=interp)
+    else:
+        dw, dqp, dkp, dgp = call(
+            functools.partial(_dqkw_kernel, scale=float(scale), block_v=BL, mm_dtype=mm_dtype, interpret=interp),
+            "kda_bwd_dqkw_gpu", (K // BK, BH, N),
+            [kin(), kin(), kin(), pl.BlockSpec((None, C, 1), lambda kb, bh, c: (bi(bh), c, 0)),
+             pl.BlockSpec((None, C, None, V), lambda kb, bh, c: (bi(bh), c, hi(bh), 0)), tok3(V), tok3(V),
+             st_spec, st_spec],
+            [kout(), kout(), kout(), kout()],
+            [sds((BH, Tp, K), f32), sds((BH, Tp, K), mm_dtype), sds((BH, Tp, K), mm_dtype), sds((BH, Tp, K), f32)],
+        )(x.q, x.k, x.gam, x.seg_col, x.do, vt, dvt, h, dh)
 
     # 7. Through the UT transform: X-products and dX, then the dL chain and dA_qk.
-    dv, dbk, dxm, dbp = call(
-        functools.partial(_wy_dx_kernel, block=BL, interpret=interp, x_dtype=wy_dtype), "kda_bwd_wy_dx_gpu",
-        (BH, N), [tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, tok(V), tok(K)],
-        [tok_in(V), tok(K), tok(C), tok(1)],
-        [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32), sds((BH, Tp, 1), f32)],
-    )(xm, x.k, x.v, x.gam, x.beta, x.seg_col, dvt, dw)
-    dakk, daqk, dbeta = call(
-        functools.partial(_wy_dl_kernel, block=BL, mm_dtype=mm_dtype, interpret=interp, x_dtype=wy_dtype),
-        "kda_bwd_wy_dl_gpu", (BH, N),
-        [tok(C), tok(C), tok_in(1), segc_spec, segr_spec, tok(C), tok(1), tok_in(V), tok(V)],
-        [tok(C), tok(C), tok_in(1)],
-        [sds((BH, Tp, C), f32), sds((BH, Tp, C), f32), sds((B, Tp, H, 1), f32)],
-    )(xm, akk, x.beta, x.seg_col, x.seg_row, dxm, dbp, x.do, vt)
+    if "wy" in mgpu:
+        dv, dbk, dakk, daqk, dbeta = mgpu["wy"].wy_backward(xm, akk, x.k, x.v, x.gam, x.beta, x.seg_col, x.do, vt,
+                                                            dvt, dw, interpret=interp or None)
+    else:
+        dv, dbk, dxm, dbp = call(
+            functools.partial(_wy_dx_kernel, block=BL, interpret=interp, x_dtype=wy_dtype), "kda_bwd_wy_dx_gpu",
+            (BH, N), [tok(C), tok_in(K), tok_in(V), tok_in(K), tok_in(1), segc_spec, tok(V), tok(K)],
+            [tok_in(V), tok(K), tok(C), tok(1)],
+            [sds((B, Tp, H, V), v.dtype), sds((BH, Tp, K), f32), sds((BH, Tp, C), f32), sds((BH, Tp, 1), f32)],
+        )(xm, x.k, x.v, x.gam, x.beta, x.seg_col, dvt, dw)
+        dakk, daqk, dbeta = call(
+            functools.partial(_wy_dl_kernel, block=BL, mm_dtype=mm_dtype, interpret=interp, x_dtype=wy_dtype),
+            "kda_bwd_wy_dl_gpu", (BH, N),
+            [tok(C), tok(C), tok_in(1), segc_spec, segr_spec, tok(C), tok(1), tok_in(V), tok(V)],
+            [tok(C), tok(C), tok_in(1)],
+            [sds((BH, Tp, C), f32), sds((BH, Tp, C), f32), sds((B, Tp, H, 1), f32)],
+        )(xm, akk, x.beta, x.seg_col, x.seg_row, dxm, dbp, x.do, vt)
 
     # 8. Decay products per (K block, 16-row tile), then the in-chunk reverse cumsum of dG. Grid axis 0 =
     # K block * (C / 16) + row tile: a chunk's tiles and K blocks run side by side.
