@@ -16,7 +16,7 @@ Example sweep of the launch parameters (each config costs its compile plus ~1 s 
 ``--configs``: comma list of ``block_v:block_k[:warps][:key=value...]`` (``warps`` = num_warps of the per-chunk
 gradient kernels dqkw / wy_dx / wy_dl / da; the others keep ``gpu_bwd.DEFAULT_WARPS``); keys: ``dabk``
 (``da_block_k``), ``abk`` (``a_block_k``), ``mgpu`` (``mosaic_gpu_steps``: the steps on Mosaic GPU kernels,
-``+``-joined, e.g. ``mgpu=sweeps+dqkw+wy``) and per-kernel warps ``wda``, ``wdx``, ``wdl``, ``wdq`` (da, wy_dx,
+``+``-joined, e.g. ``mgpu=sweeps+dqkw+wy+da``) and per-kernel warps ``wda``, ``wdx``, ``wdl``, ``wdq`` (da, wy_dx,
 wy_dl, dqkw). A config that fails prints its error in the sweep and the sweep goes on; the fastest on the first
 shape is used for the rest.
 bf16 q/k/v/beta, fp32 log-decay in (-5, 0), K = V = 128, random output and final-state cotangents.

@@ -49,9 +49,11 @@ operands: ``U = X' v``, ``W``). With the Mosaic GPU forward's ``residuals``, ``X
 on bf16 operands summed in fp32). Requires the lower-bounded gate ``g >= -5``.
 
 Mosaic GPU steps (``chunk_kda_bwd(mosaic_gpu_steps=...)``, sm_90 or the Mosaic GPU interpreter; bf16, ``K = V =
-128``, chunk 64; the same arrays in and out as the Triton kernels they replace, except that ``wy`` keeps ``dX`` on
-chip): ``"sweeps"`` = steps 4-5 (:mod:`.mosaic_gpu_bwd_sweeps`), ``"dqkw"`` = step 6 (:mod:`.mosaic_gpu_bwd_dqkw`),
-``"wy"`` = step 7, both kernels in one (:mod:`.mosaic_gpu_bwd_wy`).
+128``, chunk 64; the same arrays in and out as the Triton kernels they replace, except the intermediates a fused
+kernel keeps on chip): ``"sweeps"`` = steps 4-5 (:mod:`.mosaic_gpu_bwd_sweeps`), ``"dqkw"`` = step 6
+(:mod:`.mosaic_gpu_bwd_dqkw`), ``"wy"`` = step 7, both kernels in one (:mod:`.mosaic_gpu_bwd_wy`), ``"da"`` =
+steps 8-9 in one kernel (``dG`` on chip; :mod:`.mosaic_gpu_bwd_da`). With all four and the forward's
+``residuals``, ``G`` is XLA's chunk cumsum and no Triton kernel runs.
 """
 
 from __future__ import annotations
@@ -435,14 +437,18 @@ class _Inputs(NamedTuple):
 
 
 def _prepare(q, k, v, g, beta, initial_state, segment_ids, do, dht, C: int, interpret: bool,
-             cumsum_warps: int) -> _Inputs:
+             cumsum_warps: int | None) -> _Inputs:
     """The forward's inputs (:func:`pallas_kernels.kda.gpu._prepare`, ``G`` from the forward's cumsum kernel
-    :func:`pallas_kernels.kda.gpu.chunk_cumsum`), plus the padded output cotangent and the transposed final-state
-    cotangent."""
+    :func:`pallas_kernels.kda.gpu.chunk_cumsum`, or from XLA with ``cumsum_warps=None``), plus the padded output
+    cotangent and the transposed final-state cotangent."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     fwd = _fwd._prepare(q, k, v, g, beta, initial_state, segment_ids, C)
-    fwd = fwd._replace(gam=_fwd.chunk_cumsum(fwd.gam, C, interpret=interpret, num_warps=cumsum_warps))
+    if cumsum_warps is None:
+        gam = jnp.cumsum(fwd.gam.reshape(B, -1, C, H, K), axis=2).reshape(fwd.gam.shape)
+    else:
+        gam = _fwd.chunk_cumsum(fwd.gam, C, interpret=interpret, num_warps=cumsum_warps)
+    fwd = fwd._replace(gam=gam)
     pad = fwd.q.shape[1] - T
     do_p = do if pad == 0 else jnp.pad(do, [(0, 0), (0, pad), (0, 0), (0, 0)])
     dhtt = (jnp.zeros((B * H, V, K), jnp.float32) if dht is None
@@ -516,26 +522,35 @@ def _pow2(name: str, d: int) -> None:
         raise ValueError(f"gpu_bwd.chunk_kda_bwd: {name} must be a power of two >= 16, got {d}")
 
 
-MOSAIC_GPU_STEPS = ("sweeps", "dqkw", "wy")
+MOSAIC_GPU_STEPS = ("sweeps", "dqkw", "wy", "da")
 """Steps :func:`chunk_kda_bwd` can run as Mosaic GPU kernels (module docstring)."""
 
 
-def _mosaic_gpu_steps(steps, dtype: str, k: int, v: int, chunk: int, state_dtype: str, name: str) -> dict:
+def _mosaic_gpu_steps(steps, dtype: str, k: int, v: int, chunk: int, state_dtype: str, g_dtype: str,
+                      name: str) -> dict:
     """``{step: its Mosaic GPU module}`` for the named steps, after checking each can take the call (``ValueError``
     with the reason otherwise)."""
-    from pallas_kernels.kda import mosaic_gpu_bwd_dqkw, mosaic_gpu_bwd_sweeps, mosaic_gpu_bwd_wy  # noqa: PLC0415
+    from pallas_kernels.kda import (  # noqa: PLC0415
+        mosaic_gpu_bwd_da,
+        mosaic_gpu_bwd_dqkw,
+        mosaic_gpu_bwd_sweeps,
+        mosaic_gpu_bwd_wy,
+    )
 
     unknown = sorted(set(steps) - set(MOSAIC_GPU_STEPS))
     if unknown:
         raise ValueError(f"{name}: mosaic_gpu_steps must be among {MOSAIC_GPU_STEPS}, got {unknown}")
-    modules = {"sweeps": mosaic_gpu_bwd_sweeps, "dqkw": mosaic_gpu_bwd_dqkw, "wy": mosaic_gpu_bwd_wy}
+    common = dict(dtype=dtype, k=k, chunk_size=chunk)
+    checks = {  # step: (module, the facts its check reads)
+        "sweeps": (mosaic_gpu_bwd_sweeps, dict(common, v=v, state_dtype=state_dtype)),
+        "dqkw": (mosaic_gpu_bwd_dqkw, dict(common, v=v, state_dtype=state_dtype)),
+        "wy": (mosaic_gpu_bwd_wy, dict(common, v=v)),
+        "da": (mosaic_gpu_bwd_da, dict(common, g_dtype=g_dtype)),
+    }
     out = {}
     for step in steps:
-        mod = modules[step]
-        kw = dict(dtype=dtype, k=k, v=v, chunk_size=chunk)
-        if step != "wy":  # the steps that read the stored states h / dh
-            kw["state_dtype"] = state_dtype
-        reason = mod.supports_reason(**kw)
+        mod, facts = checks[step]
+        reason = mod.supports_reason(**facts)
         if reason is not None:
             raise ValueError(f"{name}: the Mosaic GPU kernel of step {step!r} cannot take this call: {reason}")
         out[step] = mod
@@ -596,7 +611,7 @@ def chunk_kda_bwd(
     da_dtype = jnp.float32 if mm_dtype == jnp.float32 else TF32
     wy_dtype = TF32 if mm_dtype != jnp.float32 else jnp.float32  # step 7's X / dX products: one TF32 pass
     mgpu = _mosaic_gpu_steps(mosaic_gpu_steps, jnp.promote_types(q.dtype, v.dtype).name, K, V, C, st_dtype.name,
-                             name)
+                             jnp.dtype(g.dtype).name, name)
     nt = C // SUB
     f32 = jnp.float32
     interp = bool(interpret)
@@ -607,8 +622,10 @@ def chunk_kda_bwd(
     unknown = set(warps) - set(DEFAULT_WARPS)
     if unknown:
         raise ValueError(f"{name}: num_warps keys must be in {tuple(DEFAULT_WARPS)}, got {sorted(unknown)}")
+    # with every kernel step on Mosaic GPU and the forward's per-chunk results, no Triton kernel runs: G from XLA
+    no_triton = residuals is not None and set(mgpu) == set(MOSAIC_GPU_STEPS)
     x = _prepare(q, k, v, g, beta, initial_state, segment_ids, do.astype(v.dtype), dht, C, bool(interpret),
-                 warps.get("kda_chunk_cumsum_gpu", DEFAULT_WARPS["kda_chunk_cumsum_gpu"]))
+                 None if no_triton else warps.get("kda_chunk_cumsum_gpu", DEFAULT_WARPS["kda_chunk_cumsum_gpu"]))
     BH, Tp = B * H, x.q.shape[1]
     N = Tp // C
     if residuals is not None:
@@ -702,19 +719,23 @@ def chunk_kda_bwd(
     t_part = lambda: pl.BlockSpec((None, C, BKD), lambda i, bh, c: (bh, c, kb_of(i)))
     t_out = lambda: pl.BlockSpec((None, SUB, None, BKD),
                                  lambda i, bh, c: (bi(bh), c * nt + tile_of(i), hi(bh), kb_of(i)))
-    dq, dk, dgt = call(
-        functools.partial(_da_tile_kernel, scale=float(scale), mm_dtype=da_dtype, interpret=interp),
-        "kda_bwd_da_gpu", (K // BKD * nt, BH, N),
-        [t_in(BKD, kb_of), t_in(BKD, kb_of), t_in(BKD, kb_of), t_in(1, lambda i: 0),
-         pl.BlockSpec((None, C, 1), lambda i, bh, c: (bi(bh), c, 0)), t_tok(), t_tok(), t_part(), t_part(),
-         t_part(), t_part()],
-        [t_out(), t_out(), pl.BlockSpec((None, SUB, BKD), lambda i, bh, c: (bh, c * nt + tile_of(i), kb_of(i)))],
-        [sds((B, Tp, H, K), q.dtype), sds((B, Tp, H, K), k.dtype), sds((BH, Tp, K), f32)],
-    )(x.q, x.k, x.gam, x.beta, x.seg_col, dakk, daqk, dqp, dkp, dgp, dbk)
-    dg = call(_dg_cumsum_kernel, "kda_bwd_dg_gpu", (K // BKD, BH, N),
-              [pl.BlockSpec((None, C, BKD), lambda kb, bh, c: (bh, c, kb))],
-              pl.BlockSpec((None, C, None, BKD), lambda kb, bh, c: (bi(bh), c, hi(bh), kb)),
-              sds((B, Tp, H, K), g.dtype))(dgt)
+    if "da" in mgpu:  # both steps in one kernel: dG stays on chip
+        dq, dk, dg = mgpu["da"].da_backward(x.q, x.k, x.gam, x.beta, x.seg_col, dakk, daqk, dqp, dkp, dgp, dbk,
+                                            scale=float(scale), g_dtype=g.dtype, interpret=interp)
+    else:
+        dq, dk, dgt = call(
+            functools.partial(_da_tile_kernel, scale=float(scale), mm_dtype=da_dtype, interpret=interp),
+            "kda_bwd_da_gpu", (K // BKD * nt, BH, N),
+            [t_in(BKD, kb_of), t_in(BKD, kb_of), t_in(BKD, kb_of), t_in(1, lambda i: 0),
+             pl.BlockSpec((None, C, 1), lambda i, bh, c: (bi(bh), c, 0)), t_tok(), t_tok(), t_part(), t_part(),
+             t_part(), t_part()],
+            [t_out(), t_out(), pl.BlockSpec((None, SUB, BKD), lambda i, bh, c: (bh, c * nt + tile_of(i), kb_of(i)))],
+            [sds((B, Tp, H, K), q.dtype), sds((B, Tp, H, K), k.dtype), sds((BH, Tp, K), f32)],
+        )(x.q, x.k, x.gam, x.beta, x.seg_col, dakk, daqk, dqp, dkp, dgp, dbk)
+        dg = call(_dg_cumsum_kernel, "kda_bwd_dg_gpu", (K // BKD, BH, N),
+                  [pl.BlockSpec((None, C, BKD), lambda kb, bh, c: (bh, c, kb))],
+                  pl.BlockSpec((None, C, None, BKD), lambda kb, bh, c: (bi(bh), c, hi(bh), kb)),
+                  sds((B, Tp, H, K), g.dtype))(dgt)
 
     cut = (lambda y: y) if Tp == T else (lambda y: y[:, :T])
     dh0 = jnp.swapaxes(dh0t.reshape(B, H, V, K), -1, -2)
