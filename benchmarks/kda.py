@@ -92,7 +92,11 @@ def gpu_kwargs(cfg):
 
 
 def jax_fns(impl, K, gpu_cfg=None):
-    chunk = lambda *a: ops.chunk_kda(*a, output_final_state=True, implementation=impl)  # noqa: E731
+    """``impl``: an ``ops.CHUNK`` backend, or ``backend/backward`` (``ops.BACKWARDS``, e.g. ``mosaic_gpu/mosaic_gpu``:
+    the backward with every step on Mosaic GPU)."""
+    name, _, backward = impl.partition("/")
+    chunk = lambda *a: ops.chunk_kda(*a, output_final_state=True, implementation=name,  # noqa: E731
+                                     backward=backward or "auto")
 
     def fwd(q, k, v, g, beta):
         if impl == "triton" and gpu_cfg is not None:
@@ -359,7 +363,8 @@ def main():
                    + ":".join(GPU_CFG_KEYS) + " (state kernel, then the A / solve / W-U kernels; trailing ones "
                    "left out = defaults of gpu.chunk_kda_fwd); the fastest on the first shape is used for the rest")
     p.add_argument("--impls", default="triton,mosaic_gpu",
-                   help="comma list of ops.CHUNK backends to time; the first fills the ours_* keys")
+                   help="comma list of ops.CHUNK backends to time, each optionally /backward (ops.BACKWARDS, e.g. "
+                        "mosaic_gpu/mosaic_gpu: every backward step on Mosaic GPU); the first fills the ours_* keys")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--no-bwd", action="store_true")

@@ -98,6 +98,29 @@ def test_backward_choice(monkeypatch):
     with pytest.raises(ValueError, match="no longer ships"):
         ops._backward_for("mosaic_gpu", "kernel")
     assert ops._backward_for("triton", "auto") == "kernel"
+    assert ops._backward_for("mosaic_gpu", "mosaic_gpu") == "mosaic_gpu"
+    with pytest.raises(ValueError, match="needs implementation 'mosaic_gpu'"):
+        ops._backward_for("triton", "mosaic_gpu")
+
+
+def test_mosaic_gpu_backward_runs_no_triton_kernel():
+    """``chunk_kda(implementation="mosaic_gpu", backward="mosaic_gpu")``: the gradient's program (traced, not run)
+    holds the Mosaic GPU forward with its per-chunk results and every Mosaic GPU backward step, and no Triton
+    kernel; ``backward="kernel"`` holds the Triton ones."""
+    from pallas_kernels.kda import gpu_bwd  # noqa: PLC0415
+
+    q, k, v, g, beta = _inputs(1, 64, 1)[:5]
+
+    def program(backward):
+        loss = lambda *a: jnp.sum(ops.chunk_kda(*a, implementation="mosaic_gpu", interpret=True,
+                                                backward=backward)[0].astype(jnp.float32))
+        return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta))
+
+    mosaic = program("mosaic_gpu")
+    assert all(name in mosaic for name in ("kda_bwd_h_mosaic_gpu", "kda_bwd_dqkw_mosaic_gpu",
+                                           "kda_bwd_wy_mosaic_gpu", "kda_bwd_da_mosaic_gpu"))
+    assert not [name for name in gpu_bwd.KERNEL_NAMES if name in mosaic]
+    assert "kda_bwd_dqkw_gpu" in program("kernel")
 
 
 def _inputs(B, T, H, seed=0, dtype=jnp.bfloat16, aligned=False):
@@ -324,33 +347,40 @@ def test_gpu_forward_matches_reference(B, T, H, v_split):
     assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
 
 
+BACKWARDS = ["kernel", "mosaic_gpu"]
+"""The GPU tests' backwards of the Mosaic GPU forward: the Triton kernels, every step on Mosaic GPU."""
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, T, H", [(1, 256, 2), (3, 200, 3)])
-def test_gpu_gradients_match_reference(B, T, H):
-    """The Mosaic GPU forward with the default backward (the Triton kernels, taking the forward's per-chunk
-    results) against the VJP of the fp32 reference, one sequence and several."""
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("B, T, H", [(1, 256, 2), (3, 200, 3), (1, 8192, 96)])
+def test_gpu_gradients_match_reference(B, T, H, backward):
+    """The Mosaic GPU forward with each backward (taking the forward's per-chunk results) against the VJP of the
+    fp32 reference: one sequence, several, K3's shape."""
     if not _hopper():
         pytest.skip("needs an sm_90+ GPU")
-    _assert_gradients_match_reference(*_inputs(B, T, H, seed=1))
+    _assert_gradients_match_reference(*_inputs(B, T, H, seed=1), backward=backward)
 
 
-def _assert_gradients_match_reference(q, k, v, g, beta, h0, segment_ids=None, tol=2e-2, interpret=False):
-    """``mosaic_gpu`` forward + its default backward vs the VJP of the fp32 reference, within ``tol`` per input."""
+def _assert_gradients_match_reference(q, k, v, g, beta, h0, segment_ids=None, tol=2e-2, interpret=False,
+                                      backward="auto"):
+    """``mosaic_gpu`` forward + ``backward`` vs the VJP of the fp32 reference, within ``tol`` per input."""
     do = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.float32)
 
-    def loss(impl, *a):
+    def loss(impl, bwd, *a):
         o, ht = ops.chunk_kda(*a, initial_state=h0, output_final_state=True, segment_ids=segment_ids,
-                              implementation=impl, interpret=interpret, platform="cpu" if interpret else "auto")
+                              implementation=impl, interpret=interpret, platform="cpu" if interpret else "auto",
+                              backward=bwd)
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht)
 
     f = lambda x: x.astype(jnp.float32)
-    got = jax.grad(lambda *a: loss("mosaic_gpu", *a), argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3, 4))(f(q), f(k), f(v), g, f(beta))
+    got = jax.grad(lambda *a: loss("mosaic_gpu", backward, *a), argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+    want = jax.grad(lambda *a: loss("xla", "auto", *a), argnums=(0, 1, 2, 3, 4))(f(q), f(k), f(v), g, f(beta))
     for name, a, b in zip("q k v g beta".split(), got, want, strict=True):
         assert bool(jnp.isfinite(a).all()) and _rel(a, b) < tol, (name, _rel(a, b))
 
 
-def _assert_aligned_keys_match_reference(interpret: bool) -> None:
+def _assert_aligned_keys_match_reference(interpret: bool, backward: str = "auto") -> None:
     """Aligned keys (:func:`_inputs`): the forward, the per-chunk ``X`` it hands the backward (against numpy's
     inverse of ``I + diag(beta) A_kk`` from its own ``A_kk``) and the gradients stay at the bf16-operand level (a
     Neumann product for ``X`` was off by ~1e25 here and trained a model into NaN)."""
@@ -362,7 +392,7 @@ def _assert_aligned_keys_match_reference(interpret: bool) -> None:
     b0 = np.asarray(beta[0, :64, 0], np.float64)
     exact = np.linalg.inv(np.eye(64) + b0[:, None] * akk)
     assert np.abs(exact).max() < 2 and _rel(x, exact) < 2e-2, (np.abs(exact).max(), _rel(x, exact))
-    _assert_gradients_match_reference(q, k, v, g, beta, h0, tol=4e-2, interpret=interpret)
+    _assert_gradients_match_reference(q, k, v, g, beta, h0, tol=4e-2, interpret=interpret, backward=backward)
 
 
 def test_interpreter_aligned_keys_match_reference():
@@ -371,15 +401,17 @@ def test_interpreter_aligned_keys_match_reference():
 
 
 @pytest.mark.gpu
-def test_gpu_aligned_keys_match_reference():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_gpu_aligned_keys_match_reference(backward):
     """:func:`_assert_aligned_keys_match_reference` on the H200."""
     if not _hopper():
         pytest.skip("needs an sm_90+ GPU")
-    _assert_aligned_keys_match_reference(interpret=False)
+    _assert_aligned_keys_match_reference(interpret=False, backward=backward)
 
 
 @pytest.mark.gpu
-def test_gpu_packed_forward_and_gradients_match_reference():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_gpu_packed_forward_and_gradients_match_reference(backward):
     """Packed sequences on the H200 (documents starting inside chunks, at a chunk boundary and in the padded last
     chunk; two sequences of three heads): the forward and its gradients (Triton backward) against the fp32
     reference."""
@@ -390,4 +422,4 @@ def test_gpu_packed_forward_and_gradients_match_reference():
     o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, segment_ids=seg)
     ro, rh = _reference(q, k, v, g, beta, h0, seg)
     assert _rel(o, ro) < 1e-2 and _rel(ht, rh) < 1e-2
-    _assert_gradients_match_reference(q, k, v, g, beta, h0, seg)
+    _assert_gradients_match_reference(q, k, v, g, beta, h0, seg, backward=backward)

@@ -29,7 +29,10 @@ Gradients: the kernel forwards sit inside ``jax.custom_vjp`` (the inputs are sav
 backward also saves its per-chunk results, :class:`pallas_kernels.kda._layout.ChunkResiduals`, which the Triton
 backward takes instead of recomputing them); ``backward="auto"`` /
 ``"kernel"`` = the backend's backward kernels (for ``mosaic_gpu``: the Triton backward kernels; ``"auto"`` takes
-the reference VJP when JAX no longer ships Triton), ``"xla"`` = the VJP of the recomputed chunked reference.
+the reference VJP when JAX no longer ships Triton), ``"mosaic_gpu"`` (``mosaic_gpu`` only) = the backward with
+every step on Mosaic GPU kernels (:data:`pallas_kernels.kda.gpu_bwd.MOSAIC_GPU_STEPS`, taking the forward's
+per-chunk results: no Triton kernel runs; explicit until timed on the H200), ``"xla"`` = the VJP of the recomputed
+chunked reference.
 The decode kernels are forward-only.
 """
 
@@ -49,7 +52,7 @@ from pallas_kernels.registry import Backend, Registry, platform_reason, sm90_rea
 
 KERNEL_GATE_BOUND = -5.0
 """The Pallas kernels' factored decay products need every per-token log-decay ``>= KERNEL_GATE_BOUND``."""
-BACKWARDS = ("auto", "kernel", "xla")
+BACKWARDS = ("auto", "kernel", "mosaic_gpu", "xla")
 ALIASES = {"reference": "xla"}
 """Old name of the reference still accepted (``sharding.plan``, benchmark scripts)."""
 
@@ -192,9 +195,10 @@ def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpr
 @functools.cache
 def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backward: str):
     """``f(q, k, v, g, beta, h0, seg) -> (o, ht)``; VJP by the backward kernels of ``impl``
-    (``backward="kernel"``) or by recomputing the chunked reference (``"xla"``). ``mosaic_gpu`` with the kernel
-    backward saves its forward's per-chunk results for the Triton backward (which then skips recomputing them)."""
-    reuses_chunks = impl == "mosaic_gpu" and backward == "kernel"
+    (``backward="kernel"``; ``"mosaic_gpu"``: the GPU backward with every step on Mosaic GPU) or by recomputing the
+    chunked reference (``"xla"``). ``mosaic_gpu`` with a kernel backward saves its forward's per-chunk results for
+    the backward (which then skips recomputing them)."""
+    reuses_chunks = impl == "mosaic_gpu" and backward in ("kernel", "mosaic_gpu")
 
     @jax.custom_vjp
     def f(q, k, v, g, beta, h0, seg):
@@ -209,11 +213,12 @@ def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backwa
     def f_bwd(res, cts):
         q, k, v, g, beta, h0, seg, chunks = res
         do, dht = cts
-        if backward == "kernel":
+        if backward in ("kernel", "mosaic_gpu"):
             if impl in ("triton", "mosaic_gpu"):
                 from pallas_kernels.kda import gpu_bwd as bwd_mod  # noqa: PLC0415
 
-                extra = dict(interpret=bool(interpret), residuals=chunks)
+                steps = bwd_mod.MOSAIC_GPU_STEPS if backward == "mosaic_gpu" else ()
+                extra = dict(interpret=bool(interpret), residuals=chunks, mosaic_gpu_steps=steps)
             else:
                 from pallas_kernels.kda import tpu_bwd as bwd_mod  # noqa: PLC0415
 
@@ -258,7 +263,11 @@ def _interpret_params(impl: str, interpret):
 
 
 def _backward_for(impl: str, backward: str) -> str:
-    """``"kernel"`` or ``"xla"`` for ``backward`` (one of :data:`BACKWARDS`) on kernel backend ``impl``."""
+    """``"kernel"``, ``"mosaic_gpu"`` or ``"xla"`` for ``backward`` (one of :data:`BACKWARDS`) on kernel backend
+    ``impl``."""
+    if backward == "mosaic_gpu" and impl != "mosaic_gpu":
+        raise ValueError(f"chunk_kda: backward='mosaic_gpu' takes the Mosaic GPU forward's per-chunk results, so it "
+                         f"needs implementation 'mosaic_gpu', which chose {impl!r}")
     if impl != "mosaic_gpu":
         return "kernel" if backward == "auto" else backward
     if backward == "auto":
