@@ -9,8 +9,9 @@
 # under TRITON_CACHE_DIR: $FLA_AUTOTUNE (a tar of them; default benchmarks/fla_autotune_h200.tar.gz, fla-core 0.6.0
 # with the H200 image's Triton 3.6 at H = 96 and 32) is unpacked first, and the files are written back to
 # $OUT/fla_autotune.tar at the end, for the next call. Sections, each on unless its variable is 0:
-#   TESTS   the KDA GPU tests of the new tree (Mosaic GPU forward, Triton kernels, per-chunk taps).
-#   K3      1x8192x96: mosaic_gpu and triton, device traces with the timeline (idle gaps) of the first.
+#   TESTS   the KDA GPU tests of the new tree (Mosaic GPU forward and backward steps, Triton kernels, taps).
+#   K3      1x8192x96: $K3_IMPLS (default mosaic_gpu, mosaic_gpu/mosaic_gpu = its backward with every step on
+#           Mosaic GPU, triton), device traces with the timeline (idle gaps) of the first.
 #   H32     8x4096x32 and 1x32768x32 (one process: fla's tuning keys on H): mosaic_gpu, device traces with the
 #           timeline.
 #   DECODE  the decode step at B=64, H=96 (benchmarks/kda.py's decode bench: the Triton kernel, the Mosaic GPU ring
@@ -42,7 +43,9 @@ bench() {  # label tree seconds args...: one benchmarks/kda.py process, its JSON
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== $(date +%T) tests"
   (cd "$NEW" && timeout 300 python3 -m pytest -q -m gpu tests/test_kda_mosaic_gpu.py tests/test_kda_ops.py \
-    tests/test_kda_mosaic_gpu_taps.py -n 4 --timeout=240 -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1)
+    tests/test_kda_mosaic_gpu_taps.py tests/test_kda_mosaic_gpu_bwd_sweeps.py tests/test_kda_mosaic_gpu_bwd_dqkw.py \
+    tests/test_kda_mosaic_gpu_bwd_wy.py tests/test_kda_mosaic_gpu_bwd_da.py -n 4 --timeout=240 -p no:cacheprovider \
+    >"$OUT/gpu_tests.txt" 2>&1)
   tail -3 "$OUT/gpu_tests.txt"
 fi
 if [ "${DECODE:-1}" = 1 ]; then
@@ -54,7 +57,11 @@ trees=("new:$NEW")
 for entry in "${trees[@]}"; do
   name=${entry%%:*} dir=${entry#*:}
   if [ "${K3:-1}" = 1 ]; then
-    bench "${name}_k3" "$dir" 240 --shapes 1x8192x96 --impls mosaic_gpu,triton $COMMON
+    if [ "$name" = new ]; then
+      bench new_k3 "$dir" 300 --shapes 1x8192x96 --impls "${K3_IMPLS:-mosaic_gpu,mosaic_gpu/mosaic_gpu,triton}" $COMMON
+    else
+      bench old_k3 "$dir" 240 --shapes 1x8192x96 --impls mosaic_gpu,triton $COMMON
+    fi
   fi
   if [ "${H32:-1}" = 1 ]; then
     if [ "$name" = new ]; then
