@@ -206,7 +206,7 @@ def test_lowers_for_sm90_at_the_k3_shape_and_rejects_calls_outside_its_contract(
     ok = dict(dtype="bfloat16", k=128, chunk_size=64)
     assert da_mod.supports_reason(**ok) is None
     assert da_mod.supports_reason(**ok, g_dtype="bfloat16") is None
-    for change, match in ((dict(dtype="float32"), "bfloat16"), (dict(k=64), "K = 128"),
+    for change, match in ((dict(dtype="float32"), "bfloat16"), (dict(k=64), "K = V = 128"),
                           (dict(chunk_size=32), "chunk_size 64"), (dict(g_dtype="float16"), "float32 or bfloat16")):
         assert match in da_mod.supports_reason(**ok | change), change
     s = jax.ShapeDtypeStruct

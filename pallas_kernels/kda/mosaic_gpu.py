@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import _layout
 from pallas_kernels.kda import reference as ref
-from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, interpret_params
+from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, interpret_params, shape_reason
 from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks
 from pallas_kernels.kda.mosaic_gpu_state import state_pass
 
@@ -31,13 +31,7 @@ DEFAULT_SMS = 132
 
 def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int) -> str | None:
     """None when a chunked call fits these kernels, else why not (the registry's reason)."""
-    if dtype != "bfloat16":
-        return f"takes bfloat16 q/k/v, got {dtype}"
-    if k != HEAD_DIM or v != HEAD_DIM:
-        return f"needs K = V = {HEAD_DIM}, got K={k}, V={v}"
-    if chunk_size != CHUNK:
-        return f"needs chunk_size {CHUNK}, got {chunk_size}"
-    return None
+    return shape_reason(dtype=dtype, k=k, v=v, chunk_size=chunk_size)
 
 
 def default_v_split(batch: int, heads: int, sms: int | None = None) -> int:

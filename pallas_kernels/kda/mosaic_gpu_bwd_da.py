@@ -74,6 +74,7 @@ from pallas_kernels.kda.mosaic_gpu_common import (
     bcast_cols,
     bcast_rows,
     interpret_params,
+    shape_reason,
     tiled,
 )
 
@@ -92,12 +93,9 @@ def supports_reason(*, dtype: str, k: int, chunk_size: int, g_dtype: str = "floa
     """None when steps 8-9 of a backward call fit :func:`da_backward`, else why not. ``dtype``: the matmul dtype of
     the call (the promoted dtype of ``q, k, v``; ``dqp`` / ``dkp`` are stored in it); ``g_dtype``: the dtype of ``g``
     (of ``dg``)."""
-    if dtype != "bfloat16":
-        return f"takes bfloat16 q/k/dqp/dkp, got {dtype}"
-    if k != HEAD_DIM:
-        return f"needs K = {HEAD_DIM}, got K={k}"
-    if chunk_size != CHUNK:
-        return f"needs chunk_size {CHUNK}, got {chunk_size}"
+    reason = shape_reason(dtype=dtype, k=k, v=None, chunk_size=chunk_size)
+    if reason is not None:
+        return reason
     if g_dtype not in G_DTYPES:
         return f"writes dg as float32 or bfloat16, got g dtype {g_dtype}"
     return None

@@ -38,7 +38,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, bcast_cols, interpret_params, tiled
+from pallas_kernels.kda.mosaic_gpu_common import (
+    BF16,
+    CHUNK,
+    F32,
+    HEAD_DIM,
+    bcast_cols,
+    interpret_params,
+    shape_reason,
+    tiled,
+)
 
 __all__ = ["dqkw", "supports_reason", "KERNEL_NAME"]
 
@@ -50,15 +59,7 @@ I32 = jnp.int32
 def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int, state_dtype: str = "bfloat16") -> str | None:
     """None when step 6 of a backward call fits :func:`dqkw`, else why not. ``dtype``: the matmul dtype of the call
     (the promoted dtype of ``q, k, v``); ``state_dtype``: the storage dtype of ``h`` / ``dh``."""
-    if dtype != "bfloat16":
-        return f"takes bfloat16 q/k/v, got {dtype}"
-    if k != HEAD_DIM or v != HEAD_DIM:
-        return f"needs K = V = {HEAD_DIM}, got K={k}, V={v}"
-    if chunk_size != CHUNK:
-        return f"needs chunk_size {CHUNK}, got {chunk_size}"
-    if state_dtype != "bfloat16":
-        return f"reads h / dh in bfloat16, got state_dtype {state_dtype}"
-    return None
+    return shape_reason(dtype=dtype, k=k, v=v, chunk_size=chunk_size, state_dtype=state_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ from pallas_kernels.kda.mosaic_gpu_common import (
     bcast_cols,
     interpret_params,
     mma,
+    shape_reason,
     tiled,
 )
 
@@ -56,15 +57,7 @@ def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int, state_dtype:
     """None when the sweeps of a backward call fit these kernels, else why not. ``dtype``: the matmul dtype of the
     call (the promoted dtype of ``q, k, v``); ``state_dtype``: the storage dtype of ``h`` / ``dh``. Compiled, the
     kernels also need an sm_90+ GPU (not checked here; the interpreter runs anywhere)."""
-    if dtype != "bfloat16":
-        return f"takes bfloat16 q/k/v, got {dtype}"
-    if k != HEAD_DIM or v != HEAD_DIM:
-        return f"needs K = V = {HEAD_DIM}, got K={k}, V={v}"
-    if chunk_size != CHUNK:
-        return f"needs chunk_size {CHUNK}, got {chunk_size}"
-    if state_dtype != "bfloat16":
-        return f"stores h / dh in bfloat16, got state_dtype {state_dtype}"
-    return None
+    return shape_reason(dtype=dtype, k=k, v=v, chunk_size=chunk_size, state_dtype=state_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

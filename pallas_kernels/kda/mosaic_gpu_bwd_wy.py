@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import mosaic_gpu_common
-from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, bcast_cols, bcast_rows, tiled
+from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, bcast_cols, bcast_rows, shape_reason, tiled
 
 __all__ = ["wy_backward", "supports_reason", "KERNEL_NAME"]
 
@@ -60,13 +60,7 @@ HALVES = (slice(0, HALF), slice(HALF, HEAD_DIM))
 def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int) -> str | None:
     """None when step 7 of a backward call fits this kernel, else why not. ``dtype``: the matmul dtype of the call
     (the promoted dtype of ``q, k, v``)."""
-    if dtype != "bfloat16":
-        return f"takes bfloat16 k/v/dO/V~/dV~, got {dtype}"
-    if k != HEAD_DIM or v != HEAD_DIM:
-        return f"needs K = V = {HEAD_DIM}, got K={k}, V={v}"
-    if chunk_size != CHUNK:
-        return f"needs chunk_size {CHUNK}, got {chunk_size}"
-    return None
+    return shape_reason(dtype=dtype, k=k, v=v, chunk_size=chunk_size)
 
 
 @dataclasses.dataclass(frozen=True)

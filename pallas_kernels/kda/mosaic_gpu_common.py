@@ -79,6 +79,22 @@ def bcast_rows(vec, n: int):
     return lax.broadcast_in_dim(vec, (CHUNK, n), [0])
 
 
+def shape_reason(*, dtype: str, k: int, v: int | None, chunk_size: int, state_dtype: str | None = None) -> str | None:
+    """None when a chunked KDA call fits the one configuration the Mosaic GPU chunk kernels (forward and backward)
+    are built for, else why not: bf16 operands (``dtype``: the promoted dtype of ``q, k, v``), ``K = V = 128``
+    (``v=None``: a kernel that reads nothing of width V), chunk 64, and the backward's stored states ``h`` / ``dh``
+    in bf16 (``state_dtype``, for the kernels that read them)."""
+    if dtype != "bfloat16":
+        return f"takes bfloat16 q/k/v, got {dtype}"
+    if k != HEAD_DIM or v not in (None, HEAD_DIM):
+        return f"needs K = V = {HEAD_DIM}, got K={k}" + ("" if v is None else f", V={v}")
+    if chunk_size != CHUNK:
+        return f"needs chunk_size {CHUNK}, got {chunk_size}"
+    if state_dtype not in (None, "bfloat16"):
+        return f"reads and writes h / dh in bfloat16, got state_dtype {state_dtype}"
+    return None
+
+
 def interpret_params(interpret):
     """``interpret`` as the kernels take it: None (compiled) or a ``plgpu.InterpretGPUParams``."""
     if interpret is True:
