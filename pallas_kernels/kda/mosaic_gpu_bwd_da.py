@@ -74,7 +74,10 @@ from pallas_kernels.kda.mosaic_gpu_common import (
     bcast_cols,
     bcast_rows,
     interpret_params,
+    load_f32,
     shape_reason,
+    split_bf16,
+    split_terms,
     tiled,
 )
 
@@ -127,17 +130,6 @@ class _Smem:
     dkp: object  # bf16 (loaded) -> dk (out)
 
 
-def _load(ref):
-    return plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA).astype(F32)
-
-
-def _split_into(value, hi_ref, lo_ref) -> None:
-    """``value`` (f32) -> ``hi_ref + lo_ref`` (bf16 each)."""
-    hi = value.astype(BF16)
-    hi_ref[...] = hi
-    lo_ref[...] = (value - hi.astype(F32)).astype(BF16)
-
-
 def _products(groups):
     """``[sum a @ b over terms for terms in groups]``: one ``[64, 64]`` f32 accumulator per group of
     ``(a, b)`` shared-memory operand pairs."""
@@ -151,14 +143,9 @@ def _products(groups):
     return pl.run_scoped(run, *(plgpu.ACC((CHUNK, HALF), F32) for _ in groups))
 
 
-def _split_terms(a_hi, a_lo, b_hi, b_lo):
-    """The three terms of ``(a_hi + a_lo) (b_hi + b_lo)`` kept (``lo lo`` is below fp32 rounding)."""
-    return ((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))
-
-
 def _stage(s: _Smem, value) -> None:
     """``value`` (f32 ``[64, 64]``) into the operand buffers as ``hi + lo``, committed for wgmma."""
-    _split_into(value, s.ohi, s.olo)
+    split_bf16(value, s.ohi, s.olo)
     plgpu.commit_smem()
 
 
@@ -170,20 +157,20 @@ def _chunk(s: _Smem, scale: float, loads, store):
     wg = plgpu.Layout.WGMMA
     tile = lax.div(plgpu.broadcasted_iota(I32, (CHUNK, HALF), 0, layout=wg), SUB)
     # dA_qk, dA_kk -> hi + lo over the f32 tiles they came from (each read whole first).
-    aq, ak = _load(s.aq32), _load(s.ak32)
+    aq, ak = load_f32(s.aq32), load_f32(s.ak32)
     plgpu.commit_smem()
-    _split_into(aq, s.aqh, s.aql)
-    _split_into(ak, s.akh, s.akl)
+    split_bf16(aq, s.aqh, s.aql)
+    split_bf16(ak, s.akh, s.akl)
     del aq, ak
-    gam = _load(s.g)
+    gam = load_f32(s.g)
     mb = [bcast_cols(plgpu.layout_cast(s.rows[pl.ds(a * HALF, HALF)], wg.reduce(0))) for a in range(TILES)]
     clamp = lambda x: jnp.exp(jnp.minimum(x, EXP_CLAMP))
 
     # Row part: tile a's rows of dA (k e^{m_a - G}); m_0 = 0, m_a = mb_{a-1}.
     rq = rk = jnp.zeros((CHUNK, HALF), F32)
     for a in range(TILES):
-        _stage(s, _load(s.k) * clamp(-gam if a == 0 else mb[a - 1] - gam))
-        pq, pk = _products((_split_terms(s.aqh, s.aql, s.ohi, s.olo), _split_terms(s.akh, s.akl, s.ohi, s.olo)))
+        _stage(s, load_f32(s.k) * clamp(-gam if a == 0 else mb[a - 1] - gam))
+        pq, pk = _products((split_terms(s.aqh, s.aql, s.ohi, s.olo), split_terms(s.akh, s.akl, s.ohi, s.olo)))
         plgpu.commit_smem()  # every warp's wgmma has read the operand before the next one is written
         rq = jnp.where(tile == a, pq, rq)
         rk = jnp.where(tile == a, pk, rk)
@@ -196,11 +183,11 @@ def _chunk(s: _Smem, scale: float, loads, store):
     aqt, aqlt, akt, aklt = s.aqh.T, s.aql.T, s.akh.T, s.akl.T
     for a in range(TILES):
         up = clamp(gam - mb[a])
-        _stage(s, _load(s.q) * (up * scale))
-        (cq,) = _products((_split_terms(aqt, aqlt, s.ohi, s.olo),))
+        _stage(s, load_f32(s.q) * (up * scale))
+        (cq,) = _products((split_terms(aqt, aqlt, s.ohi, s.olo),))
         plgpu.commit_smem()
-        _stage(s, _load(s.k) * up)
-        (ck,) = _products((_split_terms(akt, aklt, s.ohi, s.olo),))
+        _stage(s, load_f32(s.k) * up)
+        (ck,) = _products((split_terms(akt, aklt, s.ohi, s.olo),))
         plgpu.commit_smem()
         col = jnp.where(tile == a, cq + ck, col)
     mb_rows = sum(jnp.where(tile == a, mb[a], 0.0) for a in range(TILES))
@@ -212,16 +199,16 @@ def _chunk(s: _Smem, scale: float, loads, store):
     seg = bcast_rows(plgpu.layout_cast(s.seg[...], wg.reduce(1)), HALF)
     beta = bcast_rows(plgpu.layout_cast(s.beta[...], wg.reduce(1)), HALF)
     beg = beta * jnp.where(seg == 0, jnp.exp(gam), 0.0)
-    kf, qs = _load(s.k), _load(s.q) * scale
-    dq = (_load(s.dqp) + rq) * scale
-    dk = _load(s.dkp) + rk + col
+    kf, qs = load_f32(s.k), load_f32(s.q) * scale
+    dq = (load_f32(s.dqp) + rq) * scale
+    dk = load_f32(s.dkp) + rk + col
     dgt = qs * rq + kf * (rk - col)
     plgpu.commit_smem()  # every thread's reads of dqp / dkp are done before dq / dk land over them
     s.dqp[...] = dq.astype(s.dqp.dtype)
     loads["late_wait"]()
-    dbk = _load(s.dbk) * beg
+    dbk = load_f32(s.dbk) * beg
     dk = dk + dbk
-    dgt = dgt + _load(s.dgp) + dbk * kf
+    dgt = dgt + load_f32(s.dgp) + dbk * kf
     plgpu.commit_smem()  # every thread's reads of dbk / dgp are done before U / dg land over them
     s.dkp[...] = dk.astype(s.dkp.dtype)
     r = plgpu.broadcasted_iota(I32, (CHUNK, CHUNK), 0, layout=wg)

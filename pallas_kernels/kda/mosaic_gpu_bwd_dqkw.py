@@ -46,6 +46,7 @@ from pallas_kernels.kda.mosaic_gpu_common import (
     bcast_cols,
     interpret_params,
     shape_reason,
+    split_bf16,
     tiled,
 )
 
@@ -80,13 +81,6 @@ class _Half:
     ones: object
 
 
-def _split(hi_ref, lo_ref, value) -> None:
-    """``value`` (f32) as ``hi + lo`` (bf16 each, exact to ~2^-17 relative) into two refs."""
-    hi = value.astype(BF16)
-    hi_ref[...] = hi
-    lo_ref[...] = (value - hi.astype(F32)).astype(BF16)
-
-
 def _half(j: int, s: _Half, shared, scale: float, outs, rows_out):
     """Warpgroup ``j``'s K half, once its tiles landed: products, gate factors, the column sums, the four outputs
     stored (module docstring)."""
@@ -110,7 +104,7 @@ def _half(j: int, s: _Half, shared, scale: float, outs, rows_out):
     # S_in * dS_out * dl (its column sums = ddl dl by wgmma below), as hi / lo over h / dh
     sdl = (plgpu.layout_cast(s.h[...], wg).astype(F32) * plgpu.layout_cast(s.dh[...], wg).astype(F32)
            * bcast_cols(dl, HEAD_DIM))
-    _split(s.h, s.dh, sdl)
+    split_bf16(sdl, s.h, s.dh)
     gam = plgpu.layout_cast(s.g[...], wg)
     eg = jnp.where(seg == 0, jnp.exp(gam), 0.0)
     ekl = jnp.where(seg == seg_last, jnp.exp(bcast_cols(g_last) - gam), 0.0)
@@ -121,7 +115,7 @@ def _half(j: int, s: _Half, shared, scale: float, outs, rows_out):
     dgp = dqe * qe - part
     dqp = (dqe * eg).astype(BF16)
     dkp = (dkd * ekl).astype(BF16)
-    _split(k_rows, q_rows, part)
+    split_bf16(part, k_rows, q_rows)
     s.ones[...] = jnp.where(plgpu.broadcasted_iota(I32, (CHUNK, HEAD_DIM), 0, layout=wg) >= 0, 1.0,
                             0.0).astype(BF16)
     plgpu.commit_smem()

@@ -48,7 +48,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import mosaic_gpu_common
-from pallas_kernels.kda.mosaic_gpu_common import BF16, CHUNK, F32, HEAD_DIM, bcast_cols, bcast_rows, shape_reason, tiled
+from pallas_kernels.kda.mosaic_gpu_common import (
+    BF16,
+    CHUNK,
+    F32,
+    HEAD_DIM,
+    bcast_cols,
+    bcast_rows,
+    load_f32,
+    shape_reason,
+    split_bf16,
+    split_terms,
+    tiled,
+)
 
 __all__ = ["wy_backward", "supports_reason", "KERNEL_NAME"]
 
@@ -101,22 +113,6 @@ def _products(terms, width: int):
     return pl.run_scoped(run, plgpu.ACC((CHUNK, width), F32))
 
 
-def _split_terms(a_hi, a_lo, b_hi, b_lo):
-    """The three terms of ``(a_hi + a_lo) (b_hi + b_lo)`` kept (``lo lo`` is below fp32 rounding)."""
-    return ((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))
-
-
-def _load(ref):
-    return plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA).astype(F32)
-
-
-def _split_into(value, hi_ref, lo_ref) -> None:
-    """``value`` (f32) -> ``hi_ref + lo_ref`` (bf16 each)."""
-    hi = value.astype(BF16)
-    hi_ref[...] = hi
-    lo_ref[...] = (value - hi.astype(F32)).astype(BF16)
-
-
 def _chunk(s: _Smem, dqk_out, rest_loaded, outs):
     """One chunk (module docstring). ``dqk_out()`` issues the store of ``dA_qk`` (staged in ``s.daqk``);
     ``rest_loaded()`` waits for every tile but ``dO, V~``; ``outs`` issues the other stores (name -> callable)."""
@@ -136,46 +132,46 @@ def _chunk(s: _Smem, dqk_out, rest_loaded, outs):
 
     rest_loaded()
     # fp32 operands -> hi + lo, each over the tile it came from (read whole into registers first).
-    x = _load(s.x32)
+    x = load_f32(s.x32)
     first = per_row(s.seg, HALF) == 0
-    egk = [jnp.where(first, jnp.exp(_load(s.gam.at[:, cols])), 0.0) * _load(s.k.at[:, cols]) for cols in HALVES]
-    dw = _load(s.dw)
+    egk = [jnp.where(first, jnp.exp(load_f32(s.gam.at[:, cols])), 0.0) * load_f32(s.k.at[:, cols]) for cols in HALVES]
+    dw = load_f32(s.dw)
     plgpu.commit_smem()
-    _split_into(x, s.xhi, s.xlo)
+    split_bf16(x, s.xhi, s.xlo)
     for h, cols in enumerate(HALVES):
-        _split_into(egk[h], s.ehi.at[:, cols], s.elo.at[:, cols])
-    _split_into(dw, s.dwhi, s.dwlo)
+        split_bf16(egk[h], s.ehi.at[:, cols], s.elo.at[:, cols])
+    split_bf16(dw, s.dwhi, s.dwlo)
     plgpu.commit_smem()
 
     beta_col = per_col(s.beta)
     # dX = (dV~ v^T + dW egk^T) diag(beta), split over k (read above).
-    dx = _products(((s.dvt, s.v.T), *_split_terms(s.dwhi, s.dwlo, s.ehi.T, s.elo.T)), CHUNK) * beta_col
-    _split_into(dx, s.phi, s.plo)
+    dx = _products(((s.dvt, s.v.T), *split_terms(s.dwhi, s.dwlo, s.ehi.T, s.elo.T)), CHUNK) * beta_col
+    split_bf16(dx, s.phi, s.plo)
     plgpu.commit_smem()
     # X^T dX, then dL = -(X^T dX) X^T, strictly lower and one document.
-    p = _products(_split_terms(s.xhi.T, s.xlo.T, s.phi, s.plo), CHUNK)
+    p = _products(split_terms(s.xhi.T, s.xlo.T, s.phi, s.plo), CHUNK)
     plgpu.commit_smem()  # every warp's wgmma has read dX
-    _split_into(p, s.phi, s.plo)
+    split_bf16(p, s.phi, s.plo)
     plgpu.commit_smem()
-    dl = _products(_split_terms(s.phi, s.plo, s.xhi.T, s.xlo.T), CHUNK)
+    dl = _products(split_terms(s.phi, s.plo, s.xhi.T, s.xlo.T), CHUNK)
     dl = jnp.where(same & (r > c), -dl, 0.0)
     beta_row = lambda n: per_row(s.beta, n)
-    dbeta = jnp.sum(dl * _load(s.akk), axis=1)
+    dbeta = jnp.sum(dl * load_f32(s.akk), axis=1)
     s.akk[...] = dl * beta_row(CHUNK)  # each thread writes the elements it read
     plgpu.commit_smem()
     outs["dakk"]()
 
     # dB_v = X^T dV~ -> dv = diag(beta) dB_v (over dV~ once every warp's wgmma has read it).
     dbv = _products(((s.xhi.T, s.dvt), (s.xlo.T, s.dvt)), HEAD_DIM)
-    dbeta = dbeta + jnp.sum(dbv * _load(s.v), axis=1)
+    dbeta = dbeta + jnp.sum(dbv * load_f32(s.v), axis=1)
     plgpu.commit_smem()
     s.dvt[...] = (dbv * beta_row(HEAD_DIM)).astype(BF16)
     plgpu.commit_smem()
     outs["dv"]()
 
     # dB_k = X^T dW (over dW).
-    dbk = _products(_split_terms(s.xhi.T, s.xlo.T, s.dwhi, s.dwlo), HEAD_DIM)
-    egk = _load(s.ehi) + _load(s.elo)
+    dbk = _products(split_terms(s.xhi.T, s.xlo.T, s.dwhi, s.dwlo), HEAD_DIM)
+    egk = load_f32(s.ehi) + load_f32(s.elo)
     dbeta = dbeta + jnp.sum(dbk * egk, axis=1)
     plgpu.commit_smem()
     s.dw[...] = dbk

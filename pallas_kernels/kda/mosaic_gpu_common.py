@@ -69,6 +69,24 @@ def accumulate(products, inits, interpret: bool):
     return tuple(x + o for x, o in zip(inits, outs, strict=True))
 
 
+def load_f32(ref):
+    """A shared-memory tile as an f32 value in the WGMMA register layout."""
+    return plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA).astype(F32)
+
+
+def split_bf16(value, hi_ref, lo_ref) -> None:
+    """``value`` (f32) stored as ``hi_ref + lo_ref`` (bf16 each; their sum is ``value`` to ~2^-17 relative): an fp32
+    operand for bf16 wgmma."""
+    hi = value.astype(BF16)
+    hi_ref[...] = hi
+    lo_ref[...] = (value - hi.astype(F32)).astype(BF16)
+
+
+def split_terms(a_hi, a_lo, b_hi, b_lo):
+    """The operand pairs of ``(a_hi + a_lo) (b_hi + b_lo)`` that matter in fp32 (``lo lo`` is below its rounding)."""
+    return ((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))
+
+
 def bcast_cols(vec, rows: int = CHUNK):
     """``[n]`` per-column vector -> ``[rows, n]`` (the same in every row)."""
     return lax.broadcast_in_dim(vec, (rows, vec.shape[0]), [1])
