@@ -16,6 +16,7 @@ import pytest
 from pallas_kernels.kda import gpu_bwd, mosaic_gpu
 from pallas_kernels.kda import mosaic_gpu_bwd_sweeps as sweeps
 from pallas_kernels.kda import reference as ref
+from tests._gpu import hopper
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_for_sm90, run_under_jax_0112
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -212,13 +213,6 @@ def test_sweeps_lower_under_jax_0112():
     assert out.returncode == 0 and "ok 0.11.2" in out.stdout, out.stderr[-3000:]
 
 
-def _hopper() -> bool:
-    from pallas_kernels.attention import visible_gpu_compute_capability
-
-    cc = visible_gpu_compute_capability()
-    return cc is not None and cc >= 9.0
-
-
 def _assert_sweeps_match_the_recurrences(B, T, H, interpret=False):
     """Both sweeps (``v_split`` 1 and 2) on the Mosaic GPU forward's per-chunk results for real inputs (T padded to
     the chunk, an initial state, a final-state cotangent) against :func:`_h_reference` / :func:`_ds_reference`."""
@@ -245,7 +239,7 @@ def _assert_sweeps_match_the_recurrences(B, T, H, interpret=False):
 def test_gpu_sweeps_match_the_recurrences(B, T, H):
     """On the H200: the compiled sweeps at K3's shape (and several sequences of several heads with a padded tail)
     against the plain-JAX recurrences of the Triton kernels' formulas."""
-    if not _hopper():
+    if not hopper():
         pytest.skip("needs an sm_90+ GPU")
     _assert_sweeps_match_the_recurrences(B, T, H)
 
@@ -255,7 +249,7 @@ def test_gpu_sweeps_match_the_recurrences(B, T, H):
 def test_gpu_backward_with_mosaic_gpu_steps_matches_the_triton_kernels(B, T, H):
     """On the H200: the compiled backward with steps 4-9 on Mosaic GPU against the all-Triton one (K3's shape, and
     several sequences of several heads with a padded tail)."""
-    if not _hopper():
+    if not hopper():
         pytest.skip("needs an sm_90+ GPU")
     q, k, v, g, beta, h0, do = _inputs(B, T, H, seed=T)
     dht = jax.random.normal(jax.random.PRNGKey(8), h0.shape, F32)
