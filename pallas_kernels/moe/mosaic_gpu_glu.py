@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.mosaic_gpu_common import interpret_params
-from pallas_kernels.moe.reference import situ_epilogue
+from pallas_kernels.moe.reference import grouped_matmul, situ_epilogue
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 WG_ROWS = 64
@@ -251,16 +251,10 @@ def gmm_glu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array, 
     return out[:m0]
 
 
-def gmm_glu_reference(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes, *, beta1: float = 4.0,
+def gmm_glu_reference(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array, *, beta1: float = 4.0,
                       beta2: float = 25.0) -> jax.Array:
-    """fp32 reference of :func:`gmm_glu` for concrete ``group_sizes`` (one product per group): ``situ_epilogue``
-    of the fp32 (``HIGHEST``) gate and up products, zeros past ``sum(group_sizes)``, in bf16."""
-    act = situ_epilogue(float(beta1), float(beta2), BF16)
-    dot = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
-    out, start = [], 0
-    for g, size in enumerate(int(s) for s in jax.device_get(group_sizes)):
-        rows = x[start:start + size].astype(F32)
-        out.append(act(dot(rows, w1[g].astype(F32)), dot(rows, w3[g].astype(F32))).astype(BF16))
-        start += size
-    out.append(jnp.zeros((x.shape[0] - start, w1.shape[2]), BF16))
-    return jnp.concatenate(out)
+    """fp32 reference of :func:`gmm_glu`: ``situ_epilogue`` of the fp32 (``HIGHEST``) grouped gate and up products
+    (:func:`pallas_kernels.moe.reference.grouped_matmul`; zeros past ``sum(group_sizes)``), in bf16."""
+    f32 = lambda a: a.astype(F32)
+    gate, up = (grouped_matmul(f32(x), f32(w), group_sizes.astype(I32)) for w in (w1, w3))
+    return situ_epilogue(float(beta1), float(beta2), BF16)(gate, up).astype(BF16)
