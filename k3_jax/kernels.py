@@ -29,7 +29,13 @@ from pallas_kernels import attention, mla_decode, paged_latent_attention, prefix
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import verify as kda_verify
 from pallas_kernels.moe import ops as moe_ops
-from pallas_kernels.registry import PLATFORMS, KernelUnavailable, Registry, normalize_platform
+from pallas_kernels.registry import (
+    PLATFORMS,
+    KernelUnavailable,
+    Registry,
+    normalize_platform,
+    target_compute_capability,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +88,7 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
     out: list[Choice] = []
     for p in platforms:
-        cc = compute_capability if compute_capability is not None else (
-            attention.visible_gpu_compute_capability() if p == "gpu" else None)
+        cc = compute_capability if compute_capability is not None else target_compute_capability(p)
         if has_kda:
             chunk = kda_ops.KdaCall(p, dt, (batch, seq_len, h, dk, dk), cfg.kda_chunk_size, cfg.gate_lower_bound,
                                     compute_capability=cc)
@@ -114,8 +119,7 @@ def explain(cfg: K3Config, platform: str | None = None, *, batch: int = 1, seq_l
                                    cfg.num_experts, cfg.expert_format == "mxfp4", compute_capability=cc)
             out.append(_choose("moe (routed experts)", moe_ops.EXPERT_FFN, cfg.moe_implementation, call))
         if cfg.vision is not None:  # seq_len patches of one image (window = the whole item)
-            cc = compute_capability if compute_capability is not None else (
-                attention.visible_gpu_compute_capability() if p == "gpu" else None)
+            cc = compute_capability if compute_capability is not None else target_compute_capability(p)
             call = VisionAttentionCall(p, dt, seq_len, seq_len, cfg.vision.head_dim, cc)
             out.append(_choose("vision tower", VISION_ATTENTION, cfg.vision.attention, call))
     return out

@@ -28,7 +28,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.registry import Backend, Registry, target_platform
+from pallas_kernels.registry import (
+    Backend,
+    Registry,
+    target_compute_capability,
+    target_platform,
+    visible_gpu_compute_capability,
+)
 
 
 @functools.cache
@@ -38,16 +44,6 @@ def _has_cudnn_lowering() -> bool:
     except ImportError:
         return False
     return True
-
-
-@functools.cache
-def visible_gpu_compute_capability() -> float | None:
-    """Compute capability of the first visible GPU, None without one."""
-    try:
-        cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
-        return None if cc is None else float(cc)
-    except (RuntimeError, TypeError, ValueError):
-        return None
 
 
 def cudnn_attention_available(platform: str | None = None) -> bool:
@@ -124,5 +120,5 @@ ATTENTION = Registry("mla.attention", (
 def make_call(q: jax.Array, v: jax.Array, segment_ids: jax.Array | None, platform: str | None) -> AttentionCall:
     b, t, h, dqk = q.shape
     target = target_platform(platform)
-    cc = visible_gpu_compute_capability() if target == "gpu" else None
+    cc = target_compute_capability(target)
     return AttentionCall(target, jnp.dtype(q.dtype).name, (b, t, h, dqk, v.shape[-1]), segment_ids is not None, cc)

@@ -37,9 +37,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.forward_only import forward_only
-from pallas_kernels.registry import Backend, Registry, platform_reason, sm90_reason, target_platform
+from pallas_kernels.registry import (
+    Backend,
+    Registry,
+    platform_reason,
+    sm90_reason,
+    target_compute_capability,
+    target_platform,
+)
 
 NEG_INF = -1e30
 BLOCK = 512
@@ -97,7 +103,7 @@ def make_call(q_lat, q_rot, store, platform: str | None = None, interpret: bool 
     C + Dr]`` (arrays or ``jax.ShapeDtypeStruct`` s: only shapes and dtypes are read)."""
     b, h, c = q_lat.shape
     target = target_platform(platform)
-    cc = visible_gpu_compute_capability() if target == "gpu" else None
+    cc = target_compute_capability(target)
     return DecodeCall(target, jnp.dtype(q_lat.dtype).name, (b, h, c, q_rot.shape[-1], store.shape[-2]),
                       bool(interpret), cc)
 

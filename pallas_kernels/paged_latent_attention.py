@@ -50,13 +50,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.forward_only import forward_only
 from pallas_kernels.registry import (
     Backend,
     Registry,
     platform_reason,
     sm90_reason,
+    target_compute_capability,
     target_platform,
     triton_missing_reason,
 )
@@ -153,7 +153,7 @@ def make_call(q_lat, pages, table, platform: str | None = None, mesh_devices: in
     through ``table [B, max_pages]`` (arrays or ``jax.ShapeDtypeStruct`` s: only shapes and dtypes are read)."""
     b, t, h, c = q_lat.shape
     target = target_platform(platform)
-    cc = visible_gpu_compute_capability() if target == "gpu" else None
+    cc = target_compute_capability(target)
     return PagedDecodeCall(target, jnp.dtype(q_lat.dtype).name, jnp.dtype(pages.dtype).name,
                            (b, t, h, c, pages.shape[-1] - c, pages.shape[-2], table.shape[1]), int(mesh_devices),
                            bool(interpret), cc)

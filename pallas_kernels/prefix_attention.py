@@ -30,8 +30,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import cudnn_platform_reason, visible_gpu_compute_capability
-from pallas_kernels.registry import Backend, Registry, target_platform
+from pallas_kernels.attention import cudnn_platform_reason
+from pallas_kernels.registry import Backend, Registry, target_compute_capability, target_platform
 
 NEG_INF = -1e30
 MIN_QUERIES = 256
@@ -77,7 +77,7 @@ def make_call(q: jax.Array, dv: int, platform: str | None) -> PrefixAttentionCal
     """The call of queries ``q [B, T, H, Dqk]`` with value head dim ``dv`` on ``platform`` (None: the target)."""
     b, t, h, dqk = q.shape
     target = target_platform(platform)
-    cc = visible_gpu_compute_capability() if target == "gpu" else None
+    cc = target_compute_capability(target)
     return PrefixAttentionCall(target, jnp.dtype(q.dtype).name, (b, t, h, dqk, dv), cc)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib.util
 import logging
 from collections.abc import Callable, Iterator, Mapping
@@ -182,20 +183,46 @@ def normalize_platform(platform: str) -> str:
 
 
 _SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("pallas_kernels_platform", default=None)
+_CC_SCOPE: contextvars.ContextVar[float | None] = contextvars.ContextVar("pallas_kernels_compute_capability",
+                                                                         default=None)
 
 
 @contextlib.contextmanager
-def platform_scope(platform: str | None) -> Iterator[None]:
+def platform_scope(platform: str | None, compute_capability: float | None = None) -> Iterator[None]:
     """Within the block, :func:`target_platform` without an explicit platform answers ``platform``
-    (``None`` / ``"auto"``: no change). For tracing a program for another platform without a mesh of its
-    devices (e.g. a GPU program's residuals on a CPU host). JAX's trace caches do not see the scope: enter it
-    inside the traced function (as the MLA layer does for ``cfg.platform``) or trace a new function under it.
-    Code whose trace depends on the platform passes it on as a static argument (``einsum_f32``)."""
+    (``None`` / ``"auto"``: no change) and :func:`target_compute_capability` answers ``compute_capability`` for a
+    GPU target (``None``: no change). For tracing a program for another platform without a mesh of its devices
+    (e.g. a GPU program's residuals on a CPU host, or a compile for a GPU this host does not have). JAX's trace
+    caches do not see the scope: enter it inside the traced function (as the MLA layer does for ``cfg.platform``)
+    or trace a new function under it. Code whose trace depends on the platform passes it on as a static argument
+    (``einsum_f32``)."""
     token = _SCOPE.set(_SCOPE.get() if platform in (None, "auto") else normalize_platform(platform))
+    cc_token = _CC_SCOPE.set(_CC_SCOPE.get() if compute_capability is None else float(compute_capability))
     try:
         yield
     finally:
+        _CC_SCOPE.reset(cc_token)
         _SCOPE.reset(token)
+
+
+@functools.cache
+def visible_gpu_compute_capability() -> float | None:
+    """Compute capability of the first GPU this process sees, None without one."""
+    try:
+        cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+        return None if cc is None else float(cc)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+def target_compute_capability(platform: str) -> float | None:
+    """The compute capability of the GPU the program being traced will run on when ``platform`` (the target
+    platform) is ``"gpu"``, else None: that of an enclosing :func:`platform_scope` if it names one (a GPU this
+    host does not have), else the first visible GPU's, else None (unknown)."""
+    if platform != "gpu":
+        return None
+    scoped = _CC_SCOPE.get()
+    return scoped if scoped is not None else visible_gpu_compute_capability()
 
 
 def target_platform(explicit: str | None = None) -> str:

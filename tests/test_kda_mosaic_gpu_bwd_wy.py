@@ -167,7 +167,7 @@ def test_lowers_under_jax_0112():
 @pytest.mark.gpu
 def test_gpu_matches_reference_at_k3_shape():
     """Compiled on an sm_90 GPU at B=1, T=8192, H=96 with documents, against the fp32 restatement."""
-    from pallas_kernels.attention import visible_gpu_compute_capability
+    from pallas_kernels.registry import visible_gpu_compute_capability
 
     cc = visible_gpu_compute_capability()
     if cc is None or cc < 9.0:

@@ -31,7 +31,7 @@ def test_interpreter_taps_match_their_references():
 def test_gpu_taps_match_their_references_where_the_kernel_is_right():
     """On an sm_90+ GPU at a shape where the production kernel was right (2x256x3), the taps build is right too
     and every tap matches its reference."""
-    from pallas_kernels.attention import visible_gpu_compute_capability
+    from pallas_kernels.registry import visible_gpu_compute_capability
 
     cc = visible_gpu_compute_capability()
     if cc is None or cc < 9.0:

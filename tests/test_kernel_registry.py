@@ -22,7 +22,9 @@ from pallas_kernels.registry import (
     clear_selections,
     platform_scope,
     selections,
+    target_compute_capability,
     target_platform,
+    visible_gpu_compute_capability,
 )
 from tests._model_fixtures import REPO
 
@@ -219,6 +221,26 @@ def test_target_platform_is_explicit_scoped_mesh_or_default_device():
     assert target_platform() == jax.devices()[0].platform
     with pytest.raises(ValueError, match="platform must be one of"):
         target_platform("metal")
+
+
+def test_target_compute_capability_is_scoped_or_the_visible_gpus():
+    """A compile for a GPU this host does not have names its compute capability in the scope; the op calls carry
+    it (here the KDA chunk's, which makes ``mosaic_gpu`` selectable on a CPU host)."""
+    visible = visible_gpu_compute_capability()
+    assert target_compute_capability("gpu") == visible and target_compute_capability("cpu") is None
+    q = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+    with platform_scope("gpu", compute_capability=9.0):
+        assert target_compute_capability("gpu") == 9.0 and target_compute_capability("tpu") is None
+        with platform_scope("gpu"):  # no compute capability named: the outer one stays
+            assert target_compute_capability("gpu") == 9.0
+        call = kda_ops.make_call(q, q, 64, -5.0, False, None)
+        assert call.platform == "gpu" and call.compute_capability == 9.0
+        assert kda_ops.CHUNK.select("mosaic_gpu", call, record=False).backend == "mosaic_gpu"
+        with platform_scope(None, compute_capability=8.0):
+            assert target_compute_capability("gpu") == 8.0
+            with pytest.raises(KernelUnavailable, match="9.0"):
+                kda_ops.CHUNK.select("mosaic_gpu", kda_ops.make_call(q, q, 64, -5.0, False, None), record=False)
+    assert target_compute_capability("gpu") == visible
 
 
 def test_registry_rejects_inconsistent_tables():

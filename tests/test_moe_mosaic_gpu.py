@@ -130,7 +130,7 @@ def test_gpu_gmm_forward_and_grads_match_reference(sizes):
 
 @pytest.mark.gpu
 def test_gpu_expert_ffn_mosaic_gpu_on_hopper():
-    cc = ops.visible_gpu_compute_capability()
+    cc = registry.visible_gpu_compute_capability()
     if cc is None or cc < 9.0:
         pytest.skip(f"needs an sm_90+ GPU, this one has compute capability {cc}")
     m, lat, inter, e = 512, 256, 128, 4

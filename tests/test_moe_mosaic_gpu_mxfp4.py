@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels import registry
 from pallas_kernels.moe import gpu, ops
 from pallas_kernels.moe import mosaic_gpu_mxfp4 as mx
 from pallas_kernels.moe import reference as ref
@@ -260,7 +261,7 @@ def test_lowers_for_sm90_under_jax_0112():
 
 
 def _sm90_or_skip():
-    cc = ops.visible_gpu_compute_capability()
+    cc = registry.visible_gpu_compute_capability()
     if cc is None or cc < 9.0:
         pytest.skip(f"needs an sm_90+ GPU, this one has compute capability {cc}")
 

@@ -193,7 +193,7 @@ def test_mosaic_gpu_kernel_lowers_for_sm90():
 @pytest.mark.parametrize("t", [1, 4])
 def test_gpu_mosaic_gpu_kernel_at_k3_widths_equals_reference(t):
     """The Mosaic GPU kernel on an sm_90 GPU at K3's widths (:func:`_check_k3_widths_on_gpu`)."""
-    from pallas_kernels.attention import visible_gpu_compute_capability
+    from pallas_kernels.registry import visible_gpu_compute_capability
 
     if (visible_gpu_compute_capability() or 0) < 9.0:
         pytest.skip("needs an sm_90+ GPU")
@@ -247,9 +247,10 @@ def test_gpu_order_at_k3_widths(monkeypatch, shipped, cc, want):
     from pallas_kernels import registry
 
     monkeypatch.setattr(registry, "TRITON_SHIPPED", shipped)
-    monkeypatch.setattr(pla, "visible_gpu_compute_capability", lambda: cc)
     q = jnp.zeros((B, 1, 96, 512), jnp.bfloat16)
-    call = pla.make_call(q, jnp.zeros((P, 16, 576), jnp.bfloat16), jnp.zeros((B, 8), jnp.int32), platform="gpu")
+    with registry.platform_scope("gpu", compute_capability=cc):  # the target GPU's, not this host's
+        call = pla.make_call(q, jnp.zeros((P, 16, 576), jnp.bfloat16), jnp.zeros((B, 8), jnp.int32), platform="gpu")
+    assert call.compute_capability == cc
     sel = pla.PAGED_DECODE.select("auto", call, record=False)
     assert sel.backend == want
     passed = dict(sel.passed_over)

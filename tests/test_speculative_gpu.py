@@ -110,9 +110,9 @@ def test_gpu_engine_matches_full_forward_per_backend(kda, moe, prompt_len):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [64, 33, 1])
 def test_gpu_mosaic_chunk_forward_at_prefill_piece_shapes(t):
-    from pallas_kernels.attention import visible_gpu_compute_capability
     from pallas_kernels.kda import mosaic_gpu
     from pallas_kernels.kda import reference as ref
+    from pallas_kernels.registry import visible_gpu_compute_capability
 
     cc = visible_gpu_compute_capability()
     if cc is None or cc < 9.0:

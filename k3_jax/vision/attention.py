@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.layers.common import einsum_f32
-from pallas_kernels.attention import cudnn_platform_reason, visible_gpu_compute_capability
-from pallas_kernels.registry import Backend, Registry, target_platform
+from pallas_kernels.attention import cudnn_platform_reason
+from pallas_kernels.registry import Backend, Registry, target_compute_capability, target_platform
 
 QUERY_BLOCK = 512
 WINDOW_ALIGN = 128
@@ -108,7 +108,7 @@ def attention_choice(implementation: str, dtype: jnp.dtype, n_rows: int, window:
     """``(backend, reason)`` for ``implementation`` (``"auto"`` or a :data:`VISION_ATTENTION` name) on the target
     platform; an explicit choice that cannot run raises ``KernelUnavailable`` (a ``ValueError``)."""
     target = target_platform(platform)
-    cc = visible_gpu_compute_capability() if target == "gpu" else None
+    cc = target_compute_capability(target)
     call = VisionAttentionCall(target, jnp.dtype(dtype).name, n_rows, window, head_dim, cc)
     sel = VISION_ATTENTION.select(implementation, call)
     if implementation != "auto":

@@ -45,10 +45,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import registry
-from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.kda import launch
 from pallas_kernels.kda import reference as ref
-from pallas_kernels.registry import Backend, Registry, platform_reason, sm90_reason, target_platform
+from pallas_kernels.registry import (
+    Backend,
+    Registry,
+    platform_reason,
+    sm90_reason,
+    target_compute_capability,
+    target_platform,
+)
 
 KERNEL_GATE_BOUND = -5.0
 """The Pallas kernels' factored decay products need every per-token log-decay ``>= KERNEL_GATE_BOUND``."""
@@ -173,7 +179,7 @@ def make_call(q, v, chunk_size: int, gate_bound: float | None, interpret, platfo
     target = target_platform(platform)
     return KdaCall(target, jnp.promote_types(q.dtype, v.dtype).name, (B, T, H, K, v.shape[-1]), int(chunk_size),
                    None if gate_bound is None else float(gate_bound), bool(interpret),
-                   visible_gpu_compute_capability() if target == "gpu" else None, bool(packed))
+                   target_compute_capability(target), bool(packed))
 
 
 def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpret, residuals: bool = False):

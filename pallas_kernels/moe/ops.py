@@ -55,11 +55,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import registry
-from pallas_kernels.attention import visible_gpu_compute_capability
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.mxfp4 import is_mxfp4
 from pallas_kernels.mxfp8 import fake_quant_mxfp8
-from pallas_kernels.registry import Backend, Registry, platform_reason, target_platform
+from pallas_kernels.registry import Backend, Registry, platform_reason, target_compute_capability, target_platform
 
 ALIASES = {"reference": "xla"}
 """Old name of the reference still accepted (``sharding.plan``, benchmark scripts)."""
@@ -137,7 +136,7 @@ def make_call(x: jax.Array, w: Any, interpret: bool, platform: str | None) -> Mo
     e, n = ((w["weight_packed"].shape[0], w["weight_packed"].shape[1]) if mx else (w.shape[0], w.shape[-1]))
     target = target_platform(platform)
     return MoeCall(target, jnp.dtype(x.dtype).name, (int(x.shape[0]), int(x.shape[-1]), int(n)), int(e), mx,
-                   bool(interpret), visible_gpu_compute_capability() if target == "gpu" else None)
+                   bool(interpret), target_compute_capability(target))
 
 
 def select(implementation: str, x: jax.Array, w: Any, interpret: bool = False, platform: str | None = None) -> str:
