@@ -1,7 +1,7 @@
 """Compile for an NVIDIA H200 on a host without a GPU: XLA:GPU's optimised program, its kernel launches, and
 ``ptxas``'s register / spill / shared-memory report of every Mosaic GPU kernel in it.
 
-    python benchmarks/gpu_aot.py [--kernels kda_fwd_bwd,kda_decode,moe_glu,moe_mxfp4,mla_decode,paged_mla]
+    python benchmarks/gpu_aot.py [--kernels kda_fwd,kda_fwd_bwd,kda_decode,moe_glu,moe_mxfp4,paged_mla]
 
 One JSON line per Mosaic GPU kernel (``ptxas``'s report) and one summary line per case. Needs the CUDA PJRT plugin
 of the H200's JAX (``pip install "jax[cuda13]==0.11.2"``, ~4 GB; no GPU and no driver are used): JAX's deviceless
@@ -151,7 +151,7 @@ def _launch_kind(ins: Any) -> str:
         if "__cublas" in ins.text or '"kind":"__custom_fusion"' in ins.text or "dynamic-slice-fusion" in ins.text:
             return "gemm"
         called = re.search(r"calls=%?([\w.\-]+)", ins.text)
-        return "fusion:" + re.sub(r"[.\d]+$", "", called.group(1) if called else "?").removeprefix("fused_")
+        return "fusion:" + re.sub(r"(\.(\d+|clone))+$", "", called.group(1) if called else "?").removeprefix("fused_")
     return ins.opcode
 
 
@@ -219,6 +219,23 @@ def _cases() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
         vec = s((b, t, h, k), bf)
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), (vec, vec, vec, s((b, t, h, k), f32), s((b, t, h), f32))
 
+    def kda_fwd():
+        from pallas_kernels.kda import ops
+
+        b, t, h, k = 1, 8192, 96, 128
+        vec = s((b, t, h, k), bf)
+        return (lambda q, kk, v, g, beta: ops.chunk_kda(q, kk, v, g, beta, scale=k ** -0.5, gate_bound=-5.0,
+                                                        implementation="mosaic_gpu")[0]), (
+            vec, vec, vec, s((b, t, h, k), f32), s((b, t, h), f32))
+
+    def paged_mla():
+        from pallas_kernels import paged_latent_attention as pla
+
+        b, pages_per_row, h = 16, 2048, 96  # rows up to 32,768 tokens in 16-token pages
+        return (lambda ql, qr, pages, table, pos: pla.paged_attention_mgpu(ql, qr, pages, None, table, pos, 0.07)), (
+            s((b, 1, h, 512), bf), s((b, 1, h, 64), bf), s((b * pages_per_row + 1, 16, 576), bf),
+            s((b, pages_per_row), i32), s((b,), i32))
+
     def kda_decode():
         from pallas_kernels.kda import mosaic_gpu_decode
 
@@ -249,7 +266,8 @@ def _cases() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
             z, ids, wts, {"w1": w1, "w3": w3, "w2": w2}, implementation="mosaic_gpu")), (
             s((tokens, d), bf), s((tokens, top_k), i32), s((tokens, top_k), f32), mx(n, d), mx(n, d), mx(d, n))
 
-    return {"kda_fwd_bwd": kda_fwd_bwd, "kda_decode": kda_decode, "moe_glu": moe_glu, "moe_mxfp4": moe_mxfp4}
+    return {"kda_fwd": kda_fwd, "kda_fwd_bwd": kda_fwd_bwd, "kda_decode": kda_decode, "moe_glu": moe_glu,
+            "moe_mxfp4": moe_mxfp4, "paged_mla": paged_mla}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,6 +52,23 @@ def test_tiny_schedule_matches_spec_listing():
             assert cfg.num_attn_res_blocks + 1 == expected
 
 
+def test_slot_arithmetic_on_traced_layers_matches_the_official_schedule():
+    """Inside the layer scan the layer index is traced: the counts and slots (one truncating division) equal the
+    official schedule's at every layer of K3 (93 layers, blocks of 12) and of a block size that is not a power of
+    two."""
+    for num_layers, block in ((93, 12), (10, 4), (7, 3)):
+        counts = jax.jit(lambda layer, b=block: (attn_sources_count(layer, b), mlp_sources_count(layer, b),
+                                                 output_slot(layer, b)))
+        for kind, layer, srcs in official_schedule(num_layers, block):
+            if kind == "out":
+                continue
+            n_attn, n_mlp, slot = (int(x) for x in counts(jnp.int32(layer)))
+            if kind == "attn":
+                assert n_attn == len(srcs), (layer, block)
+            else:
+                assert (n_mlp, slot) == (len(srcs), len(srcs) - 1), (layer, block)
+
+
 def test_k3_output_mixes_nine_sources():
     points = official_schedule(93, 12)
     assert len(points[-1][2]) == 9

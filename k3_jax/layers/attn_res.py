@@ -31,18 +31,24 @@ def num_sources(cfg: K3Config) -> int:
     return cfg.num_attn_res_blocks + 1
 
 
+def _block_of(layer: jax.Array, block_size: int) -> jax.Array:
+    """``layer // block_size`` for ``layer >= 0`` as one truncating division (``//`` on a traced int adds the
+    sign corrections of floor division: a chain of scalar kernels per layer on GPU)."""
+    return jax.lax.div(layer, jnp.asarray(block_size, layer.dtype))
+
+
 def attn_sources_count(layer: jax.Array | int, block_size: int) -> jax.Array:
     layer = jnp.asarray(layer)
-    return jnp.where(layer == 0, 1, (layer - 1) // block_size + 2)
+    return jnp.where(layer == 0, 1, _block_of(jnp.maximum(layer - 1, 0), block_size) + 2)
 
 
 def mlp_sources_count(layer: jax.Array | int, block_size: int) -> jax.Array:
-    return jnp.asarray(layer) // block_size + 2
+    return _block_of(jnp.asarray(layer), block_size) + 2
 
 
 def output_slot(layer: jax.Array | int, block_size: int) -> jax.Array:
     """Slot that layer ``l``'s sub-layer outputs are added to."""
-    return jnp.asarray(layer) // block_size + 1
+    return _block_of(jnp.asarray(layer), block_size) + 1
 
 
 def attn_res_weights(sources: jax.Array, n_valid: jax.Array | int, query: jax.Array, eps: float) -> jax.Array:

@@ -38,7 +38,7 @@ def make_tile_table(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array,
     sizes = jnp.concatenate([gs, jnp.maximum(m - jnp.sum(gs), 0)[None]])
     ends = jnp.cumsum(sizes).astype(jnp.int32)
     starts = ends - sizes
-    ntiles = (sizes + tm - 1) // tm
+    ntiles = jax.lax.div(sizes + tm - 1, jnp.int32(tm))  # sizes >= 0: truncation is floor, without its sign fix-ups
     cum = jnp.cumsum(ntiles)
     num = cum[-1]
     v = -(-m // tm) + e

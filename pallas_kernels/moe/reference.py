@@ -305,7 +305,7 @@ def dispatch_combine(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def dispatch_rows(z: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
     """``z [T, L]`` -> ``[T·k, L]`` in expert order: row ``i`` is token ``order[i] // k``."""
-    return jnp.take(z, order // k, axis=0)
+    return jnp.take(z, jax.lax.div(order, jnp.int32(k)), axis=0)  # order >= 0: no floor-division fix-ups
 
 
 def _dispatch_rows_fwd(z, order, inverse, k):
