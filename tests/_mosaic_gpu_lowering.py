@@ -15,6 +15,20 @@ JAX_0112_PYTHON = os.environ.get("K3_JAX_0112_PYTHON", "/work/venv-0112/bin/pyth
 """A Python with jax 0.11.2 (the H200's JAX) for the second lowering tests; they skip where it is absent."""
 
 
+CUDA_AOT_PYTHON = os.environ.get("K3_CUDA_AOT_PYTHON", "/work/venv-cuda/bin/python")
+"""A Python with JAX's CUDA plugin of the H200's JAX and this project's dependencies, for the tests that compile for
+sm_90a on this host (``benchmarks/gpu_aot.py``); they skip where it is absent (CI installs no CUDA plugin)."""
+
+
+def cuda_aot_missing_reason() -> str | None:
+    """None when :data:`CUDA_AOT_PYTHON` imports JAX's CUDA plugin, else why not (the tests' skip reason)."""
+    if not os.path.exists(CUDA_AOT_PYTHON):
+        return f"no Python with JAX's CUDA plugin at {CUDA_AOT_PYTHON} (set K3_CUDA_AOT_PYTHON)"
+    probe = subprocess.run([CUDA_AOT_PYTHON, "-c", "import jax_plugins.xla_cuda13"], capture_output=True, text=True,
+                           timeout=120)
+    return None if probe.returncode == 0 else f"{CUDA_AOT_PYTHON} has no CUDA plugin: {probe.stderr.strip()[-200:]}"
+
+
 def run_under_jax_0112(body: str) -> subprocess.CompletedProcess:
     """Run ``body`` (Python source; it may import ``tests._mosaic_gpu_lowering``) under :data:`JAX_0112_PYTHON` on
     CPU after asserting that Python's JAX is 0.11.2; it prints ``ok 0.11.2`` when ``body`` finishes."""

@@ -1,8 +1,8 @@
 """Compiling for an H200 on a host without a GPU (``benchmarks/gpu_aot.py``): the report parsers on fixed text, and
 the Mosaic GPU kernels compiled by ``ptxas`` for sm_90a with no spills and no serialised wgmma.
 
-The compile tests need a Python with JAX's CUDA plugin of the H200's JAX (:data:`CUDA_AOT_PYTHON`, a venv with
-``jax[cuda13]==0.11.2`` and this project); they skip, saying so, where it is absent (CI installs no CUDA plugin).
+The compile tests need a Python with JAX's CUDA plugin of the H200's JAX (``tests._mosaic_gpu_lowering.
+CUDA_AOT_PYTHON``, a venv with ``jax[cuda13]==0.11.2`` and this project); they skip, saying so, where it is absent.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_aot import kernel_launches, ptxas_reports
+from tests._mosaic_gpu_lowering import CUDA_AOT_PYTHON, cuda_aot_missing_reason
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA_AOT_PYTHON = os.environ.get("K3_CUDA_AOT_PYTHON", "/work/venv-cuda/bin/python")
 
 PTXAS = """\
 ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient \
@@ -82,22 +82,14 @@ def test_kernel_launches_count_loop_bodies_by_their_trips():
     assert launches == {"fusion:add": 3, "pallas:kda_decode": 3, "copy-start": 3, "gemm": 1}
 
 
-def _cuda_aot_python_or_skip() -> None:
-    if not Path(CUDA_AOT_PYTHON).exists():
-        pytest.skip(f"no Python with JAX's CUDA plugin at {CUDA_AOT_PYTHON} (set K3_CUDA_AOT_PYTHON)")
-    probe = subprocess.run([CUDA_AOT_PYTHON, "-c", "import jax_plugins.xla_cuda13, jax; print(jax.__version__)"],
-                           capture_output=True, text=True, timeout=120)
-    if probe.returncode != 0:
-        pytest.skip(f"{CUDA_AOT_PYTHON} has no CUDA plugin: {probe.stderr.strip()[-200:]}")
-
-
-CLEAN = ("kda_fwd", "kda_decode", "moe_glu")
+CLEAN = ("kda_fwd", "kda_decode", "moe_glu", "moe_mxfp4")
 """Cases whose every Mosaic GPU kernel compiles with no spill and no ``ptxas`` performance advisory."""
 
 
 @pytest.mark.parametrize("case", CLEAN)
 def test_mosaic_gpu_kernels_compile_for_sm90a_without_spills(case):
-    _cuda_aot_python_or_skip()
+    if reason := cuda_aot_missing_reason():
+        pytest.skip(reason)
     out = subprocess.run([CUDA_AOT_PYTHON, str(REPO / "benchmarks" / "gpu_aot.py"), "--kernels", case],
                          capture_output=True, text=True, timeout=900, cwd=REPO,
                          env={**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_PTXAS": "1",

@@ -18,7 +18,13 @@ from pallas_kernels.moe import gpu, ops
 from pallas_kernels.moe import mosaic_gpu_mxfp4 as mx
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.mxfp4 import E2M1_LUT, unpack_mxfp4
-from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_for_sm90, run_under_jax_0112
+from tests._mosaic_gpu_lowering import (
+    CUDA_AOT_PYTHON,
+    JAX_0112_PYTHON,
+    cuda_aot_missing_reason,
+    lower_for_sm90,
+    run_under_jax_0112,
+)
 
 GLU = ref.situ_epilogue(4.0, 25.0, jnp.bfloat16)
 
@@ -258,6 +264,49 @@ def test_lowers_for_sm90_under_jax_0112():
             assert text.count("custom_call @mosaic_gpu") == 1 and "wgmma.mma_async" in text
     """)
     assert out.returncode == 0 and "ok 0.11.2" in out.stdout, out.stderr[-3000:]
+
+
+def test_default_tiles_compile_for_sm90a_without_spills_or_serialised_wgmma():
+    """The wrapper's tiles for 1, 8 and 16 rows per expert (tm 8, 16, 32; the register-operand decode), fused w1/w3
+    and w2 at K3's widths, compiled by ``ptxas`` for sm_90a on this host: no spills and no C7511 / C7512 advisory
+    (wgmma serialised: every decoded operand of a step live at once, see ``mx._mma_registers``)."""
+    import json
+    import subprocess
+
+    if reason := cuda_aot_missing_reason():
+        pytest.skip(reason)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = f"""
+import json, sys
+sys.path.insert(0, {root!r})
+import jax, jax.numpy as jnp
+from benchmarks.gpu_aot import captured_output, compile_for_h200, ptxas_reports
+from pallas_kernels.moe import mosaic_gpu_mxfp4 as mx
+from pallas_kernels.moe import reference as ref
+glu = ref.situ_epilogue(4.0, 25.0, jnp.bfloat16)
+s, e = jax.ShapeDtypeStruct, 64
+for rows in (1, 8, 16):
+    for (k, n), fused in (((3584, 3072), True), ((3072, 3584), False)):
+        w = (s((e, n, k // 2), jnp.uint8), s((e, n, k // 32), jnp.uint8))
+        x, gs = s((e * rows, k), jnp.bfloat16), s((e,), jnp.int32)
+        if fused:
+            fn, args = (lambda x, a, b, c, d, g: mx.gmm_mxfp4(x, [(a, b), (c, d)], g, epilogue=glu)), (x, *w, *w, gs)
+        else:
+            fn, args = (lambda x, a, b, g: mx.gmm_mxfp4(x, [(a, b)], g)), (x, *w, gs)
+        with captured_output() as lines:
+            compile_for_h200(fn, *args)
+        tiles = mx.mxfp4_tiles(e * rows, e, 2 if fused else 1)
+        print(json.dumps({{"rows": rows, "fused": fused, "tiles": tiles, "reports": ptxas_reports(lines)}}))
+"""
+    out = subprocess.run([CUDA_AOT_PYTHON, "-c", script], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_PTXAS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    cases = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(cases) == 6, out.stdout[-2000:]
+    for case in cases:
+        (r,) = [r for r in case["reports"] if "mxfp4" in r["kernel"]]
+        assert r["spill_stores"] == r["spill_loads"] == 0, case
+        assert not [w for w in r["warnings"] if w.startswith(("C7511", "C7512"))], case
 
 
 def _sm90_or_skip():

@@ -15,7 +15,9 @@ register layout (2 bytes per thread and 8 columns; a 64-byte swizzle keeps the l
 decoded twice: its low nibbles (the chunk's even K elements) and its high nibbles (the odd ones) each form a
 ``[64, 64]`` bf16 operand, multiplied with the matching columns of x, which the wrapper reorders per chunk
 (:func:`chunk_halves`: the even columns, then the odd), so no nibbles are interleaved in registers. The scales
-enter as a ``[64, 64]`` factor built from four per-row ``[64]`` columns.
+enter as a ``[64, 64]`` factor built from four per-row ``[64]`` columns. With the operands in registers, one
+chunk's two wgmma groups run while the next chunk decodes, and no more (:func:`_mma_registers`), so ``ptxas`` keeps
+the wgmma pipeline (no C7511 serialisation) at the default tiles.
 
 Decode (compiled, bf16; :func:`code_bits`): ``u = zext(byte)``; low nibble ``((u & 0xF) * 0x1040) & 0x81C0``, high
 nibble ``((u & 0xF0) * 0x104) & 0x81C0`` put the 3 magnitude bits at bf16 bits 6..8 and the sign at 15 (the bf16
@@ -230,6 +232,18 @@ def _mma_staged(acc, a_vals: tuple[jax.Array, jax.Array], b_refs, a_s, q: int) -
         plgpu.wgmma(acc, a_s.at[i], b)
 
 
+def _mma_registers(acc, a_vals: tuple[jax.Array, jax.Array], b_refs, last: bool) -> None:
+    """``acc += lo @ b_lo + hi @ b_hi`` with the decoded operands in registers, then (except after a step's ``last``
+    chunk: the step's closing wait covers it) a wait until only these two wgmma groups may be in flight: the previous
+    chunk's operand registers are then dead, so the next chunk decodes into them while these products run.
+    Without the wait every chunk's operands stay live until the step's end (32 registers per chunk, 8 chunks per
+    step in the fused call): ptxas, short of registers, serialised every wgmma instead (C7511)."""
+    for a, b in zip(a_vals, b_refs, strict=True):
+        plgpu.wgmma(acc, a, b)
+    if not last:
+        plgpu.wgmma_wait(2)
+
+
 def _build(m: int, n: int, k: int, e: int, n_rhs: int, tiles: tuple[int, int, int], epilogue, interpret: bool,
            stacked: bool) -> Callable:
     """The ``plgpu.kernel`` call ``f(gid, row0, ends, num, layer, x, *codes_scales) -> out [M, N]``."""
@@ -288,8 +302,7 @@ def _build(m: int, n: int, k: int, e: int, n_rhs: int, tiles: tuple[int, int, in
                     if staged:
                         _mma_staged(accs[r], (lo, hi), b_ops, a_s[0].at[(r * chunks + ch) % 2], r * chunks + ch)
                     else:
-                        for a, b in zip((lo, hi), b_ops, strict=True):
-                            plgpu.wgmma(accs[r], a, b)
+                        _mma_registers(accs[r], (lo, hi), b_ops, last=r * chunks + ch == n_rhs * chunks - 1)
 
         def step(i, accs):
             slot = lax.rem(i, stages)
