@@ -82,7 +82,7 @@ def test_kernel_launches_count_loop_bodies_by_their_trips():
     assert launches == {"fusion:add": 3, "pallas:kda_decode": 3, "copy-start": 3, "gemm": 1}
 
 
-CLEAN = ("kda_fwd", "kda_decode", "moe_glu", "moe_mxfp4")
+CLEAN = ("kda_fwd", "kda_fwd_bwd", "kda_decode", "moe_glu", "moe_mxfp4")
 """Cases whose every Mosaic GPU kernel compiles with no spill and no ``ptxas`` performance advisory."""
 
 

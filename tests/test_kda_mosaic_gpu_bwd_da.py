@@ -191,8 +191,7 @@ def _k3_args(B=1, T=8192, H=96):
 
 N_COPIES = 18
 """Copies between device and shared memory of one CTA: 10 loads for the products (``dA_qk, dA_kk, q, k, G``, four
-rows of ``G``, ``seg``), 5 for the tile terms (``beta, dqp, dkp``, then ``dgp, dbk`` over the ``dA`` tiles) and 3
-stores."""
+rows of ``G``, ``seg``), ``dqp`` after the row part, ``dkp, dgp, dbk, beta`` for the last step, and 3 stores."""
 
 
 def test_lowers_for_sm90_at_the_k3_shape_and_rejects_calls_outside_its_contract():

@@ -20,10 +20,13 @@ chunk's ``dO, V~, dV~`` tiles ``[64, 128]`` (the A operands both share), its doc
 of ``G`` at its last token ``[128]``; each warpgroup loads its half of ``h, dh`` (``[128, 64]``), ``G``, ``q`` and
 ``k`` (``[64, 64]``). Every product runs on wgmma with **both operands in shared memory** (bf16, fp32
 accumulation; see :mod:`.mosaic_gpu_intra` for why no register A operands): the three ``[64, 128] x [128, 64]``
-state products, then the column sums of ``dkd kd`` and ``S_in * dS_out * dl`` as products with a ``[64, 128]``
-ones operand, each summand split into two bf16 terms ``hi + lo`` (written in place over ``k``, ``q``, ``h`` and
-``dh``, which hold nothing else by then), so the sums are exact to ~2^-17 relative (the Triton kernel sums in
-fp32). The four output tiles are staged in shared memory that aliases the warpgroup's inputs and TMA-stored.
+state products, then the column sums of ``dkd kd`` and of ``S_in * dS_out * dl`` (its two 64-row halves added in
+fp32 first) as products with a ``[64, 64]`` ones operand, each summand split into two bf16 terms ``hi + lo``, so
+the sums are exact to ~2^-17 relative (the Triton kernel sums in fp32). The split terms and the four output tiles
+are staged in shared memory over the warpgroup's inputs once those are read (``_Half``), and each output is
+TMA-stored as soon as it is final (``dw``, then ``dqp``, ``dkp``, then ``dgp``), so registers hold at most the
+three accumulators, or two of their results and the gate factors, at a time (no spills). Shared memory: 194 KiB
+(one CTA a multiprocessor).
 Every copy between device and shared memory has at most one integer index (token tensors as ``[B * Tp, H, D]``
 views, the rest flattened to 2-D or 1-D).
 """
@@ -45,6 +48,7 @@ from pallas_kernels.kda.mosaic_gpu_common import (
     HEAD_DIM,
     bcast_cols,
     interpret_params,
+    load_f32,
     shape_reason,
     split_bf16,
     tiled,
@@ -65,77 +69,99 @@ def supports_reason(*, dtype: str, k: int, v: int, chunk_size: int, state_dtype:
 
 @dataclasses.dataclass(frozen=True)
 class _Half:
-    """Shared memory of warpgroup ``j`` (its K half). Inputs ``h, dh [128, 64]`` bf16 (then the ``hi`` / ``lo`` terms
-    of ``S_in * dS_out * dl``), ``g [64, 64]`` f32 (``G``), ``qk [128, 64]`` bf16 (``q`` in rows 0-63, ``k`` in
-    64-127; then the ``lo`` / ``hi`` terms of ``dkd kd``); outputs (aliasing the inputs) ``dw, dgp [64, 64]`` f32,
-    ``dqp, dkp [64, 64]`` bf16; ``ones [64, 128]`` bf16."""
+    """Shared memory of warpgroup ``j`` (its K half). Inputs ``h, dh [128, 64]`` bf16, ``g [64, 64]`` f32 (``G``),
+    ``qk [128, 64]`` bf16 (``q`` in rows 0-63, ``k`` in 64-127). Over them once read, the bf16 ``hi`` / ``lo`` terms
+    (``[64, 64]`` each) of the column-sum operands (``shi, slo`` over ``dh``; ``phi, plo`` over ``g``) and the
+    outputs: ``dw`` f32 over ``h``, ``dqp, dkp`` bf16 over ``qk``, ``dgp`` f32 over ``dh`` (after the column sums).
+    ``ones [64, 64]`` bf16."""
 
     h: object
     dh: object
     g: object
     qk: object
     dw: object
-    dgp: object
+    shi: object
+    slo: object
+    phi: object
+    plo: object
     dqp: object
     dkp: object
+    dgp: object
     ones: object
 
 
-def _half(j: int, s: _Half, shared, scale: float, outs, rows_out):
-    """Warpgroup ``j``'s K half, once its tiles landed: products, gate factors, the column sums, the four outputs
-    stored (module docstring)."""
-    wg = plgpu.Layout.WGMMA
-    do_s, vt_s, dvt_s, seg_s, glast_s = shared
-    cols = pl.ds(HALF * j, HALF)
+def _products(s: _Half, shared):
+    """``(dqe, dkd, dwn)`` (f32 ``[64, 64]``): ``dO S_in``, ``V~ dS_out``, ``dV~ S_in`` for this K half."""
+    do_s, vt_s, dvt_s, _, _ = shared
 
-    def products(acc_q, acc_k, acc_w):
+    def run(acc_q, acc_k, acc_w):
         plgpu.wgmma(acc_q, do_s, s.h)
         plgpu.wgmma(acc_k, vt_s, s.dh)
         plgpu.wgmma(acc_w, dvt_s, s.h)
         return acc_q[...], acc_k[...], acc_w[...]
 
-    dqe, dkd, dwn = pl.run_scoped(products, *(plgpu.ACC((CHUNK, HALF), F32) for _ in range(3)))
-    plgpu.commit_smem()  # every warp's products have read h / dh before they are overwritten below
+    return pl.run_scoped(run, *(plgpu.ACC((CHUNK, HALF), F32) for _ in range(3)))
 
+
+def _gated(s: _Half, seg, seg_last, g_last, scale: float, dqe, dkd):
+    """``(dqp, dkp, dgp, part)``: ``dqp = dqe e^G``, ``dkp = dkd e^{G_C - G}`` (bf16), ``dgp = dqe q e^G scale -
+    part`` and ``part = dkd kd`` (f32), with the document masks of the module docstring (``seg`` per row,
+    ``seg_last`` scalar, ``g_last`` per column)."""
+    gam = load_f32(s.g)
+    eg = jnp.where(seg == 0, jnp.exp(gam), 0.0)
+    ekl = jnp.where(seg == seg_last, jnp.exp(g_last - gam), 0.0)
+    dqp = (dqe * eg).astype(BF16)
+    dgp = dqe * (load_f32(s.qk.at[pl.ds(0, CHUNK)]) * (eg * scale))
+    dkp = (dkd * ekl).astype(BF16)
+    part = dkd * (load_f32(s.qk.at[pl.ds(CHUNK, CHUNK)]) * ekl)
+    return dqp, dkp, dgp - part, part
+
+
+def _half(j: int, s: _Half, shared, scale: float, outs, rows_out):
+    """Warpgroup ``j``'s K half, once its tiles landed (module docstring): products; ``S_in * dS_out * dl`` summed
+    over its two 64-row halves (its column sums are ``ddl dl``) into shared memory and ``dw`` stored; gate factors,
+    ``dqp`` and ``dkp`` stored; the column sums of both terms by wgmma; ``dgp`` stored. Registers hold at most the
+    three accumulators, or two of their results and the gate factors, at a time."""
+    wg = plgpu.Layout.WGMMA
+    _, _, _, seg_s, glast_s = shared
+    cols = pl.ds(HALF * j, HALF)
+    dw_ref, dqp_ref, dkp_ref, dgp_ref = outs
+    store = lambda src, dst: plgpu.copy_smem_to_gmem(src, dst.at[rows_out, cols])
     seg = lax.broadcast_in_dim(plgpu.layout_cast(seg_s[...], wg.reduce(1)), (CHUNK, HALF), [0])
     seg_last = seg_s[CHUNK - 1]
-    g_last = plgpu.layout_cast(glast_s[cols], wg.reduce(0))
-    dl = jnp.where(seg_last == 0, jnp.exp(g_last), 0.0)  # [64] per column
-    # S_in * dS_out * dl (its column sums = ddl dl by wgmma below), as hi / lo over h / dh
-    sdl = (plgpu.layout_cast(s.h[...], wg).astype(F32) * plgpu.layout_cast(s.dh[...], wg).astype(F32)
-           * bcast_cols(dl, HEAD_DIM))
-    split_bf16(sdl, s.h, s.dh)
-    gam = plgpu.layout_cast(s.g[...], wg)
-    eg = jnp.where(seg == 0, jnp.exp(gam), 0.0)
-    ekl = jnp.where(seg == seg_last, jnp.exp(bcast_cols(g_last) - gam), 0.0)
-    q_rows, k_rows = s.qk.at[pl.ds(0, CHUNK)], s.qk.at[pl.ds(CHUNK, CHUNK)]
-    kdec = plgpu.layout_cast(k_rows[...], wg).astype(F32) * ekl
-    qe = plgpu.layout_cast(q_rows[...], wg).astype(F32) * (eg * scale)
-    part = dkd * kdec
-    dgp = dqe * qe - part
-    dqp = (dqe * eg).astype(BF16)
-    dkp = (dkd * ekl).astype(BF16)
-    split_bf16(part, k_rows, q_rows)
-    s.ones[...] = jnp.where(plgpu.broadcasted_iota(I32, (CHUNK, HEAD_DIM), 0, layout=wg) >= 0, 1.0,
-                            0.0).astype(BF16)
+    g_last = bcast_cols(plgpu.layout_cast(glast_s[cols], wg.reduce(0)))
+
+    dqe, dkd, dwn = _products(s, shared)
+    dl = jnp.where(seg_last == 0, jnp.exp(g_last), 0.0)  # the chunk decay, per column
+    sdl = sum(load_f32(s.h.at[pl.ds(CHUNK * r, CHUNK)]) * load_f32(s.dh.at[pl.ds(CHUNK * r, CHUNK)]) * dl
+              for r in range(HEAD_DIM // CHUNK))
+    plgpu.commit_smem()  # every warp's products and every thread have read h, dh before dw, sdl land over them
+    s.dw[...] = -dwn
+    split_bf16(sdl, s.shi, s.slo)
     plgpu.commit_smem()
+    store(s.dw, dw_ref)
+
+    dqp, dkp, dgp, part = _gated(s, seg, seg_last, g_last, scale, dqe, dkd)
+    plgpu.commit_smem()  # every thread has read g, q, k before dqp, dkp, part land over them
+    s.dqp[...] = dqp
+    s.dkp[...] = dkp
+    split_bf16(part, s.phi, s.plo)
+    s.ones[...] = jnp.where(plgpu.broadcasted_iota(I32, (CHUNK, CHUNK), 0, layout=wg) >= 0, 1.0, 0.0).astype(BF16)
+    plgpu.commit_smem()
+    store(s.dqp, dqp_ref)
+    store(s.dkp, dkp_ref)
 
     def column_sums(acc):
-        for ref in (s.qk, s.h, s.dh):
+        for ref in (s.shi, s.slo, s.phi, s.plo):
             plgpu.wgmma(acc, s.ones, ref)
         return acc[...]
 
-    dglast = pl.run_scoped(column_sums, plgpu.ACC((CHUNK, HALF), F32))  # every row: the column sums
+    dglast = pl.run_scoped(column_sums, plgpu.ACC((CHUNK, HALF), F32))  # every row: sum_C(dkd kd) + ddl dl
+    plgpu.commit_smem()  # every warp's column sums have read shi, slo before dgp lands over them
     row = plgpu.broadcasted_iota(I32, (CHUNK, HALF), 0, layout=wg)
-    dgp = dgp + jnp.where(row == CHUNK - 1, dglast, 0.0)
-    plgpu.commit_smem()  # every thread's reads of the inputs are done before the outputs (aliasing them) land
-    s.dw[...] = -dwn
-    s.dgp[...] = dgp
-    s.dqp[...] = dqp
-    s.dkp[...] = dkp
+    s.dgp[...] = dgp + jnp.where(row == CHUNK - 1, dglast, 0.0)
     plgpu.commit_smem()
-    for src, dst in zip((s.dw, s.dqp, s.dkp, s.dgp), outs, strict=True):
-        plgpu.copy_smem_to_gmem(src, dst.at[rows_out, cols])
+    store(s.dgp, dgp_ref)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -176,8 +202,9 @@ def dqkw(q, k, gam, seg_col, do, vt, dvt, h, dh, *, scale: float, interpret=Fals
     buf = lambda r, c, dt=BF16: plgpu.SMEM((r, c), dt, transforms=tiled(dt))
     shared = (buf(CHUNK, V), buf(CHUNK, V), buf(CHUNK, V), plgpu.SMEM((CHUNK,), I32), plgpu.SMEM((K,), F32))
     half = lambda: (plgpu.RefUnion((buf(V, HALF), buf(V, HALF), buf(CHUNK, HALF, F32), buf(2 * CHUNK, HALF)),
-                                   (buf(CHUNK, HALF, F32), buf(CHUNK, HALF, F32), buf(CHUNK, HALF), buf(CHUNK, HALF))),
-                    buf(CHUNK, HEAD_DIM))
+                                   (buf(CHUNK, HALF, F32), *(buf(CHUNK, HALF) for _ in range(6))),
+                                   (buf(CHUNK, HALF, F32), buf(CHUNK, HALF, F32))),
+                    buf(CHUNK, CHUNK))  # h, dh, g, qk | dw, shi, slo, phi, plo, dqp, dkp | -, dgp; ones
     bars = (plgpu.Barrier(num_arrivals=5), plgpu.Barrier(num_arrivals=5, num_barriers=2))
 
     def kda_bwd_dqkw_mosaic_gpu(q_ref, k_ref, g_ref, glast_ref, seg_ref, do_ref, vt_ref, dvt_ref, h_ref, dh_ref,
@@ -193,8 +220,8 @@ def dqkw(q, k, gam, seg_col, do, vt, dvt, h, dh, *, scale: float, interpret=Fals
 
             @pl.when(wg == j)
             def _warpgroup(j=j):
-                (inputs, outputs), ones = halves[j]
-                s = _Half(*inputs, *outputs, ones)
+                (inputs, (dw, *terms), (_, dgp)), ones = halves[j]
+                s = _Half(*inputs, dw, *terms, dgp, ones)
                 cols = pl.ds(HALF * j, HALF)
                 if j == 0:
                     do_s, vt_s, dvt_s, seg_s, glast_s = shared_s

@@ -31,7 +31,7 @@ Mosaic GPU interpreter (``tests/test_kda_mosaic_gpu_bwd_wy.py``): ``dbk`` 2.5e-6
 5e-7, ``daqk`` 0 (exact bf16 operands), ``dv`` (bf16, as the reference's) 4e-5; the Triton kernels' TF32 pass
 on the same inputs: 2.1e-4, 3.6e-4, 4.2e-5, 0 and 2.5e-4.
 
-Shared memory (~177 KiB, one CTA per multiprocessor): the loaded tiles, the split operands written over the fp32
+Shared memory (181 KiB, one CTA per multiprocessor): the loaded tiles, the split operands written over the fp32
 tiles they came from (``X``, ``G`` -> ``egk``, ``dW``), ``dX`` then ``X^T dX`` over ``k``, and the outputs staged
 over inputs no longer read (``dA_qk`` over ``dO, V~``; ``dv`` over ``dV~``; ``dB_k`` over ``dW``; ``dA_kk`` over
 ``A_kk``).
@@ -113,6 +113,15 @@ def _products(terms, width: int):
     return pl.run_scoped(run, plgpu.ACC((CHUNK, width), F32))
 
 
+def _split_in_place(read, dsts) -> None:
+    """``read()`` (a list of f32 values) into registers, then each as ``hi + lo`` into its ``(hi, lo)`` refs of
+    ``dsts``, which alias the tiles it was read from (every thread has read them first)."""
+    values = read()
+    plgpu.commit_smem()
+    for value, (hi, lo) in zip(values, dsts, strict=True):
+        split_bf16(value, hi, lo)
+
+
 def _chunk(s: _Smem, dqk_out, rest_loaded, outs):
     """One chunk (module docstring). ``dqk_out()`` issues the store of ``dA_qk`` (staged in ``s.daqk``);
     ``rest_loaded()`` waits for every tile but ``dO, V~``; ``outs`` issues the other stores (name -> callable)."""
@@ -131,16 +140,13 @@ def _chunk(s: _Smem, dqk_out, rest_loaded, outs):
     dqk_out()
 
     rest_loaded()
-    # fp32 operands -> hi + lo, each over the tile it came from (read whole into registers first).
-    x = load_f32(s.x32)
+    # fp32 operands -> hi + lo over the tiles they came from, one operand at a time (registers hold at most one
+    # [64, 128] f32 value).
     first = per_row(s.seg, HALF) == 0
-    egk = [jnp.where(first, jnp.exp(load_f32(s.gam.at[:, cols])), 0.0) * load_f32(s.k.at[:, cols]) for cols in HALVES]
-    dw = load_f32(s.dw)
-    plgpu.commit_smem()
-    split_bf16(x, s.xhi, s.xlo)
-    for h, cols in enumerate(HALVES):
-        split_bf16(egk[h], s.ehi.at[:, cols], s.elo.at[:, cols])
-    split_bf16(dw, s.dwhi, s.dwlo)
+    egk = lambda cols: jnp.where(first, jnp.exp(load_f32(s.gam.at[:, cols])), 0.0) * load_f32(s.k.at[:, cols])
+    _split_in_place(lambda: [load_f32(s.x32)], [(s.xhi, s.xlo)])
+    _split_in_place(lambda: [load_f32(s.dw)], [(s.dwhi, s.dwlo)])
+    _split_in_place(lambda: [egk(cols) for cols in HALVES], [(s.ehi.at[:, cols], s.elo.at[:, cols]) for cols in HALVES])
     plgpu.commit_smem()
 
     beta_col = per_col(s.beta)
