@@ -382,7 +382,8 @@ def gmm_mxfp4(
     xe = chunk_halves(x)
     if not interpret:  # the compiled decode's weights carry 2^-XSHIFT
         xe = xe * jnp.asarray(2.0**XSHIFT, xe.dtype)
-    xe = jnp.pad(xe, ((0, tm), (0, 0)))  # a tile's rows past M read zeros (the interpreter clamps slices)
+    # a tile's rows past M read zeros (the interpreter clamps slices); the TMA's 8-row tiling needs whole row tiles
+    xe = jnp.pad(xe, ((0, -(-(m + tm) // 8) * 8 - m), (0, 0)))
     gid, row0, ends, num = make_tile_table(group_sizes.astype(jnp.int32), m, tm)
     call = _build(m, n, k, e, len(weights), tiles, epilogue, bool(interpret), layer is not None)
     arrays = [_weight_rows(a) for w in weights for a in w]
