@@ -107,7 +107,8 @@ def test_backward_choice(monkeypatch):
 def test_mosaic_gpu_backward_runs_no_triton_kernel():
     """``chunk_kda(implementation="mosaic_gpu", backward="mosaic_gpu")``: the gradient's program (traced, not run)
     holds the Mosaic GPU forward with its per-chunk results and every Mosaic GPU backward step, and no Triton
-    kernel; ``backward="kernel"`` holds the Triton ones."""
+    kernel; ``backward="kernel"`` holds the Mosaic GPU kernels of ``KERNEL_BACKWARD_MOSAIC_GPU_STEPS`` and the
+    Triton ones of the other steps."""
     from pallas_kernels.kda import gpu_bwd  # noqa: PLC0415
 
     q, k, v, g, beta = _inputs(1, 64, 1)[:5]
@@ -121,7 +122,11 @@ def test_mosaic_gpu_backward_runs_no_triton_kernel():
     assert all(name in mosaic for name in ("kda_bwd_h_mosaic_gpu", "kda_bwd_dqkw_mosaic_gpu",
                                            "kda_bwd_wy_mosaic_gpu", "kda_bwd_da_mosaic_gpu"))
     assert not [name for name in gpu_bwd.KERNEL_NAMES if name in mosaic]
-    assert "kda_bwd_dqkw_gpu" in program("kernel")
+    kernel = program("kernel")
+    assert all(name in kernel for name in ("kda_bwd_h_mosaic_gpu", "kda_bwd_dqkw_mosaic_gpu", "kda_bwd_wy_mosaic_gpu",
+                                           "kda_bwd_da_gpu"))
+    assert not [name for name in ("kda_bwd_dqkw_gpu", "kda_bwd_h_gpu", "kda_bwd_wy_dx_gpu", "kda_bwd_da_mosaic_gpu")
+                if name in kernel]
 
 
 def _inputs(B, T, H, seed=0, dtype=jnp.bfloat16, aligned=False):

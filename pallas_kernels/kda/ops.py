@@ -28,11 +28,12 @@ lower-bounded log-decay ``g >= -5`` per token; a call promises ``g >= gate_bound
 Gradients: the kernel forwards sit inside ``jax.custom_vjp`` (the inputs are saved; ``mosaic_gpu`` with the kernel
 backward also saves its per-chunk results, :class:`pallas_kernels.kda._layout.ChunkResiduals`, which the Triton
 backward takes instead of recomputing them); ``backward="auto"`` /
-``"kernel"`` = the backend's backward kernels (for ``mosaic_gpu``: the Triton backward kernels; ``"auto"`` takes
-the reference VJP when JAX no longer ships Triton), ``"mosaic_gpu"`` (``mosaic_gpu`` only) = the backward with
-every step on Mosaic GPU kernels (:data:`pallas_kernels.kda.gpu_bwd.MOSAIC_GPU_STEPS`, taking the forward's
-per-chunk results: no Triton kernel runs; explicit until timed on the H200), ``"xla"`` = the VJP of the recomputed
-chunked reference.
+``"kernel"`` = the backend's backward kernels (for ``mosaic_gpu``: the Triton backward with the steps of
+:data:`pallas_kernels.kda.gpu_bwd.KERNEL_BACKWARD_MOSAIC_GPU_STEPS` on Mosaic GPU kernels; ``"auto"`` takes the
+reference VJP when JAX no longer ships Triton), ``"mosaic_gpu"`` (``mosaic_gpu`` only) = the backward with every
+step on Mosaic GPU kernels (:data:`pallas_kernels.kda.gpu_bwd.MOSAIC_GPU_STEPS`, taking the forward's per-chunk
+results: no Triton kernel runs; explicit: slower than ``"kernel"`` on the H200), ``"xla"`` = the VJP of the
+recomputed chunked reference.
 The decode kernels are forward-only.
 """
 
@@ -201,7 +202,8 @@ def _kernel_fwd(impl: str, q, k, v, g, beta, scale, h0, seg, chunk_size, interpr
 @functools.cache
 def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backward: str):
     """``f(q, k, v, g, beta, h0, seg) -> (o, ht)``; VJP by the backward kernels of ``impl``
-    (``backward="kernel"``; ``"mosaic_gpu"``: the GPU backward with every step on Mosaic GPU) or by recomputing the
+    (``backward="kernel"``, for ``mosaic_gpu`` with some steps on Mosaic GPU; ``"mosaic_gpu"``: the GPU backward
+    with every step on Mosaic GPU) or by recomputing the
     chunked reference (``"xla"``). ``mosaic_gpu`` with a kernel backward saves its forward's per-chunk results for
     the backward (which then skips recomputing them)."""
     reuses_chunks = impl == "mosaic_gpu" and backward in ("kernel", "mosaic_gpu")
@@ -223,7 +225,10 @@ def _kernel_chunk_fn(impl: str, scale: float, chunk_size: int, interpret, backwa
             if impl in ("triton", "mosaic_gpu"):
                 from pallas_kernels.kda import gpu_bwd as bwd_mod  # noqa: PLC0415
 
-                steps = bwd_mod.MOSAIC_GPU_STEPS if backward == "mosaic_gpu" else ()
+                if backward == "mosaic_gpu":
+                    steps = bwd_mod.MOSAIC_GPU_STEPS
+                else:
+                    steps = bwd_mod.KERNEL_BACKWARD_MOSAIC_GPU_STEPS if impl == "mosaic_gpu" else ()
                 extra = dict(interpret=bool(interpret), residuals=chunks, mosaic_gpu_steps=steps)
             else:
                 from pallas_kernels.kda import tpu_bwd as bwd_mod  # noqa: PLC0415
