@@ -32,7 +32,7 @@ export XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false"
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 K3_BENCH_LOCK=/tmp/k3_bench.lock
 PROF=/tmp/k3_decode_prof
 RUNS=/tmp/k3_decode_runs
-mkdir -p "$PROF" "$RUNS"
+mkdir -p "$PROF" "$RUNS" "$OUT"
 
 run() {  # name tree args...: one decode.py process in the background
   local name=$1 dir=$2
