@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from k3_jax.quant import pack_mxfp4, unpack_mxfp4
 from pallas_kernels.moe import reference as ref
@@ -143,6 +144,23 @@ def test_tiled_grouped_matmul_equals_ragged_dot():
         g2 = jax.grad(lambda a, b: jnp.sum(ref(a, b) ** 2), argnums=(0, 1))(lhs, rhs)
         for x, y in zip(g1, g2, strict=True):
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t, k, num_experts", [(1, 16, 896), (64, 16, 64), (9, 3, 4), (256, 16, 896)])
+def test_sort_by_expert_counting_equals_the_stable_sort(t, k, num_experts, monkeypatch):
+    """The comparison ranking (decode sizes) gives the stable argsort's order, inverse and group sizes (repeated
+    ids, empty experts), and is what runs at these sizes: no sort in its program."""
+    from pallas_kernels.moe import reference as moe_ref
+
+    ids = jnp.asarray(np.random.default_rng(t).integers(0, min(num_experts, 3 * k), (t, k)), jnp.int32)
+    got = moe_ref.sort_by_expert(ids, num_experts)
+    assert "sort" not in {e.primitive.name for e in iter_eqns(lambda i: moe_ref.sort_by_expert(i, num_experts), ids)}
+    monkeypatch.setattr(moe_ref, "COUNTING_SORT_MAX", 0)
+    want = moe_ref.sort_by_expert(ids, num_experts)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    flat = np.asarray(ids).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.argsort(flat, kind="stable"))
 
 
 def test_dispatch_permutations_have_gather_only_gradients():

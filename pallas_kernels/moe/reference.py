@@ -264,16 +264,37 @@ def num_experts_of(experts: dict[str, Any]) -> int:
     return int((w1["weight_packed"] if is_mxfp4(w1) else w1).shape[0])
 
 
+COUNTING_SORT_MAX = 4096
+"""Up to this many assignments (``T * k``: decode batches), :func:`sort_by_expert` ranks by comparisons, three
+``[T*k, T*k]``-sized compare-and-count reductions (a few fusions), instead of two sorts and a scatter."""
+
+
 def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Flatten ``expert_ids [T, k] i32`` and sort stably by expert.
 
     Returns ``(order [T*k] i32, inverse [T*k] i32, group_sizes [E] i32)`` where ``order`` lists flattened
-    assignment indices (token = index // k) in expert order and ``inverse`` undoes it.
+    assignment indices (token = index // k) in expert order and ``inverse`` undoes it; ids in ``[0, E)``. The same
+    integers from either method (:data:`COUNTING_SORT_MAX`).
     """
     flat = expert_ids.reshape(-1).astype(jnp.int32)
+    if flat.shape[0] <= COUNTING_SORT_MAX:
+        return _sort_by_counting(flat, num_experts)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     inverse = jnp.argsort(order).astype(jnp.int32)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, inverse, group_sizes
+
+
+def _sort_by_counting(flat: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`sort_by_expert` of ``flat [N] i32`` by ranking: assignment ``i``'s place in the stable order is the
+    number of assignments before it in ``(expert, index)`` order."""
+    n = flat.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    other, this = flat[None, :], flat[:, None]
+    before = (other < this) | ((other == this) & (idx[None, :] < idx[:, None]))
+    inverse = jnp.sum(before, axis=1, dtype=jnp.int32)
+    order = jnp.sum(jnp.where(inverse[None, :] == idx[:, None], idx[None, :], 0), axis=1, dtype=jnp.int32)
+    group_sizes = jnp.sum(other == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
     return order, inverse, group_sizes
 
 
