@@ -164,7 +164,6 @@ def test_lowers_under_jax_0112():
     out = run_under_jax_0112("""
         import jax, jax.numpy as jnp
         from pallas_kernels.moe import mosaic_gpu_glu as mg
-from pallas_kernels.moe.reference import situ_epilogue
         from tests._mosaic_gpu_lowering import lower_for_sm90
         s = jax.ShapeDtypeStruct
         m, k, n, e = 65536, 3584, 3072, 64
