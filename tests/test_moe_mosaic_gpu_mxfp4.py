@@ -310,6 +310,69 @@ for rows in (1, 8, 16):
         assert not [w for w in r["warnings"] if w.startswith(("C7511", "C7512"))], case
 
 
+def _decode_probe(codes: jax.Array, scales: jax.Array, mode: int, interpret: bool = False):
+    """The kernel's decode of one chunk alone: ``codes u8 [64, CHUNK_BYTES]`` and the chunk's four scale columns
+    (``scales u8 [64, 16]``, columns 0..3 used: a TMA row takes 16 bytes) loaded as the kernel loads them
+    (the kernel's shared-memory tiling and swizzle, WGMMA layout), decoded by ``mx._decode_chunk`` (``mode`` as
+    ``tiles[2]``), and the low- / high-nibble operands written out: ``(lo, hi)`` bf16 ``[64, CHUNK_BYTES]``.
+    No wgmma: a wrong result here is the decode or its layouts."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    c = mx.CHUNK_BYTES
+    codes_sw = (plgpu.TilingTransform((8, c)), plgpu.SwizzleTransform(c))
+    out_sw = (plgpu.TilingTransform((8, c)), plgpu.SwizzleTransform(2 * c))
+
+    def body(codes_ref, scales_ref, lo_ref, hi_ref, scratch, loaded):
+        codes_s, scales_s, lo_s, hi_s = scratch
+        plgpu.copy_gmem_to_smem(codes_ref, codes_s, loaded)
+        plgpu.copy_gmem_to_smem(scales_ref, scales_s, loaded)
+        plgpu.barrier_wait(loaded)
+        row = plgpu.Layout.WGMMA.reduce(1)
+        columns = [plgpu.load(scales_s.at[:, i], layout=row) for i in range(c // mx.GROUP_BYTES)]
+        vals = plgpu.load(codes_s, layout=plgpu.Layout.WGMMA)
+        lo, hi = mx._decode_chunk(vals, mx._scale_operand(columns, interpret), interpret, mode != mx.A_JAX)
+        lo_s[...] = lo
+        hi_s[...] = hi
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lo_s, lo_ref)
+        plgpu.copy_smem_to_gmem(hi_s, hi_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    out = jax.ShapeDtypeStruct((mx.ROWS, c), jnp.bfloat16)
+    scratch = (plgpu.SMEM((mx.ROWS, c), jnp.uint8, transforms=codes_sw), plgpu.SMEM((mx.ROWS, 16), jnp.uint8),
+               plgpu.SMEM((mx.ROWS, c), jnp.bfloat16, transforms=out_sw),
+               plgpu.SMEM((mx.ROWS, c), jnp.bfloat16, transforms=out_sw))
+    call = plgpu.kernel(body, out_type=(out, out), scratch_types=(scratch, plgpu.Barrier(num_arrivals=2)),
+                        grid=(1,), grid_names=("g",),
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+                        interpret=mx.interpret_params(interpret))
+    return call(codes, scales)
+
+
+def _probe_inputs(seed: int = 0):
+    a, b = jax.random.split(jax.random.key(seed))
+    codes = jax.random.randint(a, (mx.ROWS, mx.CHUNK_BYTES), 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jax.random.randint(b, (mx.ROWS, 16), 110, 136, jnp.int32).astype(jnp.uint8)
+    return codes, scales
+
+
+def _probe_reference(codes, scales, shift: int) -> tuple[np.ndarray, np.ndarray]:
+    """``E2M1 * 2^(s - 127 - shift)`` of the low and the high nibbles, each code byte's scale its group's."""
+    c = np.asarray(codes).astype(np.int64)
+    s = np.repeat(np.asarray(scales)[:, : mx.CHUNK_BYTES // mx.GROUP_BYTES].astype(np.float64), mx.GROUP_BYTES, 1)
+    f = np.exp2(s - 127.0 - shift)
+    return E2M1_LUT[c & 15].astype(np.float64) * f, E2M1_LUT[c >> 4].astype(np.float64) * f
+
+
+def test_interpreter_decode_probe_matches_the_reference():
+    """:func:`_decode_probe` in the Mosaic GPU interpreter (its f16 decode, unscaled): the probe the GPU test runs
+    compiled reads, decodes and writes the chunk as the reference says."""
+    codes, scales = _probe_inputs()
+    lo, hi = _decode_probe(codes, scales, mx.A_PTX, interpret=True)
+    for got, want in zip((lo, hi), _probe_reference(codes, scales, 0), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+
+
 def _sm90_or_skip():
     cc = registry.visible_gpu_compute_capability()
     if cc is None or cc < 9.0:
@@ -354,6 +417,43 @@ def test_gpu_expert_ffn_on_mosaic_gpu_matches_reference():
     err = np.linalg.norm(np.asarray(got, np.float64) - np.asarray(want, np.float64)) / np.linalg.norm(
         np.asarray(want, np.float64))
     assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [mx.A_PTX, mx.A_JAX])
+def test_gpu_compiled_decode_of_one_chunk_matches_the_reference(mode):
+    """The compiled decode alone (no wgmma, :func:`_decode_probe`): every bf16 operand value exact; a failure counts
+    the wrong values per nibble and names the first."""
+    _sm90_or_skip()
+    codes, scales = _probe_inputs(1)
+    got = jax.jit(lambda c, s: _decode_probe(c, s, mode))(codes, scales)
+    for name, g, want in zip(("lo", "hi"), got, _probe_reference(codes, scales, mx.XSHIFT), strict=True):
+        g = np.asarray(g, np.float64)
+        bad = np.argwhere(g != want)
+        assert not len(bad), (name, len(bad), [(tuple(i), g[tuple(i)], want[tuple(i)]) for i in bad[:4]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [mx.A_PTX, mx.A_JAX, mx.A_STAGED])
+def test_gpu_one_hot_rows_read_back_the_weights(mode):
+    """Rows of ``x`` one-hot at scattered columns ``c_i`` (one expert, two pipeline steps): output row ``i`` must be
+    the weights' column ``c_i``, exactly. A failure counts the wrong entries and, for the first, says at which
+    weight columns of that row the value it got occurs (a misplaced read shows as a consistent offset)."""
+    _sm90_or_skip()
+    k, n, m = 2 * mx.K_MULTIPLE, 128, 16
+    cols = (np.arange(m) * 131 + 5) % k
+    x = np.zeros((m, k), np.float32)
+    x[np.arange(m), cols] = 1.0
+    codes, scales = _weight(jax.random.key(9), 1, n, k)
+    got = jax.jit(lambda *a: mx.gmm_mxfp4(a[0], [a[1:3]], a[3], out_dtype=jnp.float32, tiles=(16, 2, mode)))(
+        jnp.asarray(x, jnp.bfloat16), codes, scales, jnp.array([m], jnp.int32))
+    dense = np.asarray(unpack_mxfp4(codes, scales, jnp.float32), np.float64)[0]  # [N, K]
+    want = dense[:, cols].T
+    got = np.asarray(got, np.float64)
+    bad = np.argwhere(got != want)
+    where = [(int(i), int(j), cols[i], got[i, j], np.flatnonzero(dense[j] == got[i, j])[:6].tolist())
+             for i, j in bad[:3]]
+    assert not len(bad), (f"{len(bad)} of {got.size} wrong; (row, n, column read, got, columns holding it)", where)
 
 
 @pytest.mark.gpu
