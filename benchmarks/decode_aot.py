@@ -11,7 +11,8 @@ TPU gets (``platform="tpu"``: ``auto`` picks the Mosaic TPU kernels). ``h200``: 
 (``benchmarks/gpu_aot.py``; needs JAX's CUDA plugin) with the kernels ``auto`` picks on sm_90 and the serving
 engine's XLA:GPU options (:func:`k3_jax.xla_flags.serving_compiler_options`); ``launches`` counts the kernels one
 step launches (a scanned segment's body times its trips; on the H200 the device trace of the same step has within
-a few of them), ``launch_kinds`` groups them. Reported: ``bytes_accessed`` and ``flops``
+a few of them), ``launch_kinds`` groups them by kind and ``launch_scopes`` by source scope (the layers of a
+segment together). Reported: ``bytes_accessed`` and ``flops``
 from ``compiled.cost_analysis()``, the memory analysis, ``must_bytes`` (``benchmarks/decode.py``'s count of
 the weights, states and latents the step must move), their ratio, and ``roofline_ms = must_bytes / HBM`` /
 ``xla_bytes_ms = bytes_accessed / HBM`` at the chip's datasheet HBM bandwidth (:data:`HBM_GBPS`).
@@ -58,7 +59,7 @@ def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int, 
     from jax.sharding import SingleDeviceSharding
 
     from benchmarks.decode import step_bytes
-    from benchmarks.gpu_aot import kernel_launches
+    from benchmarks.gpu_aot import kernel_launches, launches_by_scope
     from benchmarks.hlo_bytes import op_bytes, source_of
     from k3_jax.cache import init_cache
     from k3_jax.model import K3ForCausalLM
@@ -129,7 +130,8 @@ def compile_decode(target: str, cfg, batch: int, prompt_len: int, max_len: int, 
         "unestimated_kernels": sorted({r["kernel"] for r in rows if "kernel" in r and not r["estimated"]}),
         "top_ops": [[r["bytes"], r["opcode"], source_of(r["op_name"])] for r in outside[:top]],
         "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
-        **({"launches": sum(launches.values()), "launch_kinds": dict(launches.most_common(top))} if gpu else {}),
+        **({"launches": sum(launches.values()), "launch_kinds": dict(launches.most_common(top)),
+            "launch_scopes": dict(launches_by_scope(text).most_common(top))} if gpu else {}),
         "compile_s": round(compile_s, 1),
     }
 

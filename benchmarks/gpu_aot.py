@@ -107,33 +107,59 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "afte
          "replica-id", "opt-barrier", "add-dependency"}
 
 
-def kernel_launches(hlo_text: str) -> Counter:
-    """Kernel launches of one run of an optimised XLA:GPU program, by kind: ``gemm`` (cuBLAS, plain or fused with
-    a slice), ``pallas:<name>`` (Triton / Mosaic GPU custom calls), ``fusion:<kind>`` (XLA's own kernels, by the
-    fused computation's name less its number), ``copy``, other opcodes as themselves. A ``while`` body counts
-    its known trip count times; ``-done`` halves of async pairs count 0 (their ``-start`` is the launch)."""
+def launched_instructions(hlo_text: str) -> Iterator[tuple[Any, int]]:
+    """``(instruction, times)`` for each instruction of an optimised XLA:GPU program that launches kernels in one
+    run: a ``while`` body's count is its known trip count (nested loops multiply), ``conditional`` / ``call``
+    bodies count once; free ops (parameters, tuples, bitcasts, ...) and the ``-done`` halves of async pairs are
+    skipped (their ``-start`` is the launch)."""
     from benchmarks.hlo_bytes import parse_module
 
     comps, entry = parse_module(hlo_text)
-    out: Counter = Counter()
 
-    def walk(comp: str, times: int) -> None:
+    def walk(comp: str, times: int) -> Iterator[tuple[Any, int]]:
         for ins in comps.get(comp, []):
             op = ins.opcode
             if op in _FREE or op.endswith(_ASYNC_DONE):
                 continue
             if op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.text)
-                walk(re.search(r"body=%?([\w.\-]+)", ins.text).group(1), times * (int(trips.group(1)) if trips else 1))
+                body = re.search(r"body=%?([\w.\-]+)", ins.text).group(1)
+                yield from walk(body, times * (int(trips.group(1)) if trips else 1))
                 continue
             if op in ("conditional", "call"):
                 for group in re.findall(r"(?:branch_computations=\{|to_apply=)([^}]*?)(?:\}|,\s*\w+=|$)", ins.text):
                     for name in re.findall(r"%?([\w.\-]+)", group):
-                        walk(name, times) if name in comps else None
+                        if name in comps:
+                            yield from walk(name, times)
                 continue
-            out[_launch_kind(ins)] += times
+            yield ins, times
 
-    walk(entry, 1)
+    yield from walk(entry, 1)
+
+
+def kernel_launches(hlo_text: str) -> Counter:
+    """Kernel launches of one run of an optimised XLA:GPU program (:func:`launched_instructions`), by kind:
+    ``gemm`` (cuBLAS, plain or fused with a slice), ``pallas:<name>`` (Triton / Mosaic GPU custom calls),
+    ``fusion:<kind>`` (XLA's own kernels, by the fused computation's name less its number), ``copy``, other opcodes
+    as themselves."""
+    out: Counter = Counter()
+    for ins, times in launched_instructions(hlo_text):
+        out[_launch_kind(ins)] += times
+    return out
+
+
+def launches_by_scope(hlo_text: str, depth: int = 2) -> Counter:
+    """Kernel launches of one run by source scope: the first ``depth`` parts of each instruction's ``op_name``
+    after its last ``layer_<i>/`` (so the layers of a scanned segment add up), else after the jit and module
+    prefixes; ``?`` where XLA kept no ``op_name``."""
+    out: Counter = Counter()
+    for ins, times in launched_instructions(hlo_text):
+        name = re.search(r'op_name="([^"]*)"', ins.text)
+        if name is None:
+            out["?"] += times
+            continue
+        tail = re.sub(r"^.*(?:layer_\d+/|while/body/eval_jaxpr/|^jit\([^)]*\)/)", "", name.group(1))
+        out["/".join(tail.split("/")[:depth])] += times
     return out
 
 

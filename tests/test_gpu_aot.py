@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_aot import kernel_launches, ptxas_reports
+from benchmarks.gpu_aot import kernel_launches, launches_by_scope, ptxas_reports
 from tests._mosaic_gpu_lowering import CUDA_AOT_PYTHON, cuda_aot_missing_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +80,13 @@ def test_ptxas_reports_parse_registers_spills_and_advisories():
 def test_kernel_launches_count_loop_bodies_by_their_trips():
     launches = kernel_launches(HLO)
     assert launches == {"fusion:add": 3, "pallas:kda_decode": 3, "copy-start": 3, "gemm": 1}
+
+
+def test_launches_by_scope_group_the_layers_of_a_scan():
+    assert launches_by_scope(HLO) == {"?": 7, "l/kda_decode": 3}
+    layered = HLO.replace('op_name="jit(f)/l/kda_decode/mpmd_map"',
+                          'op_name="jit(f)/m/while/body/eval_jaxpr/segment_0/layer_0/attn/kda_decode/mpmd_map"')
+    assert launches_by_scope(layered, depth=1) == {"?": 7, "attn": 3}
 
 
 CLEAN = ("kda_fwd", "kda_fwd_bwd", "kda_decode", "moe_glu", "moe_mxfp4")
