@@ -5,7 +5,7 @@ forward graph, so its forward is excluded), in one run.
 Prints one JSON line on stdout (progress on stderr). Times are ms per call (median of repeats after warm-up);
 ``speed_vs_fla_bwd`` = fla time / our time.
 
-    python benchmarks/kda_bwd.py                                  # T=8192, H=96, default launch config
+    python benchmarks/kda_bwd.py        # T=8192, H=96: all-Triton and the mosaic_gpu backend's steps, vs fla
     python benchmarks/kda_bwd.py --configs 64:128,64:64,64:128:abk=128,64:64:8 --profile-dir /tmp/prof
 
 Example sweep of the launch parameters (each config costs its compile plus ~1 s of timing):
@@ -111,7 +111,7 @@ def bench_fla_bwd(q, k, v, g, beta, do, dht):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x8192x96")
-    p.add_argument("--configs", default="64:128")
+    p.add_argument("--configs", default="64:128,64:128:mgpu=sweeps+dqkw+wy")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--profile-dir", default=None)
