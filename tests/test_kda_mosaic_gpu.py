@@ -95,7 +95,7 @@ def test_backward_choice(monkeypatch):
     monkeypatch.setattr(registry, "TRITON_SHIPPED", True)
     assert ops._backward_for("mosaic_gpu", "auto") == "kernel"
     monkeypatch.setattr(registry, "TRITON_SHIPPED", False)
-    assert ops._backward_for("mosaic_gpu", "auto") == "xla"
+    assert ops._backward_for("mosaic_gpu", "auto") == "mosaic_gpu"  # every step on Mosaic GPU, no Triton kernel
     with pytest.raises(ValueError, match="no longer ships"):
         ops._backward_for("mosaic_gpu", "kernel")
     assert ops._backward_for("triton", "auto") == "kernel"

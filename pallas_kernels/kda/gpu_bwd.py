@@ -526,8 +526,9 @@ MOSAIC_GPU_STEPS = ("sweeps", "dqkw", "wy", "da")
 """Steps :func:`chunk_kda_bwd` can run as Mosaic GPU kernels (module docstring)."""
 KERNEL_BACKWARD_MOSAIC_GPU_STEPS = ("sweeps", "dqkw", "wy")
 """The steps the ``mosaic_gpu`` backend's kernel backward (``chunk_kda(backward="kernel")``) runs on Mosaic GPU: each
-is faster on the H200 than its Triton kernel, ``da`` (Triton) is not (benchmarks/RESULTS.md); all of
-:data:`MOSAIC_GPU_STEPS` is the Triton-free backward (``backward="mosaic_gpu"``)."""
+is faster on the H200 than its Triton kernel, ``da``'s is not (benchmarks/RESULTS.md); all of
+:data:`MOSAIC_GPU_STEPS` is the Triton-free backward (``backward="mosaic_gpu"``, and ``"auto"`` once JAX no longer
+ships Triton)."""
 
 
 def _mosaic_gpu_steps(steps, dtype: str, k: int, v: int, chunk: int, state_dtype: str, g_dtype: str,

@@ -5,7 +5,8 @@ the call, an explicit name that cannot run raises with the reason):
 
 * :data:`CHUNK` (``chunk_kda``, training / prefill): ``mosaic_tpu`` (:mod:`.tpu`, :mod:`.tpu_bwd`), ``triton``
   (:mod:`.gpu`, :mod:`.gpu_bwd`), ``mosaic_gpu`` (:mod:`.mosaic_gpu`: the sm_90 forward as a per-chunk kernel and
-  a state pass; its backward is the Triton kernels' while JAX ships them, else the reference VJP), ``xla``
+  a state pass; its backward is the Triton kernels' with three steps on Mosaic GPU while JAX ships Triton, else
+  every step on Mosaic GPU), ``xla``
   (:mod:`.reference`, the chunked UT/WY form).
 * :data:`DECODE` (``recurrent_kda`` with one token, on a state pool): ``mosaic_tpu``, ``triton``, ``mosaic_gpu``
   (:mod:`.mosaic_gpu_decode`, sm_90, K = V = 128; after ``triton`` until an H200 run shows it faster:
@@ -29,11 +30,11 @@ Gradients: the kernel forwards sit inside ``jax.custom_vjp`` (the inputs are sav
 backward also saves its per-chunk results, :class:`pallas_kernels.kda._layout.ChunkResiduals`, which the Triton
 backward takes instead of recomputing them); ``backward="auto"`` /
 ``"kernel"`` = the backend's backward kernels (for ``mosaic_gpu``: the Triton backward with the steps of
-:data:`pallas_kernels.kda.gpu_bwd.KERNEL_BACKWARD_MOSAIC_GPU_STEPS` on Mosaic GPU kernels; ``"auto"`` takes the
-reference VJP when JAX no longer ships Triton), ``"mosaic_gpu"`` (``mosaic_gpu`` only) = the backward with every
-step on Mosaic GPU kernels (:data:`pallas_kernels.kda.gpu_bwd.MOSAIC_GPU_STEPS`, taking the forward's per-chunk
-results: no Triton kernel runs; explicit: slower than ``"kernel"`` on the H200), ``"xla"`` = the VJP of the
-recomputed chunked reference.
+:data:`pallas_kernels.kda.gpu_bwd.KERNEL_BACKWARD_MOSAIC_GPU_STEPS` on Mosaic GPU kernels), ``"mosaic_gpu"``
+(``mosaic_gpu`` only) = the backward with every step on Mosaic GPU kernels
+(:data:`pallas_kernels.kda.gpu_bwd.MOSAIC_GPU_STEPS`, taking the forward's per-chunk results: no Triton kernel
+runs; slower than ``"kernel"`` on the H200, faster than ``"xla"``: ``"auto"`` on ``mosaic_gpu`` takes it when JAX
+no longer ships Triton), ``"xla"`` = the VJP of the recomputed chunked reference.
 The decode kernels are forward-only.
 """
 
@@ -282,7 +283,7 @@ def _backward_for(impl: str, backward: str) -> str:
     if impl != "mosaic_gpu":
         return "kernel" if backward == "auto" else backward
     if backward == "auto":
-        return "kernel" if registry.TRITON_SHIPPED else "xla"
+        return "kernel" if registry.TRITON_SHIPPED else "mosaic_gpu"
     if backward == "kernel" and not registry.TRITON_SHIPPED:
         raise ValueError("chunk_kda: backward='kernel' on mosaic_gpu needs the Triton backward kernels, which this "
                          "JAX no longer ships; use backward='auto' or 'xla'")
