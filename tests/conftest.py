@@ -8,11 +8,18 @@
 * One persistent compilation cache per test run, shared by the xdist workers and the processes tests start (the
   notebook kernel, launched multi-process runs), in the run's pytest temp directory, so each program compiles
   once per run; nothing is reused across runs. The entry points' own cache (``~/.cache``) stays off.
+* Compiled programs are released after every test module (``jax.clear_caches()``). XLA:CPU maps each loaded
+  executable's code into memory regions of its own; a worker that kept every program of ~460 tests alive reached
+  ~51,000 of the kernel's default ``vm.max_map_count`` of 65,530, and past it the next compile dies with a
+  segfault. Programs a later module needs again come back from the run's compilation cache.
 """
 
+import gc
 import importlib.util
 import os
 import pkgutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +73,37 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU (jax default backend is not gpu)")
         for item in gpu_tests:
             item.add_marker(skip)
+
+
+def _memory_maps() -> int | None:
+    """How many memory mappings this process holds (``None`` where ``/proc`` does not tell)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+def _max_memory_maps() -> int | None:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+    """After each test module: drop every compiled program JAX holds, then check this process has headroom left
+    under ``vm.max_map_count`` (over half used means something outside JAX's caches keeps executables alive:
+    the next module would risk a segfault in the compiler instead of a readable failure)."""
+    yield
+    if "jax" not in sys.modules:
+        return
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    held, limit = _memory_maps(), _max_memory_maps()
+    if held is not None and limit is not None and held > limit // 2:
+        pytest.fail(f"after {request.module.__name__} this process still holds {held} memory maps of the "
+                    f"kernel's vm.max_map_count={limit}: something keeps compiled programs alive across modules")
