@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 
-def hopper() -> bool:
-    """True when the visible GPU has wgmma (compute capability >= 9.0): the Mosaic GPU kernels' compiled tests."""
+
+def skip_unless_hopper() -> None:
+    """Skip the calling test unless the visible GPU has wgmma (compute capability >= 9.0): the Mosaic GPU kernels'
+    compiled tests. The skip reason carries the capability found (``None``: no GPU visible)."""
     from pallas_kernels.registry import visible_gpu_compute_capability
 
     cc = visible_gpu_compute_capability()
-    return cc is not None and cc >= 9.0
+    if cc is None or cc < 9.0:
+        pytest.skip(f"needs an sm_90+ GPU (compute capability {cc})")

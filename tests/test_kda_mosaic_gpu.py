@@ -17,7 +17,7 @@ from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.mosaic_gpu_common import interpret_params
 from pallas_kernels.kda.mosaic_gpu_intra import intra_chunks, intra_chunks_reference
 from pallas_kernels.registry import KernelUnavailable
-from tests._gpu import hopper
+from tests._gpu import skip_unless_hopper
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_for_sm90, run_under_jax_0112
 
 K3 = (1, 8192, 96, 128, 128)  # B, T, H, K, V
@@ -307,8 +307,7 @@ def test_forward_rejects_calls_outside_its_contract(kwargs, match):
 
 @pytest.mark.gpu
 def test_gpu_per_chunk_kernel_matches_its_reference():
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     q, k, _, g, beta, _ = _inputs(2, 256, 3, seed=7)
     beta_t = jnp.swapaxes(beta, 1, 2)
     for gate in (g, g * 0.01):
@@ -323,8 +322,7 @@ def test_gpu_per_chunk_kernel_matches_its_reference():
 def test_gpu_per_chunk_kernel_at_the_defect_shapes(B, T, H):
     """The shapes (and inputs: seed ``T``, q not normalised) at which the H200 gave wrong ``A_qk`` / ``W`` / ``X'``
     while the kernel fed wgmma A operands from registers (benchmarks/RESULTS.md)."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     from benchmarks.kda_mosaic_probe import inputs
 
     q, k, _, g, beta, _ = inputs(B, T, H, seed=T, normalize_q=False)
@@ -338,8 +336,7 @@ def test_gpu_per_chunk_kernel_at_the_defect_shapes(B, T, H):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, T, H, v_split", [(1, 256, 2, 1), (1, 256, 2, 2), (2, 300, 3, 1)])
 def test_gpu_forward_matches_reference(B, T, H, v_split):
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     q, k, v, g, beta, h0 = _inputs(B, T, H, seed=T)
     o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, v_split=v_split)
     ro, rh = _reference(q, k, v, g, beta, h0)
@@ -356,8 +353,7 @@ BACKWARDS = ["kernel", "mosaic_gpu"]
 def test_gpu_gradients_match_reference(B, T, H, backward):
     """The Mosaic GPU forward with each backward (taking the forward's per-chunk results) against the VJP of the
     fp32 reference: one sequence, several, K3's shape."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     _assert_gradients_match_reference(*_inputs(B, T, H, seed=1), backward=backward)
 
 
@@ -403,8 +399,7 @@ def test_interpreter_aligned_keys_match_reference():
 @pytest.mark.parametrize("backward", BACKWARDS)
 def test_gpu_aligned_keys_match_reference(backward):
     """:func:`_assert_aligned_keys_match_reference` on the H200."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     _assert_aligned_keys_match_reference(interpret=False, backward=backward)
 
 
@@ -414,8 +409,7 @@ def test_gpu_packed_forward_and_gradients_match_reference(backward):
     """Packed sequences on the H200 (documents starting inside chunks, at a chunk boundary and in the padded last
     chunk; two sequences of three heads): the forward and its gradients (Triton backward) against the fp32
     reference."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     q, k, v, g, beta, h0 = _inputs(2, 300, 3, seed=5)
     seg = _documents(2, 300, [20, 50, 64, 130, 290])
     o, ht = mosaic_gpu.chunk_kda_fwd(q, k, v, g, beta, 128**-0.5, h0, segment_ids=seg)

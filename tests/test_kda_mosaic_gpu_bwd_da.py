@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import gpu_bwd
 from pallas_kernels.kda import mosaic_gpu_bwd_da as da_mod
-from tests._gpu import hopper
+from tests._gpu import skip_unless_hopper
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_for_sm90, run_under_jax_0112
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -242,8 +242,7 @@ def test_lowers_under_jax_0112():
 def test_gpu_matches_the_reference_at_the_k3_shape():
     """Compiled on sm_90 at B=1, T=8192, H=96 with packed documents (starts inside chunks, at a chunk boundary,
     documents across chunks) and gates at the bound, against the fp32 restatement (``dg`` in fp32 and bf16)."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     args = _inputs(1, 8192, 96, starts=[(20, 50, 64, 1000, 4096, 8000)], seed=3)
     for g_dtype, tol in ((F32, TOLERANCE), (BF16, TOLERANCE | dict(dg=3e-3))):
         got = jax.jit(functools.partial(da_mod.da_backward, scale=SCALE, g_dtype=g_dtype))(*args)

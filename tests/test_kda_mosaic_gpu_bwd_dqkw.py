@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import gpu_bwd
 from pallas_kernels.kda import mosaic_gpu_bwd_dqkw as dqkw_mod
-from tests._gpu import hopper
+from tests._gpu import skip_unless_hopper
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_for_sm90, run_under_jax_0112
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -197,8 +197,7 @@ def test_lowers_under_jax_0112():
 def test_gpu_matches_the_reference_at_the_k3_shape():
     """Compiled on sm_90 at B=1, T=8192, H=96 with packed documents (starts inside chunks, at a chunk boundary,
     documents across chunks) against the fp32 restatement."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     args = _inputs(1, 8192, 96, starts=[(20, 50, 64, 1000, 4096, 8000)], seed=3)
     got = jax.jit(functools.partial(dqkw_mod.dqkw, scale=SCALE))(*args)
     want = jax.jit(_reference)(*args)

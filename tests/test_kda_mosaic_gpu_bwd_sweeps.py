@@ -16,7 +16,7 @@ import pytest
 from pallas_kernels.kda import gpu_bwd, mosaic_gpu
 from pallas_kernels.kda import mosaic_gpu_bwd_sweeps as sweeps
 from pallas_kernels.kda import reference as ref
-from tests._gpu import hopper
+from tests._gpu import skip_unless_hopper
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_for_sm90, run_under_jax_0112
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -239,8 +239,7 @@ def _assert_sweeps_match_the_recurrences(B, T, H, interpret=False):
 def test_gpu_sweeps_match_the_recurrences(B, T, H):
     """On the H200: the compiled sweeps at K3's shape (and several sequences of several heads with a padded tail)
     against the plain-JAX recurrences of the Triton kernels' formulas."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     _assert_sweeps_match_the_recurrences(B, T, H)
 
 
@@ -249,8 +248,7 @@ def test_gpu_sweeps_match_the_recurrences(B, T, H):
 def test_gpu_backward_with_mosaic_gpu_steps_matches_the_triton_kernels(B, T, H):
     """On the H200: the compiled backward with steps 4-9 on Mosaic GPU against the all-Triton one (K3's shape, and
     several sequences of several heads with a padded tail)."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     q, k, v, g, beta, h0, do = _inputs(B, T, H, seed=T)
     dht = jax.random.normal(jax.random.PRNGKey(8), h0.shape, F32)
     run = jax.jit(lambda steps, *a: gpu_bwd.chunk_kda_bwd(*a, D**-0.5, h0, None, do, dht, mosaic_gpu_steps=steps),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda.mosaic_gpu_bwd_wy import supports_reason, wy_backward
+from tests._gpu import skip_unless_hopper
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_for_sm90, run_under_jax_0112
 
 C = 64
@@ -167,11 +168,7 @@ def test_lowers_under_jax_0112():
 @pytest.mark.gpu
 def test_gpu_matches_reference_at_k3_shape():
     """Compiled on an sm_90 GPU at B=1, T=8192, H=96 with documents, against the fp32 restatement."""
-    from pallas_kernels.registry import visible_gpu_compute_capability
-
-    cc = visible_gpu_compute_capability()
-    if cc is None or cc < 9.0:
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     args = _inputs(1, 8192, 96, starts=(20, 100, 4096, 5000), seed=3)
     _check(jax.jit(wy_backward)(*args), jax.jit(_reference)(*args))
 

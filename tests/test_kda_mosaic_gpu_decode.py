@@ -14,7 +14,7 @@ import pytest
 from pallas_kernels import registry
 from pallas_kernels.kda import mosaic_gpu_decode, ops
 from pallas_kernels.kda import reference as ref
-from tests._gpu import hopper
+from tests._gpu import skip_unless_hopper
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_decode, run_under_jax_0112
 from tests.test_kda_mosaic_gpu import _rel, check_explicit_mosaic_gpu
 
@@ -145,8 +145,7 @@ def test_lowers_under_jax_0112():
 def test_gpu_matches_the_triton_decode(block_v, ring):
     """On the GPU against the Triton decode: 40 tiles (4 sequences of 5 heads, both V tiles at 64) one per CTA, and
     over 3, 5 or 7 CTAs whose rings wrap several times (the copies in and out of each buffer overlap for real)."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     from pallas_kernels.kda import gpu  # noqa: PLC0415
 
     q, k, v, g, beta, pool = _step_inputs(4, 5, 9)

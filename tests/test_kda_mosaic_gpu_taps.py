@@ -11,6 +11,7 @@ import pytest
 from benchmarks.kda_mosaic_probe import SCALE, compare_taps, inputs, tap_references
 from pallas_kernels.kda.mosaic_gpu_common import interpret_params
 from pallas_kernels.kda.mosaic_gpu_intra import TAP_WIDTHS, intra_chunks
+from tests._gpu import skip_unless_hopper
 
 
 def test_interpreter_taps_match_their_references():
@@ -31,11 +32,7 @@ def test_interpreter_taps_match_their_references():
 def test_gpu_taps_match_their_references_where_the_kernel_is_right():
     """On an sm_90+ GPU at a shape where the production kernel was right (2x256x3), the taps build is right too
     and every tap matches its reference."""
-    from pallas_kernels.registry import visible_gpu_compute_capability
-
-    cc = visible_gpu_compute_capability()
-    if cc is None or cc < 9.0:
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     q, k, _, g, beta, _ = inputs(2, 256, 3, seed=256, normalize_q=False)
     beta_t = jnp.swapaxes(beta, 1, 2)
     *_, taps = intra_chunks(q, k, g, beta_t, scale=SCALE, taps=tuple(TAP_WIDTHS))

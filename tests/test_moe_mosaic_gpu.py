@@ -13,6 +13,7 @@ from pallas_kernels import registry
 from pallas_kernels.moe import mosaic_gpu, ops
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.registry import KernelUnavailable
+from tests._gpu import skip_unless_hopper
 
 K3 = (65536, 3584, 3072)  # rows, L, I of the K3 expert FFN
 
@@ -130,9 +131,7 @@ def test_gpu_gmm_forward_and_grads_match_reference(sizes):
 
 @pytest.mark.gpu
 def test_gpu_expert_ffn_mosaic_gpu_on_hopper():
-    cc = registry.visible_gpu_compute_capability()
-    if cc is None or cc < 9.0:
-        pytest.skip(f"needs an sm_90+ GPU, this one has compute capability {cc}")
+    skip_unless_hopper()
     m, lat, inter, e = 512, 256, 128, 4
     ks = jax.random.split(jax.random.key(1), 4)
     x = jax.random.normal(ks[0], (m, lat), jnp.bfloat16)

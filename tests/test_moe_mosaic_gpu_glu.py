@@ -13,7 +13,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import mosaic_gpu_glu as mg
-from tests._gpu import hopper
+from tests._gpu import skip_unless_hopper
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_for_sm90, run_under_jax_0112
 
 K3 = (65536, 3584, 3072, 64)  # M, K, N, E
@@ -183,8 +183,7 @@ def _skewed(m: int, e: int, seed: int = 0) -> list[int]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["balanced", "skewed"])
 def test_gpu_k3_shape_matches_reference(kind):
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     m, k, n, e = K3
     sizes = [m // e] * e if kind == "balanced" else _skewed(m, e)
     _check_against_reference(sizes, m, k, n, 2e-2, by_group=True)
@@ -193,6 +192,5 @@ def test_gpu_k3_shape_matches_reference(kind):
 @pytest.mark.gpu
 def test_gpu_ragged_small_shape_matches_reference():
     """The interpreter's ragged case on the GPU (rows past the sum are uninitialised there unless written)."""
-    if not hopper():
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     _check_against_reference([70, 0, 130, 60, 20, 3, 5, 1], 301, 256, 384, 2e-2)

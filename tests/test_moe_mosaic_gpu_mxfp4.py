@@ -13,11 +13,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import registry
 from pallas_kernels.moe import gpu, ops
 from pallas_kernels.moe import mosaic_gpu_mxfp4 as mx
 from pallas_kernels.moe import reference as ref
 from pallas_kernels.mxfp4 import E2M1_LUT, unpack_mxfp4
+from tests._gpu import skip_unless_hopper
 from tests._mosaic_gpu_lowering import (
     CUDA_AOT_PYTHON,
     JAX_0112_PYTHON,
@@ -284,6 +284,7 @@ import jax, jax.numpy as jnp
 from benchmarks.gpu_aot import captured_output, compile_for_h200, ptxas_reports
 from pallas_kernels.moe import mosaic_gpu_mxfp4 as mx
 from pallas_kernels.moe import reference as ref
+from tests._gpu import skip_unless_hopper
 glu = ref.situ_epilogue(4.0, 25.0, jnp.bfloat16)
 s, e = jax.ShapeDtypeStruct, 64
 for rows in (1, 8, 16):
@@ -373,19 +374,13 @@ def test_interpreter_decode_probe_matches_the_reference():
         np.testing.assert_array_equal(np.asarray(got, np.float64), want)
 
 
-def _sm90_or_skip():
-    cc = registry.visible_gpu_compute_capability()
-    if cc is None or cc < 9.0:
-        pytest.skip(f"needs an sm_90+ GPU, this one has compute capability {cc}")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, mode", [(1, mx.A_PTX), (8, mx.A_PTX), (32, mx.A_PTX), (8, mx.A_JAX),
                                         (8, mx.A_STAGED), (32, mx.A_STAGED)])
 def test_gpu_fused_glu_at_k3_widths_matches_reference(rows, mode):
     """Compiled fused w1/w3 + SiTU-GLU at K3's widths over 16 experts (one empty), trailing rows, in each decode
     mode (the register-operand modes against the staged one: see ``mx.A_STAGED``)."""
-    _sm90_or_skip()
+    skip_unless_hopper()
     k, n, e = 3584, 3072, 16
     sizes = [rows] * e
     sizes[3] = 0
@@ -404,7 +399,7 @@ def test_gpu_fused_glu_at_k3_widths_matches_reference(rows, mode):
 @pytest.mark.gpu
 def test_gpu_expert_ffn_on_mosaic_gpu_matches_reference():
     """``ops.expert_ffn(implementation="mosaic_gpu")`` over MXFP4 experts at K3's widths (fused w1/w3, then w2)."""
-    _sm90_or_skip()
+    skip_unless_hopper()
     lat, inter, e = 3584, 3072, 8
     ks = jax.random.split(jax.random.key(8), 4)
     gs = jnp.array([8, 8, 0, 5, 8, 1, 8, 8], jnp.int32)
@@ -424,7 +419,7 @@ def test_gpu_expert_ffn_on_mosaic_gpu_matches_reference():
 def test_gpu_compiled_decode_of_one_chunk_matches_the_reference(mode):
     """The compiled decode alone (no wgmma, :func:`_decode_probe`): every bf16 operand value exact; a failure counts
     the wrong values per nibble and names the first."""
-    _sm90_or_skip()
+    skip_unless_hopper()
     codes, scales = _probe_inputs(1)
     got = jax.jit(lambda c, s: _decode_probe(c, s, mode))(codes, scales)
     for name, g, want in zip(("lo", "hi"), got, _probe_reference(codes, scales, mx.XSHIFT), strict=True):
@@ -439,7 +434,7 @@ def test_gpu_one_hot_rows_read_back_the_weights(mode):
     """Rows of ``x`` one-hot at scattered columns ``c_i`` (one expert, two pipeline steps): output row ``i`` must be
     the weights' column ``c_i``, exactly. A failure counts the wrong entries and, for the first, says at which
     weight columns of that row the value it got occurs (a misplaced read shows as a consistent offset)."""
-    _sm90_or_skip()
+    skip_unless_hopper()
     k, n, m = 2 * mx.K_MULTIPLE, 128, 16
     cols = (np.arange(m) * 131 + 5) % k
     x = np.zeros((m, k), np.float32)
@@ -461,7 +456,7 @@ def test_gpu_one_hot_rows_read_back_the_weights(mode):
 def test_gpu_w2_and_stacked_layer_match_reference(mode):
     """w2 at K3's widths over a stacked layer, in each decode mode; a failure names the experts (row groups) whose
     rows are wrong, and by how much."""
-    _sm90_or_skip()
+    skip_unless_hopper()
     k, n, e = 3072, 3584, 8
     ks = jax.random.split(jax.random.key(7), 2)
     sizes = [8, 0, 3, 16, 1, 8, 8, 20]

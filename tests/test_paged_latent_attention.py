@@ -15,6 +15,7 @@ import pytest
 from k3_jax.layers import paged_latent
 from pallas_kernels import paged_latent_attention as pla
 from pallas_kernels.registry import TRITON_SHIPPED, KernelUnavailable
+from tests._gpu import skip_unless_hopper
 from tests._mosaic_gpu_lowering import JAX_0112_PYTHON, lower_paged_attention, run_under_jax_0112
 
 B, H, C, DR, S, MAXP, P, R = 5, 4, 32, 8, 8, 16, 80, 2
@@ -193,10 +194,7 @@ def test_mosaic_gpu_kernel_lowers_for_sm90():
 @pytest.mark.parametrize("t", [1, 4])
 def test_gpu_mosaic_gpu_kernel_at_k3_widths_equals_reference(t):
     """The Mosaic GPU kernel on an sm_90 GPU at K3's widths (:func:`_check_k3_widths_on_gpu`)."""
-    from pallas_kernels.registry import visible_gpu_compute_capability
-
-    if (visible_gpu_compute_capability() or 0) < 9.0:
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     _check_k3_widths_on_gpu(lambda ql, qr, p, tb, pos, lyr: pla.paged_attention_mgpu(ql, qr, p, None, tb, pos, 0.07,
                                                                                      lyr), t)
 

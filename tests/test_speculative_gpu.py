@@ -29,6 +29,7 @@ from k3_jax.draft import DraftConfig, DraftModel, target_head
 from k3_jax.model import K3ForCausalLM
 from k3_jax.serving.engine import Engine
 from k3_jax.serving.speculative import SpeculativeEngine
+from tests._gpu import skip_unless_hopper
 from tests._model_fixtures import tiny_config
 
 NEW = 8
@@ -112,11 +113,7 @@ def test_gpu_engine_matches_full_forward_per_backend(kda, moe, prompt_len):
 def test_gpu_mosaic_chunk_forward_at_prefill_piece_shapes(t):
     from pallas_kernels.kda import mosaic_gpu
     from pallas_kernels.kda import reference as ref
-    from pallas_kernels.registry import visible_gpu_compute_capability
-
-    cc = visible_gpu_compute_capability()
-    if cc is None or cc < 9.0:
-        pytest.skip("needs an sm_90+ GPU")
+    skip_unless_hopper()
     ks = jax.random.split(jax.random.PRNGKey(t), 6)
     b, h, d = 1, 2, 128
     q, k, v = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16) for kk in ks[:3])
