@@ -85,10 +85,14 @@ def _memory_maps() -> int | None:
 
 
 def _max_memory_maps() -> int | None:
+    """The kernel's ``vm.max_map_count`` (``None`` where ``/proc`` does not tell)."""
     try:
         return int(Path("/proc/sys/vm/max_map_count").read_text())
     except (OSError, ValueError):
         return None
+
+
+_MAX_MEMORY_MAPS = _max_memory_maps()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -103,7 +107,7 @@ def _release_compiled_programs(request):
 
     jax.clear_caches()
     gc.collect()
-    held, limit = _memory_maps(), _max_memory_maps()
+    held, limit = _memory_maps(), _MAX_MEMORY_MAPS
     if held is not None and limit is not None and held > limit // 2:
         pytest.fail(f"after {request.module.__name__} this process still holds {held} memory maps of the "
                     f"kernel's vm.max_map_count={limit}: something keeps compiled programs alive across modules")
