@@ -28,8 +28,9 @@ Precision: decay factors, ``N`` and the inverse are fp32 (inverse products exact
 take bf16 operands with fp32 accumulation and ``X`` is stored in bf16 (as fla does); with fp32 inputs
 everything is fp32 / 3xTF32. In ``interpret`` mode (CPU) fp32 ``HIGHEST`` replaces 3xTF32.
 
-Decode step, grid ``(B, H, V / BV)``: one token per sequence, state pool row ``state_slots[b]`` read and
-written in place (``input_output_aliases``).
+Decode step, a flat grid of ``B * H * V / BV`` programs (:func:`flat_slice_ids`): one token per sequence, state
+pool row ``state_slots[b]`` read and written in place (``input_output_aliases``). The same update with the layer's
+short conv, gate and beta in front of it: :mod:`.gpu_decode_fused`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ the call, an explicit name that cannot run raises with the reason):
   ``benchmarks/kda.py`` times both; speculative verification, :data:`.verify.VERIFY`, has no Mosaic GPU entry),
   ``xla``.
 
+:func:`fused_decode_step` (a decode token from a layer's projections: the short conv, gate and beta, then the
+:data:`DECODE` step on stacked states read at a layer) takes its kernel from :data:`DECODE`; on ``triton`` the
+prologue runs inside the decode kernel (:mod:`.gpu_decode_fused`).
+
 Order on a GPU: ``mosaic_gpu`` on sm_90+ (:attr:`KdaCall.compute_capability`; faster than the Triton forward on
 the H200 in a same-run comparison, benchmarks/RESULTS.md), then
 ``triton`` while JAX ships the Pallas Triton backend (``registry.TRITON_SHIPPED``), then ``xla``. The decode table
@@ -413,3 +417,81 @@ def recurrent_kda(
 
         o, pool = gpu.decode_step(*args, interpret=interpret)
     return o[:, None], (pool if output_final_state or state_slots is not None else None)
+
+
+def fused_decode_step(
+    q_proj: jax.Array,
+    k_proj: jax.Array,
+    v_proj: jax.Array,
+    f_proj: jax.Array,
+    b_proj: jax.Array,
+    state: jax.Array,
+    conv: jax.Array,
+    conv_weights: tuple[jax.Array, jax.Array, jax.Array],
+    A_log: jax.Array,
+    dt_bias: jax.Array | None,
+    layer: jax.Array,
+    *,
+    lower_bound: float = -5.0,
+    scale: float | None = None,
+    implementation: str = "auto",
+    interpret=False,
+    platform: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decode token of layer ``layer`` of a stack of KDA layers, from its projections:
+    :func:`reference.decode_prologue` (short conv, SiLU, q / k L2 norm, gate, beta), then the decode step
+    (:func:`recurrent_kda`) on that layer's states, read and written in place.
+
+    Args:
+      q_proj, k_proj, f_proj: ``[B, H*K]``; v_proj: ``[B, H*V]`` (one dtype); b_proj: ``[B, H]`` beta logits.
+      state: ``[L, B, H, K, V]`` f32 recurrent states (updated in place on a kernel: donate them under ``jit``).
+      conv: ``[L, B, W-1, 2*H*K + H*V]`` conv tails (the q | k | v inputs, oldest first), read in place.
+      conv_weights: ``(wq [L, W, H*K], wk [L, W, H*K], wv [L, W, H*V])``; A_log ``[L, H]``; dt_bias ``[L, H*K]``
+        or None: every layer's, read at ``layer``.
+      layer: i32 scalar in ``[0, L)``.
+    Returns:
+      ``(o [B, H, V]`` in v_proj's dtype, the new states ``[L, B, H, K, V]`` (other layers unchanged), the new conv
+      tails ``[B, W-1, 2*H*K + H*V]`` in conv's dtype — the caller writes them to ``conv[layer]``).
+
+    ``implementation`` picks the decode kernel from :data:`DECODE` (its choice is logged there): ``triton`` runs
+    the prologue inside its decode kernel (:mod:`.gpu_decode_fused`: one launch, the stacked arrays read in
+    place); every other backend takes the prologue computed in JAX on ``layer``'s slices ahead of its decode step.
+    Forward only.
+    """
+    if state.ndim != 5 or conv.ndim != 4 or state.shape[:2] != conv.shape[:2]:
+        raise ValueError(f"fused_decode_step: state must be [L, B, H, K, V] and conv [L, B, W-1, C] with the same "
+                         f"L and B, got {state.shape} / {conv.shape}")
+    L, B, H, K, V = state.shape
+    W = conv_weights[0].shape[-2]
+    want = {"q_proj": (q_proj, (B, H * K)), "k_proj": (k_proj, (B, H * K)), "v_proj": (v_proj, (B, H * V)),
+            "f_proj": (f_proj, (B, H * K)), "b_proj": (b_proj, (B, H)),
+            "conv": (conv, (L, B, W - 1, 2 * H * K + H * V)), "wq": (conv_weights[0], (L, W, H * K)),
+            "wk": (conv_weights[1], (L, W, H * K)), "wv": (conv_weights[2], (L, W, H * V)), "A_log": (A_log, (L, H))}
+    if dt_bias is not None:
+        want["dt_bias"] = (dt_bias, (L, H * K))
+    for name, (x, shape) in want.items():
+        if x.shape != shape:
+            raise ValueError(f"fused_decode_step: {name} must be {list(shape)} for states {list(state.shape)} and "
+                             f"{W} conv taps, got {list(x.shape)}")
+    if scale is None:
+        scale = K**-0.5
+    target = target_platform(platform)
+    call = KdaCall(target, jnp.promote_types(q_proj.dtype, v_proj.dtype).name, (B, 1, H, K, V), 64, None,
+                   bool(interpret), target_compute_capability(target))
+    impl = DECODE.select(implementation, call).backend
+    layer = jnp.asarray(layer, jnp.int32)
+    if impl == "triton":
+        from pallas_kernels.kda import gpu_decode_fused  # noqa: PLC0415
+
+        bias = jnp.zeros((L, H * K), jnp.float32) if dt_bias is None else dt_bias
+        return gpu_decode_fused.fused_decode_step(
+            q_proj, k_proj, v_proj, f_proj, b_proj, state, conv, conv_weights, A_log, bias, layer,
+            scale=float(scale), lower_bound=float(lower_bound), interpret=bool(interpret))
+    at = lambda x: jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
+    q, k, v, g, beta, tail = ref.decode_prologue(
+        q_proj, k_proj, v_proj, f_proj, b_proj, at(conv), tuple(at(w) for w in conv_weights), at(A_log),
+        None if dt_bias is None else at(dt_bias), lower_bound)
+    o, pool = recurrent_kda(q, k, v, g, beta, scale, initial_state=state.reshape(L * B, H, K, V),
+                            state_slots=layer * B + jnp.arange(B, dtype=jnp.int32), implementation=impl,
+                            interpret=interpret, platform=platform)
+    return o[:, 0], pool.reshape(state.shape), tail

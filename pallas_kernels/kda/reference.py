@@ -213,6 +213,65 @@ def recurrent_kda(
     return o, (S if output_final_state else None)
 
 
+def decode_prologue(
+    q_proj: jax.Array,
+    k_proj: jax.Array,
+    v_proj: jax.Array,
+    f_proj: jax.Array,
+    b_proj: jax.Array,
+    conv_tail: jax.Array,
+    conv_weights: tuple[jax.Array, jax.Array, jax.Array],
+    A_log: jax.Array,
+    dt_bias: jax.Array | None,
+    lower_bound: float = -5.0,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The one-token decode step's inputs from a KDA layer's projections: K3's causal short conv over q, k, v, SiLU,
+    the per-head L2 norm of q and k, the gate (:func:`kda_gate`) and ``beta = sigmoid(b)``.
+
+    Args:
+      q_proj, k_proj: ``[B, H*K]``; v_proj: ``[B, H*V]`` (one dtype, the activations': the conv output is rounded
+        to it before the SiLU, and q, k, v are returned in it).
+      f_proj: ``[B, H*K]`` the raw gate; b_proj: ``[B, H]`` the beta logits.
+      conv_tail: ``[B, W-1, 2*H*K + H*V]`` the previous ``W-1`` inputs of the q | k | v projections, oldest first
+        (read as the projections' dtype).
+      conv_weights: ``(wq [W, H*K], wk [W, H*K], wv [W, H*V])`` depthwise taps; tap ``W-1`` multiplies the current
+        token. The taps' products are summed in fp32, tap 0 first.
+      A_log: ``[H]``; dt_bias: ``[H*K]`` or None; lower_bound: the gate's (negative) bound.
+    Returns:
+      ``(q, k [B, 1, H, K], v [B, 1, H, V]`` in the projections' dtype, ``g [B, 1, H, K]`` f32,
+      ``beta [B, 1, H]`` f32, the new tail ``[B, W-1, 2*H*K + H*V]`` in ``conv_tail``'s dtype: the last ``W-2`` of
+      the old inputs, then this token's).
+    """
+    B, H = b_proj.shape
+    hk, hv = q_proj.shape[-1], v_proj.shape[-1]
+    if k_proj.shape != (B, hk) or v_proj.shape != (B, hv) or f_proj.shape != (B, hk) or hk % H or hv % H:
+        raise ValueError(f"decode_prologue: q/k/f projections must be [B, H*K], v [B, H*V], b [B, H]; got q "
+                         f"{q_proj.shape}, k {k_proj.shape}, v {v_proj.shape}, f {f_proj.shape}, b {b_proj.shape}")
+    W = conv_weights[0].shape[0]
+    if W < 2:
+        raise ValueError(f"decode_prologue: the short conv needs at least 2 taps, got {W}")
+    if conv_tail.shape != (B, W - 1, 2 * hk + hv):
+        raise ValueError(f"decode_prologue: conv_tail must be [B, W-1, 2*H*K + H*V] = [{B}, {W - 1}, "
+                         f"{2 * hk + hv}], got {conv_tail.shape}")
+    f32 = jnp.float32
+    dt = q_proj.dtype
+    tails = jnp.split(conv_tail, [hk, 2 * hk], axis=-1)
+    outs, new_tail = [], []
+    for u, tail, w, normalize in zip((q_proj, k_proj, v_proj), tails, conv_weights, (True, True, False),
+                                     strict=True):
+        taps = [tail[:, j : j + 1].astype(dt) for j in range(W - 1)] + [u[:, None]]  # [B, 1, C] each
+        acc = jnp.zeros((B, 1, u.shape[-1]), f32)
+        for j, tap in enumerate(taps):
+            acc = acc + tap.astype(f32) * w[j].astype(f32)
+        y = jax.nn.silu(acc.astype(dt).astype(f32)).reshape(B, 1, H, -1)
+        outs.append((l2norm(y) if normalize else y).astype(dt))
+        new_tail.append(jnp.concatenate(taps[1:], axis=1))
+    g = kda_gate(f_proj.reshape(B, 1, H, hk // H), A_log, dt_bias, lower_bound)
+    beta = jax.nn.sigmoid(b_proj.astype(f32))[:, None]
+    tail_out = jnp.concatenate(new_tail, axis=-1).astype(conv_tail.dtype)
+    return outs[0], outs[1], outs[2], g, beta, tail_out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Chunked (UT / WY) form
 # ----------------------------------------------------------------------------------------------------------
