@@ -36,7 +36,7 @@ from k3_jax.layers.attn_res import (
     output_slot,
 )
 from k3_jax.layers.common import LinearKernel, RMSNorm, compute_dtype, einsum_f32, logical, param_dtype
-from k3_jax.layers.kda import KimiDeltaAttention
+from k3_jax.layers.kda import KimiDeltaAttention, stacked_decode_params
 from k3_jax.layers.mla import KimiMLAAttention
 from k3_jax.layers.moe import LatentMoE, SituMLP, stacked_routed_experts
 from k3_jax.layers.parallel import axis_size, constrain
@@ -112,14 +112,15 @@ class DecoderLayer(nn.Module):
     def __call__(self, sources: jax.Array, layer: jax.Array, segment_ids: jax.Array | None,
                  cache: dict | None, lengths: jax.Array | None,
                  cache_index: jax.Array | None = None,
-                 stacked_experts: dict | None = None,
+                 stacked: dict | None = None,
                  page_table: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
         """``cache_index``: with a cache, ``cache`` is the segment's stacked entry ``[R, ...]`` and this
         layer reads and writes its repeat ``cache_index`` in place (see :class:`LayerGroup`);
         ``page_table`` (a paged cache): the MLA layers' page table ``[B, max_pages]``
         (:mod:`k3_jax.layers.paged_latent`);
-        ``stacked_experts`` (with ``cache_index``): the segment's stacked routed-expert weights of this layer,
-        read at repeat ``cache_index`` in place (see :class:`LatentMoE`)."""
+        ``stacked`` (with ``cache_index``): this layer's entry of :func:`_segment_stacked_params`, the segment's
+        stacked weights read at repeat ``cache_index`` in place (``"experts"``: see :class:`LatentMoE`;
+        ``"kda"``: see :class:`KimiDeltaAttention`)."""
         cfg = self.cfg
         mixer_kind, ffn_kind = self.kind
         bs = cfg.attn_res_block_size
@@ -129,7 +130,8 @@ class DecoderLayer(nn.Module):
         h = attn_res_point(cfg, "self_attention_res", sources, attn_sources_count(layer, bs))
         h = RMSNorm(cfg.rms_norm_eps, ("embed",), pd, name="input_layernorm")(h)
         if mixer_kind == "kda":
-            a, new_cache = KimiDeltaAttention(cfg, name="self_attn")(h, segment_ids, cache, cache_index)
+            a, new_cache = KimiDeltaAttention(cfg, name="self_attn")(h, segment_ids, cache, cache_index,
+                                                                      (stacked or {}).get("kda"))
         else:
             a, new_cache = KimiMLAAttention(cfg, name="self_attn")(h, segment_ids, cache, lengths, cache_index,
                                                                     page_table)
@@ -140,7 +142,7 @@ class DecoderLayer(nn.Module):
         if ffn_kind == "dense":
             f = SituMLP(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
-            f = LatentMoE(cfg, name="block_sparse_moe")(m, stacked_experts, cache_index)
+            f = LatentMoE(cfg, name="block_sparse_moe")(m, (stacked or {}).get("experts"), cache_index)
         sources = _add_to_slot(sources, slot, f)
         if self.is_mutable_collection(FEATURES) and not self.is_initializing():  # init returns params only
             self.sow(FEATURES, "residual", jnp.sum(sources.astype(jnp.float32), axis=0).astype(sources.dtype))
@@ -166,9 +168,8 @@ class LayerGroup(nn.Module):
     the donated cache buffers are updated in place and no per-repeat cache slice is copied in or stacked out.
     Returns ``((sources, stacked), traces)`` then: ``traces`` (scanned out, ``[R, ...]`` per leaf) holds the
     ``state_trace``/``conv_trace`` of the KDA layers under :func:`k3_jax.layers.kda.record_position_states`
-    (``{layer_{j}: {...}}``), else None. ``experts`` (broadcast, in place only): ``{layer_{j}: stacked
-    routed-expert weights}`` of the segment's MoE layers (:func:`k3_jax.layers.moe.stacked_routed_experts`), read
-    by the expert kernel at this repeat instead of the scan step's weight slice.
+    (``{layer_{j}: {...}}``), else None. ``stacked`` (broadcast, in place only): the segment's stacked weights
+    that the layers read at this repeat instead of the scan step's slices (:func:`_segment_stacked_params`).
     """
 
     cfg: K3Config
@@ -178,7 +179,8 @@ class LayerGroup(nn.Module):
     @nn.compact
     def __call__(self, sources: Any, repeat: jax.Array, cache: dict | None,
                  segment_ids: jax.Array | None, lengths: jax.Array | None,
-                 experts: dict | None = None, page_table: jax.Array | None = None) -> tuple[Any, dict | None]:
+                 stacked_params: dict | None = None, page_table: jax.Array | None = None
+                 ) -> tuple[Any, dict | None]:
         stacked = None
         if self.in_place:
             sources, stacked = sources
@@ -190,7 +192,7 @@ class LayerGroup(nn.Module):
             if stacked is not None:
                 sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
                     sources, layer, segment_ids, stacked[f"layer_{j}"], lengths, repeat,
-                    (experts or {}).get(f"layer_{j}"), page_table)
+                    (stacked_params or {}).get(f"layer_{j}"), page_table)
                 trace = {name: entry[name] for name in _TRACE_KEYS if name in entry}
                 if trace:
                     traces[f"layer_{j}"] = trace
@@ -255,9 +257,9 @@ class K3Model(nn.Module):
             )
             seg_cache = None if cache is None else cache["segments"][s]
             if in_place:
-                experts = None if self.is_initializing() else _segment_experts(cfg, self.variables, s, seg)
+                weights = None if self.is_initializing() else _segment_stacked_params(cfg, self.variables, s, seg)
                 (sources, seg_new), traces = scanned(cfg, seg, in_place=True, name=f"segment_{s}")(
-                    (sources, seg_cache), jnp.arange(seg.repeats), None, segment_ids, lengths, experts, page_table)
+                    (sources, seg_cache), jnp.arange(seg.repeats), None, segment_ids, lengths, weights, page_table)
                 seg_new = {name: {**e, **(traces or {}).get(name, {})} for name, e in seg_new.items()}
             else:
                 sources, seg_new = scanned(cfg, seg, name=f"segment_{s}")(
@@ -272,16 +274,27 @@ class K3Model(nn.Module):
         return hidden, new_cache
 
 
-def _segment_experts(cfg: K3Config, variables: Any, s: int, seg: Segment) -> dict | None:
-    """``{layer_{j}: stacked routed-expert weights [R, ...]}`` of segment ``s``'s MoE layers, taken from the
-    parameters as they are (no copy), for the expert kernel to read each repeat in place; None when none apply."""
+def _segment_stacked_params(cfg: K3Config, variables: Any, s: int, seg: Segment) -> dict | None:
+    """``{layer_{j}: {"experts": stacked routed-expert weights, "kda": stacked KDA decode parameters}}`` of segment
+    ``s`` (each ``[R, ...]``, taken from the parameters as they are: no copy), for the one-token decode to read
+    each repeat's in place (the expert kernel, :func:`k3_jax.layers.moe.stacked_routed_experts`; the KDA decode
+    step, :func:`k3_jax.layers.kda.stacked_decode_params`); entries that do not apply are left out, None when
+    none do."""
     group = variables.get("params", {}).get(f"segment_{s}", {})
     out = {}
-    for j, (_, ffn_kind) in enumerate(seg.kinds):
-        moe = group.get(f"layer_{j}", {}).get("block_sparse_moe", {})
-        experts = stacked_routed_experts(cfg, moe.get("experts")) if ffn_kind != "dense" else None
-        if experts is not None:
-            out[f"layer_{j}"] = experts
+    for j, (mixer_kind, ffn_kind) in enumerate(seg.kinds):
+        layer = group.get(f"layer_{j}", {})
+        entry = {}
+        if ffn_kind != "dense":
+            experts = stacked_routed_experts(cfg, layer.get("block_sparse_moe", {}).get("experts"))
+            if experts is not None:
+                entry["experts"] = experts
+        if mixer_kind == "kda" and cfg.short_conv_kernel_size > 1:
+            kda = stacked_decode_params(layer.get("self_attn"))
+            if kda is not None:
+                entry["kda"] = kda
+        if entry:
+            out[f"layer_{j}"] = entry
     return out or None
 
 

@@ -168,18 +168,21 @@ class KimiDeltaAttention(nn.Module):
     Cache entry (decode): ``{"state": [B, H, K, V] f32, "conv": [B, W-1, 3·H·K]}`` (q, k, v pre-conv inputs).
     With ``cache_index`` (a cached call on one device): ``cache`` is a segment's stacked entry
     ``{"state": [R, B, H, K, V], "conv": [R, B, W-1, 3·H·K]}`` and repeat ``cache_index`` is read and updated
-    in place (one token: the states as the decode kernel's state pool ``[R·B, H, K, V]``, rows
-    ``cache_index·B + b``; ``T > 1``: the repeat's state and conv tail read by dynamic index and the new ones
-    written by dynamic-update-slice); the returned entry is the whole stacked one, plus the un-stacked
-    ``state_trace``/``conv_trace`` of this layer under :func:`record_position_states` (which leave the stacked
-    entry untouched).
+    in place (one token: with ``stacked``, the segment's stacked conv and gate parameters
+    (:func:`stacked_decode_params`), the short conv, gate and decode step in one op,
+    :func:`pallas_kernels.kda.ops.fused_decode_step`, else the states as the decode kernel's state pool
+    ``[R·B, H, K, V]``, rows ``cache_index·B + b``; ``T > 1``: the repeat's state and conv tail read by dynamic
+    index and the new ones written by dynamic-update-slice); the returned entry is the whole stacked one, plus the
+    un-stacked ``state_trace``/``conv_trace`` of this layer under :func:`record_position_states` (which leave the
+    stacked entry untouched).
     """
 
     cfg: K3Config
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                 cache: dict | None = None, cache_index: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+                 cache: dict | None = None, cache_index: jax.Array | None = None,
+                 stacked: dict | None = None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         h, dk = cfg.kda_num_heads, cfg.kda_head_dim
         hk = h * dk
@@ -198,6 +201,9 @@ class KimiDeltaAttention(nn.Module):
             return Weight((w, hk), ("conv", "kda_heads"), init, "float32", leaf="kernel", name=name)()
 
         kernels = [conv_kernel(n) for n in ("q_conv1d", "k_conv1d", "v_conv1d")]
+        if cache_index is not None and t == 1 and stacked is not None:  # decode step, stacked cache in place
+            o, new_cache = self._decode_in_place(x, q, k, v, stacked, cache, cache_index)
+            return self._output(x, o), new_cache
         conv_cache = None if cache is None else cache["conv"]
         if cache_index is not None:
             conv_cache = jax.lax.dynamic_index_in_dim(conv_cache, cache_index, 0, keepdims=False)
@@ -220,20 +226,11 @@ class KimiDeltaAttention(nn.Module):
             new_conv.append(ns)
         q, k, v = outs
 
-        f = Linear(dk, ("embed", "gate_lowrank"), cfg, name="f_a_proj")(x)
-        f = Linear(hk, ("gate_lowrank", "kda_heads"), cfg, name="f_b_proj")(f).reshape(b, t, h, dk)
-        a_log = self.param(
-            "A_log",
-            logical(lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0)),
-                    ("kda_heads",)),
-            (h,), jnp.float32,
-        )
-        dt_bias = self.param("dt_bias", logical(nn.initializers.zeros, ("kda_heads",)), (hk,), jnp.float32)
+        f, a_log, dt_bias, b_logits = self._gate_inputs(x)
         # recomputed in the backward from f (bf16): only the f32 gate itself (a kernel input) is kept
         g = jax.checkpoint(functools.partial(kda_reference.kda_gate, lower_bound=cfg.gate_lower_bound))(
-            f, a_log, dt_bias)
-        beta = jax.nn.sigmoid(
-            Linear(h, ("embed", "kda_heads"), cfg, name="b_proj")(x).astype(jnp.float32))
+            f.reshape(b, t, h, dk), a_log, dt_bias)
+        beta = jax.nn.sigmoid(b_logits.astype(jnp.float32))
 
         initial_state = None if cache is None else cache["state"]
         if cache_index is not None and t > 1:  # this repeat's state of the stacked ones
@@ -261,11 +258,7 @@ class KimiDeltaAttention(nn.Module):
                                                chunk_size=cfg.kda_chunk_size, gate_bound=cfg.gate_lower_bound,
                                                **kwargs)
 
-        o_norm = Weight((dk,), ("head_dim",), "ones", "float32", name="o_norm")()
-        gate = Linear(hk, ("embed", "kda_heads"), cfg, name="g_proj")(x).reshape(b, t, h, dk)
-        y = gated_output_norm(o, o_norm, gate, cfg.rms_norm_eps, dt).reshape(b, t, hk)
-        y = Linear(cfg.hidden_size, ("kda_heads", "embed"), cfg, name="o_proj")(y)
-
+        y = self._output(x, o)
         new_cache = None
         if trace:  # the entry as it came in (stacked or not), the traces beside it
             new_cache = {"state": cache["state"], "conv": cache["conv"], "state_trace": state_trace,
@@ -279,3 +272,52 @@ class KimiDeltaAttention(nn.Module):
                     state = jax.lax.dynamic_update_index_in_dim(cache["state"], state, cache_index, 0)
             new_cache = {"state": state, "conv": conv}
         return y, new_cache
+
+    def _gate_inputs(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """``(f [B, T, H·K]`` the raw gate, ``A_log [H]``, ``dt_bias [H·K]``, the beta logits ``[B, T, H])``."""
+        cfg = self.cfg
+        h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+        f = Linear(dk, ("embed", "gate_lowrank"), cfg, name="f_a_proj")(x)
+        f = Linear(h * dk, ("gate_lowrank", "kda_heads"), cfg, name="f_b_proj")(f)
+        a_log = self.param(
+            "A_log",
+            logical(lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0)),
+                    ("kda_heads",)),
+            (h,), jnp.float32,
+        )
+        dt_bias = self.param("dt_bias", logical(nn.initializers.zeros, ("kda_heads",)), (h * dk,), jnp.float32)
+        return f, a_log, dt_bias, Linear(h, ("embed", "kda_heads"), cfg, name="b_proj")(x)
+
+    def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
+        """The gated output norm and ``o_proj``: ``o [B, T, H, V]`` -> ``[B, T, D]``."""
+        cfg = self.cfg
+        b, t, h, dk = o.shape
+        o_norm = Weight((dk,), ("head_dim",), "ones", "float32", name="o_norm")()
+        gate = Linear(h * dk, ("embed", "kda_heads"), cfg, name="g_proj")(x).reshape(b, t, h, dk)
+        y = gated_output_norm(o, o_norm, gate, cfg.rms_norm_eps, compute_dtype(cfg)).reshape(b, t, h * dk)
+        return Linear(cfg.hidden_size, ("kda_heads", "embed"), cfg, name="o_proj")(y)
+
+    def _decode_in_place(self, x, q, k, v, stacked: dict, cache: dict, cache_index: jax.Array
+                         ) -> tuple[jax.Array, dict]:
+        """One token on a segment's stacked entry, read and written in place (single device): the short conv,
+        gate and decode step in one op (:func:`pallas_kernels.kda.ops.fused_decode_step`, one kernel on the
+        Triton backend) on the segment's stacked conv and gate parameters (:func:`stacked_decode_params`, read
+        at repeat ``cache_index``). Returns ``(o [B, 1, H, V], the updated stacked entry)``."""
+        cfg = self.cfg
+        f, _, _, b_logits = self._gate_inputs(x)
+        o, state, tail = kda_ops.fused_decode_step(
+            q[:, 0], k[:, 0], v[:, 0], f[:, 0], b_logits[:, 0], cache["state"], cache["conv"], stacked["conv"],
+            stacked["A_log"], stacked["dt_bias"], cache_index, lower_bound=cfg.gate_lower_bound,
+            implementation=cfg.kda_decode_implementation, platform=cfg.platform)
+        conv = jax.lax.dynamic_update_index_in_dim(cache["conv"], tail, cache_index, 0)
+        return o[:, None], {"state": state, "conv": conv}
+
+
+def stacked_decode_params(self_attn: dict | None) -> dict | None:
+    """A scanned segment's stacked KDA parameters that the one-token decode reads at the repeat's index
+    (``KimiDeltaAttention(..., stacked=...)``): ``{"conv": (q, k, v conv taps [R, W, H·K]), "A_log": [R, H],
+    "dt_bias": [R, H·K]}`` from the layer's ``self_attn`` params as they are (no copy); None when absent."""
+    if not self_attn or "q_conv1d" not in self_attn:
+        return None
+    conv = tuple(self_attn[f"{n}_conv1d"]["kernel"] for n in "qkv")
+    return {"conv": conv, "A_log": self_attn["A_log"], "dt_bias": self_attn["dt_bias"]}
