@@ -503,7 +503,7 @@ def parse_overrides(items: Iterable[str], flag: str = "--set") -> dict[str, Any]
 def config_from_dict(raw: Mapping[str, Any], **overrides: Any) -> K3Config:
     """Build a K3Config from the published layout (``{"text_config": {...}}``) or a bare text config.
 
-    ``overrides`` set runtime fields (``dtype``, ``scan_layers`` …) or architecture fields after loading.
+    ``overrides`` set runtime fields (``dtype``, ``remat`` …) or architecture fields after loading.
     A wrongly typed value raises :class:`ConfigError` naming the key; keys k3-jax does not know are ignored
     with one :class:`ConfigWarning` listing them (the published file's unused keys are known and do not warn).
     """
