@@ -26,6 +26,7 @@ from k3_jax.model import K3ForCausalLM
 from k3_jax.serving.engine import Engine
 from pallas_kernels import mla_decode
 from pallas_kernels.kda import gpu as kda_gpu
+from pallas_kernels.kda import gpu_decode_fused
 from pallas_kernels.kda import tpu as kda_tpu
 from pallas_kernels.moe import gpu as moe_gpu
 from pallas_kernels.moe import tpu as moe_tpu
@@ -52,8 +53,9 @@ def _engine_cfg(**changes):
 def _interpret_kernels(monkeypatch, platform: str) -> None:
     """Run the ``platform`` kernels (decode and chunked KDA, MoE) in the Pallas interpreter on this CPU host."""
     kda_mod, moe_mod = KERNEL_MODULES[platform]
+    fused = [(gpu_decode_fused, "fused_decode_step")] if platform == "gpu" else []  # the layer's in-place decode
     for mod, fname in ((kda_mod, "decode_step"), (kda_mod, "chunk_kda_fwd"), (moe_mod, "gmm"),
-                       (moe_mod, "gmm_mxfp4")):
+                       (moe_mod, "gmm_mxfp4"), *fused):
         fn = getattr(mod, fname)
         monkeypatch.setattr(mod, fname, lambda *a, _fn=fn, **k: _fn(*a, **{**k, "interpret": True}))
 
