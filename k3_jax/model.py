@@ -20,6 +20,7 @@ Layer ``l = segment.start + r * segment.period + j`` lives at ``segment_{s}/laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -190,9 +191,13 @@ class LayerGroup(nn.Module):
         for j, kind in enumerate(self.segment.kinds):
             layer = self.segment.start + repeat * self.segment.period + j
             if stacked is not None:
-                sources, entry = layer_cls(self.cfg, kind, name=f"layer_{j}")(
-                    sources, layer, segment_ids, stacked[f"layer_{j}"], lengths, repeat,
-                    (stacked_params or {}).get(f"layer_{j}"), page_table)
+                weights = (stacked_params or {}).get(f"layer_{j}")
+                cls = layer_cls
+                if weights is not None and "small" in weights:
+                    select = functools.partial(_small_params_at, weights["small"], repeat)
+                    cls = nn.map_variables(layer_cls, "params", trans_in_fn=select, init=False, mutable=False)
+                sources, entry = cls(self.cfg, kind, name=f"layer_{j}")(
+                    sources, layer, segment_ids, stacked[f"layer_{j}"], lengths, repeat, weights, page_table)
                 trace = {name: entry[name] for name in _TRACE_KEYS if name in entry}
                 if trace:
                     traces[f"layer_{j}"] = trace
@@ -206,6 +211,30 @@ class LayerGroup(nn.Module):
         if stacked is not None:
             return (sources, stacked), traces or None
         return sources, new_cache
+
+
+SMALL_PARAM_ELEMENTS = 65536
+"""Per-layer parameter leaves up to this many elements (norm weights, AttnRes vectors, gate biases, conv taps) are
+read from the segment's stack by :func:`select_repeat` in the in-place decode, not by the scan's slice."""
+
+
+def select_repeat(stacked: jax.Array, repeat: jax.Array) -> jax.Array:
+    """``stacked[repeat]`` as a masked sum over the stack's leading axis (exact: one row is kept, the others are
+    zeros; a ``-0.0`` entry reads as ``+0.0``). XLA fuses it into the consumer, where on GPU the dynamic slice of a
+    loop-invariant stack inside the layer scan is a launch of its own, per leaf and layer."""
+    keep = (jnp.arange(stacked.shape[0]) == repeat).reshape(-1, *(1,) * (stacked.ndim - 1))
+    return jnp.sum(jnp.where(keep, stacked, jnp.zeros((), stacked.dtype)), axis=0, dtype=stacked.dtype)
+
+
+def _small_params_at(small: dict, repeat: jax.Array, variables: dict) -> dict:
+    """``map_variables`` input transform: the layer's scan-sliced params with every leaf of ``small`` (the same
+    paths, stacked ``[R, ...]``) replaced by :func:`select_repeat` of it (the slices left unused are dead code)."""
+    def visit(sliced: Any, stack: Any) -> Any:
+        if isinstance(sliced, dict):
+            return {k: visit(v, stack.get(k)) if isinstance(stack, dict) else v for k, v in sliced.items()}
+        return select_repeat(stack, repeat) if stack is not None else sliced
+
+    return {**variables, "params": visit(dict(variables["params"]), small)}
 
 
 def _maybe_remat(cls: type[nn.Module], cfg: K3Config) -> Any:
@@ -293,9 +322,26 @@ def _segment_stacked_params(cfg: K3Config, variables: Any, s: int, seg: Segment)
             kda = stacked_decode_params(layer.get("self_attn"))
             if kda is not None:
                 entry["kda"] = kda
+        small = _small_leaves(layer, seg.repeats)
+        if small:
+            entry["small"] = small
         if entry:
             out[f"layer_{j}"] = entry
     return out or None
+
+
+def _small_leaves(tree: dict, repeats: int) -> dict:
+    """The leaves of a segment's stacked params ``tree`` of at most :data:`SMALL_PARAM_ELEMENTS` elements per repeat
+    (arrays only; the nesting kept, empty branches dropped)."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            sub = _small_leaves(v, repeats)
+            if sub:
+                out[k] = sub
+        elif getattr(v, "ndim", 0) >= 1 and v.shape[0] == repeats and v.size // repeats <= SMALL_PARAM_ELEMENTS:
+            out[k] = v
+    return out
 
 
 def _embedding_init(cfg: K3Config):

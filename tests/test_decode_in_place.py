@@ -58,3 +58,18 @@ def test_in_place_decode_equals_scanned_decode(setup):
     np.testing.assert_array_equal(np.asarray(new_cache["lengths"]), np.asarray(cache["lengths"]) + STEPS)
     for a, b in zip(jax.tree.leaves(new_cache), jax.tree.leaves(old_cache), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_select_repeat_is_the_row_exactly():
+    """The in-place decode's read of a small stacked parameter (``select_repeat``): the row itself, bit for bit,
+    whatever the other rows hold (inf, NaN), in the stack's dtype."""
+    from k3_jax.model import select_repeat
+
+    rows = np.random.RandomState(0).standard_normal((5, 3, 7)).astype(np.float32)
+    rows[1, 0, 0], rows[3, 2, 1] = np.inf, np.nan
+    for dtype in (jnp.float32, jnp.bfloat16):
+        stack = jnp.asarray(rows, dtype)
+        for r in (0, 2, 4):
+            got = jax.jit(select_repeat)(stack, jnp.int32(r))
+            assert got.dtype == stack.dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(stack[r], np.float32))
