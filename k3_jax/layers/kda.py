@@ -25,6 +25,7 @@ from k3_jax.parallel.sequence import kda_sequence_parallel, short_conv_sequence_
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import reference as kda_reference
 from pallas_kernels.kda import verify as kda_verify
+from pallas_kernels.registry import target_platform
 from sharding.local_kernels import per_shard
 
 _POSITION_STATES = contextvars.ContextVar("kda_position_states", default=False)
@@ -124,11 +125,15 @@ def gated_output_norm(o: jax.Array, weight: jax.Array, gate: jax.Array, eps: flo
     """``rms_norm(f32(o)) · weight · sigmoid(f32(gate))`` per head, in ``dtype``: ``o, gate [B, T, H, D]``.
 
     Recomputed in the backward from ``o`` and ``gate``: its five f32 ``[B, T, H, D]`` intermediates are not kept.
-    The gate is multiplied in its flat ``[B, T, H·D]`` form (the projection's output as it comes): split into heads
-    there, XLA:TPU makes the gate projection a matmul batched over the heads and transposes its whole weight on
-    every call.
+    Off GPU the gate is multiplied in its flat ``[B, T, H·D]`` form (the projection's output as it comes): split into
+    heads there, XLA:TPU makes the gate projection a matmul batched over the heads and transposes its whole weight on
+    every call. On GPU it is split into heads, so that XLA:GPU's normalisation kernel takes the gate and the cast
+    too (one kernel, not two). The same values either way.
     """
     b, t, h, d = o.shape
+    if target_platform() == "gpu":  # per head: XLA:GPU fuses the gate and the cast into its normalisation kernel
+        y = rms_norm(o.astype(jnp.float32), weight, eps) * jax.nn.sigmoid(gate.astype(jnp.float32))
+        return y.astype(dtype)
     normed = rms_norm(o.astype(jnp.float32), weight, eps).reshape(b, t, h * d)
     y = normed * jax.nn.sigmoid(gate.reshape(b, t, h * d).astype(jnp.float32))
     return y.astype(dtype).reshape(b, t, h, d)
