@@ -46,3 +46,33 @@ def test_select_experts_ranks_on_gpu_for_decode_batches_only():
 def test_rank_selection_rejects_bad_k():
     with pytest.raises(ValueError, match="k must be in"):
         top_k_ids_by_rank(jnp.zeros((2, 4)), 5)
+
+
+def test_rank_selection_gathers_values_at_the_selected_ids():
+    """``top_k_ids_by_rank(x, k, values)`` = the ids and ``take_along_axis(values, ids)``, bit for bit; and the
+    router (``route``) on GPU at decode sizes gives what its ``lax.top_k`` path gives, gradients of the weights
+    included."""
+    from k3_jax.layers.moe import route
+
+    x = jnp.asarray(_scores(64, 896, seed=5))
+    vals = jnp.asarray(np.random.RandomState(6).standard_normal((64, 896)).astype(np.float32))
+    ids, got = jax.jit(top_k_ids_by_rank, static_argnums=1)(x, 16, vals)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(jax.lax.top_k(x, 16)[1]))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take_along_axis(vals, ids, axis=-1)))
+
+    rs = np.random.RandomState(7)
+    h, w = jnp.asarray(rs.standard_normal((8, 32)), jnp.float32), jnp.asarray(rs.standard_normal((32, 16)) * 0.3,
+                                                                               jnp.float32)
+    bias = jnp.asarray(rs.standard_normal(16) * 0.1, jnp.float32)
+
+    def weights_sum(h, w, platform):
+        with platform_scope(platform):
+            _, ids, weights = route(h, w, bias, 4)
+        return jnp.sum(weights * jnp.arange(4.0)), ids
+
+    (v_gpu, ids_gpu), g_gpu = jax.value_and_grad(weights_sum, argnums=(0, 1), has_aux=True)(h, w, "gpu")
+    (v_cpu, ids_cpu), g_cpu = jax.value_and_grad(weights_sum, argnums=(0, 1), has_aux=True)(h, w, "cpu")
+    np.testing.assert_array_equal(np.asarray(ids_gpu), np.asarray(ids_cpu))
+    np.testing.assert_allclose(float(v_gpu), float(v_cpu), rtol=1e-6)
+    for a, b in zip(g_gpu, g_cpu, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

@@ -67,8 +67,10 @@ def float_order_keys(x: jax.Array) -> jax.Array:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def top_k_ids_by_rank(x: jax.Array, k: int) -> jax.Array:
-    """``jax.lax.top_k(x, k)[1]`` computed by ranking instead of sorting: ``x [N, E]`` -> ``i32 [N, k]``.
+def top_k_ids_by_rank(x: jax.Array, k: int, values: jax.Array | None = None):
+    """``jax.lax.top_k(x, k)[1]`` computed by ranking instead of sorting: ``x [N, E]`` -> ``i32 [N, k]``; with
+    ``values [N, E]``, also ``take_along_axis(values, ids, -1)`` from the same selection (one fused reduction on
+    GPU, not a second kernel), returned as ``(ids, values at ids)``.
 
     Element ``i`` of a row has rank ``#{j : x_j > x_i} + #{j < i : x_j == x_i}`` in total order
     (:func:`float_order_keys`), so ranks are a permutation of ``0..E-1`` and ties go to the lower index, as in
@@ -84,16 +86,25 @@ def top_k_ids_by_rank(x: jax.Array, k: int) -> jax.Array:
     beats = (kj > ki) | ((kj == ki) & (idx[None, None, :] < idx[None, :, None]))  # [N, i, j]: j ranks above i
     rank = jnp.sum(beats.astype(jnp.int32), axis=-1)  # [N, E]
     hit = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [N, k, E]
-    return jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=-1)
+    ids = jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=-1)
+    if values is None:
+        return ids
+    return ids, jnp.sum(jnp.where(hit, values[:, None, :], jnp.zeros((), values.dtype)), axis=-1)
 
 
 def select_experts(selection_scores: jax.Array, k: int) -> jax.Array:
     """The top-``k`` expert ids ``i32 [N, k]`` of ``selection_scores [N, E]`` f32, exactly
     ``jax.lax.top_k(selection_scores, k)[1]`` (same order, ties to the lower index). On GPU, up to
     :data:`ROUTER_REDUCE_ROWS` tokens (decode), by :func:`top_k_ids_by_rank` instead of XLA's sort."""
-    if selection_scores.ndim == 2 and selection_scores.shape[0] <= ROUTER_REDUCE_ROWS and target_platform() == "gpu":
+    if _rank_selection(selection_scores):
         return top_k_ids_by_rank(selection_scores, k)
     return jax.lax.top_k(selection_scores, k)[1].astype(jnp.int32)
+
+
+def _rank_selection(selection_scores: jax.Array) -> bool:
+    """Whether :func:`select_experts` ranks (decode-sized rows on GPU) instead of calling ``lax.top_k``."""
+    return selection_scores.ndim == 2 and selection_scores.shape[0] <= ROUTER_REDUCE_ROWS and (
+        target_platform() == "gpu")
 
 
 def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, k: int, renormalize: bool = True,
@@ -108,8 +119,12 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, k: int, renor
       The bias enters only through the (integer) selection, so it receives no gradient.
     """
     scores = _router_scores(x, router_kernel)
-    expert_ids = select_experts(jax.lax.stop_gradient(scores + bias.astype(jnp.float32)), k)
-    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    selection = jax.lax.stop_gradient(scores + bias.astype(jnp.float32))
+    if _rank_selection(selection):  # the selected scores from the ranking's own reduction
+        expert_ids, weights = top_k_ids_by_rank(selection, k, scores)
+    else:
+        expert_ids = select_experts(selection, k)
+        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if renormalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return scores, expert_ids.astype(jnp.int32), weights * scaling
