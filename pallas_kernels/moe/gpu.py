@@ -35,11 +35,18 @@ def make_tile_table(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array,
     """-> ``(tile_group [V] i32, tile_row0 [V] i32, ends [E+1] i32, num_tiles [1] i32)``, V = ceil(m/tm) + E."""
     e = group_sizes.shape[0]
     gs = group_sizes.astype(jnp.int32)
-    sizes = jnp.concatenate([gs, jnp.maximum(m - jnp.sum(gs), 0)[None]])
-    ends = jnp.cumsum(sizes).astype(jnp.int32)
+    tiles_of = lambda n: jax.lax.div(n + tm - 1, jnp.int32(tm))  # n >= 0: truncation is floor, no sign fix-ups
+    # the groups' running sums as one fused compare-and-sum over [E, E] (a cumsum is a reduce-window plus slices:
+    # several kernels per layer and decode step), the trailing group's entries from their last elements
+    upto = jnp.arange(e)[None, :] <= jnp.arange(e)[:, None]
+    ends_g = jnp.sum(jnp.where(upto, gs[None, :], 0), axis=1)
+    cum_g = jnp.sum(jnp.where(upto, tiles_of(gs)[None, :], 0), axis=1)
+    trailing = jnp.maximum(m - ends_g[-1], 0)
+    sizes = jnp.concatenate([gs, trailing[None]])
+    ends = jnp.concatenate([ends_g, (ends_g[-1] + trailing)[None]]).astype(jnp.int32)
     starts = ends - sizes
-    ntiles = jax.lax.div(sizes + tm - 1, jnp.int32(tm))  # sizes >= 0: truncation is floor, without its sign fix-ups
-    cum = jnp.cumsum(ntiles)
+    ntiles = tiles_of(sizes)
+    cum = jnp.concatenate([cum_g, (cum_g[-1] + tiles_of(trailing))[None]])
     num = cum[-1]
     v = -(-m // tm) + e
     i = jnp.minimum(jnp.arange(v, dtype=jnp.int32), jnp.maximum(num - 1, 0))
