@@ -214,8 +214,9 @@ class LayerGroup(nn.Module):
 
 
 SMALL_PARAM_ELEMENTS = 65536
-"""Per-layer parameter leaves up to this many elements (norm weights, AttnRes vectors, gate biases, conv taps) are
-read from the segment's stack by :func:`select_repeat` in the in-place decode, not by the scan's slice."""
+"""On GPU, per-layer parameter leaves up to this many elements (norm weights, AttnRes vectors, gate biases, conv
+taps) are read from the segment's stack by :func:`select_repeat` in the in-place decode, not by the scan's slice
+(elsewhere XLA fuses the slice into its consumers: the masked sum would only read the whole stack)."""
 
 
 def select_repeat(stacked: jax.Array, repeat: jax.Array) -> jax.Array:
@@ -307,8 +308,9 @@ def _segment_stacked_params(cfg: K3Config, variables: Any, s: int, seg: Segment)
     """``{layer_{j}: {"experts": stacked routed-expert weights, "kda": stacked KDA decode parameters}}`` of segment
     ``s`` (each ``[R, ...]``, taken from the parameters as they are: no copy), for the one-token decode to read
     each repeat's in place (the expert kernel, :func:`k3_jax.layers.moe.stacked_routed_experts`; the KDA decode
-    step, :func:`k3_jax.layers.kda.stacked_decode_params`); entries that do not apply are left out, None when
-    none do."""
+    step, :func:`k3_jax.layers.kda.stacked_decode_params`), and on GPU ``"small"``: the small leaves of the
+    layer's params (:func:`_small_leaves`, read by :func:`select_repeat`); entries that do not apply are left out,
+    None when none do."""
     group = variables.get("params", {}).get(f"segment_{s}", {})
     out = {}
     for j, (mixer_kind, ffn_kind) in enumerate(seg.kinds):
@@ -322,7 +324,7 @@ def _segment_stacked_params(cfg: K3Config, variables: Any, s: int, seg: Segment)
             kda = stacked_decode_params(layer.get("self_attn"))
             if kda is not None:
                 entry["kda"] = kda
-        small = _small_leaves(layer, seg.repeats)
+        small = _small_leaves(layer, seg.repeats) if target_platform(cfg.platform) == "gpu" else None
         if small:
             entry["small"] = small
         if entry:

@@ -38,6 +38,13 @@ def _greedy(model, variables, cache, first, steps):
     return np.stack(toks), cache
 
 
+GPU_FORMS = dict(platform="gpu", **{f"{op}_implementation": "xla" for op in (
+    "kda", "kda_decode", "kda_verify", "moe", "mla_attention", "mla_prefix_attention", "mla_decode_attention",
+    "mla_paged_decode")})
+"""A GPU target with every kernel choice on XLA: the model's GPU-only forms (the small parameters read by
+``select_repeat``, the router's ranking, the per-head gated norm) run on this CPU host."""
+
+
 def test_in_place_decode_equals_scanned_decode(setup):
     cfg, variables, model = setup
     rs = np.random.RandomState(0)
@@ -57,6 +64,23 @@ def test_in_place_decode_equals_scanned_decode(setup):
     assert len(set(new_toks[:, 0].tolist())) > 3  # a real generation, not one repeated token
     np.testing.assert_array_equal(np.asarray(new_cache["lengths"]), np.asarray(cache["lengths"]) + STEPS)
     for a, b in zip(jax.tree.leaves(new_cache), jax.tree.leaves(old_cache), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_forms_of_the_in_place_decode_equal_the_host_forms(setup):
+    """The in-place decode with the GPU target's forms (:data:`GPU_FORMS`) against the host's: the same greedy
+    tokens, caches within fp32 rounding."""
+    cfg, variables, model = setup
+    rs = np.random.RandomState(1)
+    cache = jax.tree.map(lambda x: jnp.asarray(0.3 * rs.standard_normal(x.shape), x.dtype),
+                         init_cache(cfg, 3, MAX_LEN))
+    cache = {**cache, "lengths": jnp.asarray([7, 3, 11], jnp.int32)}
+    first = jnp.asarray(rs.randint(3, cfg.vocab_size, 3), jnp.int32)
+    copy = lambda c: jax.tree.map(jnp.copy, c)
+    host_toks, host_cache = _greedy(model, variables, copy(cache), first, 12)
+    gpu_toks, gpu_cache = _greedy(K3ForCausalLM(cfg.replace(**GPU_FORMS)), variables, copy(cache), first, 12)
+    np.testing.assert_array_equal(gpu_toks, host_toks)
+    for a, b in zip(jax.tree.leaves(gpu_cache), jax.tree.leaves(host_cache), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
