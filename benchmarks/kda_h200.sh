@@ -17,6 +17,9 @@
 #   DECODE  the decode step at B=64, H=96 (benchmarks/kda.py's decode bench: the Triton kernel, the Mosaic GPU ring
 #           at each of $MOSAIC_DECODE (default: kda.py's --mosaic-decode-configs), fla's fused_recurrent_kda), the
 #           Triton kernel's device trace; first, before the chunk shapes.
+#   FUSED   the layer's decode step from its projections (benchmarks/kda_fused_decode.py: the fused Triton kernel,
+#           the unfused path, fla's causal_conv1d_update + fused_recurrent_kda) at B=64 and 1, H=96, after DECODE;
+#           its JSON lines go to $OUT/fused_decode.jsonl. The tests add tests/test_kda_fused_decode.py.
 #   OLD     with $OLD set: K3 and H32 in that tree (its own defaults), after the new tree's.
 # Every benchmarks/kda.py JSON line goes to $OUT/runs.jsonl (a call cut short returns what finished); the last lines
 # of each process's stderr to $OUT/stderr.txt.
@@ -44,13 +47,20 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "== $(date +%T) tests"
   (cd "$NEW" && timeout 300 python3 -m pytest -q -m gpu tests/test_kda_mosaic_gpu.py tests/test_kda_ops.py \
     tests/test_kda_mosaic_gpu_taps.py tests/test_kda_mosaic_gpu_bwd_sweeps.py tests/test_kda_mosaic_gpu_bwd_dqkw.py \
-    tests/test_kda_mosaic_gpu_bwd_wy.py tests/test_kda_mosaic_gpu_bwd_da.py -n 4 --timeout=240 -p no:cacheprovider \
+    tests/test_kda_mosaic_gpu_bwd_wy.py tests/test_kda_mosaic_gpu_bwd_da.py tests/test_kda_fused_decode.py -n 4 \
+    --timeout=240 -p no:cacheprovider \
     >"$OUT/gpu_tests.txt" 2>&1)
   tail -3 "$OUT/gpu_tests.txt"
 fi
 if [ "${DECODE:-1}" = 1 ]; then
   bench new_decode "$NEW" 200 --shapes "" --decode-first --profile-dir $PROF \
     ${MOSAIC_DECODE:+--mosaic-decode-configs "$MOSAIC_DECODE"}
+fi
+if [ "${FUSED:-1}" = 1 ]; then
+  echo "== $(date +%T) fused decode"
+  (cd "$NEW" && PYTHONPATH="$NEW${PYTHONPATH:+:$PYTHONPATH}" timeout 200 python3 benchmarks/kda_fused_decode.py \
+    --batches 64,1 2>/tmp/k3_kda_fused.err | tee -a "$OUT/fused_decode.jsonl")
+  { echo "== fused"; tail -5 /tmp/k3_kda_fused.err; } >>"$OUT/stderr.txt"
 fi
 trees=("new:$NEW")
 [ -n "${OLD:-}" ] && trees+=("old:$OLD")
