@@ -45,16 +45,22 @@ GPU_FORMS = dict(platform="gpu", **{f"{op}_implementation": "xla" for op in (
 ``select_repeat``, the router's ranking, the per-head gated norm) run on this CPU host."""
 
 
+def _running_batch(cfg, seed: int, lengths: list[int]):
+    """``(cache, first tokens)`` of a running batch: random states, conv tails and latents, rows at ``lengths``."""
+    rs = np.random.RandomState(seed)
+    cache = jax.tree.map(lambda x: jnp.asarray(0.3 * rs.standard_normal(x.shape), x.dtype),
+                         init_cache(cfg, len(lengths), MAX_LEN))
+    cache = {**cache, "lengths": jnp.asarray(lengths, jnp.int32)}
+    return cache, jnp.asarray(rs.randint(3, cfg.vocab_size, len(lengths)), jnp.int32)
+
+
+def copy(cache):
+    return jax.tree.map(jnp.copy, cache)
+
+
 def test_in_place_decode_equals_scanned_decode(setup):
     cfg, variables, model = setup
-    rs = np.random.RandomState(0)
-    # a running batch: random states, conv tails and latents, rows at different lengths
-    cache = jax.tree.map(lambda x: jnp.asarray(0.3 * rs.standard_normal(x.shape), x.dtype),
-                         init_cache(cfg, 3, MAX_LEN))
-    cache = {**cache, "lengths": jnp.asarray([9, 5, 2], jnp.int32)}
-    first = jnp.asarray(rs.randint(3, cfg.vocab_size, 3), jnp.int32)
-    copy = lambda c: jax.tree.map(jnp.copy, c)
-
+    cache, first = _running_batch(cfg, 0, [9, 5, 2])
     new_toks, new_cache = _greedy(model, variables, copy(cache), first, STEPS)
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     with jax.set_mesh(mesh):  # a mesh of more than one device: the scanned form
@@ -71,12 +77,7 @@ def test_gpu_forms_of_the_in_place_decode_equal_the_host_forms(setup):
     """The in-place decode with the GPU target's forms (:data:`GPU_FORMS`) against the host's: the same greedy
     tokens, caches within fp32 rounding."""
     cfg, variables, model = setup
-    rs = np.random.RandomState(1)
-    cache = jax.tree.map(lambda x: jnp.asarray(0.3 * rs.standard_normal(x.shape), x.dtype),
-                         init_cache(cfg, 3, MAX_LEN))
-    cache = {**cache, "lengths": jnp.asarray([7, 3, 11], jnp.int32)}
-    first = jnp.asarray(rs.randint(3, cfg.vocab_size, 3), jnp.int32)
-    copy = lambda c: jax.tree.map(jnp.copy, c)
+    cache, first = _running_batch(cfg, 1, [7, 3, 11])
     host_toks, host_cache = _greedy(model, variables, copy(cache), first, 12)
     gpu_toks, gpu_cache = _greedy(K3ForCausalLM(cfg.replace(**GPU_FORMS)), variables, copy(cache), first, 12)
     np.testing.assert_array_equal(gpu_toks, host_toks)
