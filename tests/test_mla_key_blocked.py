@@ -30,7 +30,7 @@ def _inputs(seed: int = 0) -> tuple[jax.Array, ...]:
 
 def _reference(q_nope, q_rot, store, w_uk, w_uv, pos_q, scale):
     mask = jnp.arange(S)[None, None, :] <= pos_q[:, :, None]
-    return absorbed_attention(q_nope, q_rot, store[..., :C], store[..., C:], w_uk, w_uv, mask, scale)
+    return absorbed_attention(q_nope, q_rot, store, w_uk, w_uv, mask, scale)
 
 
 @pytest.mark.parametrize("key_block", [8, 5, 37])

@@ -42,8 +42,7 @@ def _problem(lengths: tuple[int, int], seed: int = 0, dtype=jnp.float32, dims=(T
     pos_q = lens[:, None] + jnp.arange(T)[None]
     mask = jnp.arange(S)[None, None, :] <= pos_q[:, :, None]
     w = kv_kernel.reshape(C, H, DN + DV)
-    ref = mla.absorbed_attention(q[..., :DN], q[..., DN:], store[..., :C], store[..., C:], w[..., :DN], w[..., DN:],
-                                 mask, scale)
+    ref = mla.absorbed_attention(q[..., :DN], q[..., DN:], store, w[..., :DN], w[..., DN:], mask, scale)
     cast = [x.astype(dtype) for x in (q, store, new, kv_kernel)]
     return (*cast, lens, scale, ref)
 

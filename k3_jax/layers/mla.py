@@ -132,8 +132,7 @@ def causal_attention(cfg: K3Config, q: jax.Array, k: jax.Array, v: jax.Array, sc
 def absorbed_attention(
     q_nope: jax.Array,
     q_rot: jax.Array,
-    latent: jax.Array,
-    k_rot: jax.Array,
+    store: jax.Array,
     w_uk: jax.Array,
     w_uv: jax.Array,
     mask: jax.Array,
@@ -143,18 +142,25 @@ def absorbed_attention(
 
     Args:
       q_nope: ``[B, T, H, Dn]`` no-position query part.  q_rot: ``[B, T, H, Dr]`` (unrotated, NoPE).
-      latent: ``[B, S, C]`` cached normalised latent ĉ.  k_rot: ``[B, S, Dr]`` cached shared key part.
+      store: ``[B, S, C + Dr]`` the latent cache as the layer stores it: the normalised latent ĉ, then the shared
+        key part.
       w_uk: ``[C, H, Dn]`` key up-projection.  w_uv: ``[C, H, Dv]`` value up-projection.
       mask: ``[B, T, S]`` bool, True where query t may attend to cached position s.
     Returns:
       ``[B, T, H, Dv]`` in ``q_nope.dtype``; scores/softmax fp32.
+
+    Both products read whole cache rows: the scores as one product of ``[q_lat | q_rot]`` with ``[ĉ | k_rot]``
+    (the sum of the two parts' products in one fp32 accumulation), the latent output as ``p · [ĉ | k_rot]`` of which
+    the first ``C`` columns are kept. A product with a column slice of the cache would first copy that slice out of
+    the whole cache on every call.
     """
     dt = q_nope.dtype
+    c = w_uk.shape[0]
     q_lat = einsum_f32("bthd,chd->bthc", q_nope, w_uk.astype(dt)).astype(dt)
-    s = einsum_f32("bthc,bsc->bhts", q_lat, latent.astype(dt))
-    s = s + einsum_f32("bthr,bsr->bhts", q_rot, k_rot.astype(dt))
+    rows = store.astype(dt)
+    s = einsum_f32("bthc,bsc->bhts", jnp.concatenate([q_lat, q_rot.astype(dt)], axis=-1), rows)
     p = _softmax_attend(s * scale, mask[:, None, :, :])
-    o_lat = einsum_f32("bhts,bsc->bthc", p.astype(dt), latent.astype(dt)).astype(dt)
+    o_lat = einsum_f32("bhts,bsc->bthc", p.astype(dt), rows)[..., :c].astype(dt)
     return einsum_f32("bthc,chd->bthd", o_lat, w_uv.astype(dt)).astype(dt)
 
 
@@ -231,7 +237,7 @@ def _absorbed_cached_attention(q_nope: jax.Array, q_rot: jax.Array, store: jax.A
     absorbed form; ``kv_kernel [C, H, Dn+Dv]``. Decode (T = 1) is one direct call; a longer call goes in query
     blocks (and key blocks when S > :data:`KEY_BLOCK`)."""
     b, t = q_nope.shape[:2]
-    dn, c = q_nope.shape[-1], kv_kernel.shape[0]
+    dn = q_nope.shape[-1]
     s_max = store.shape[1]
     pos_q = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
 
@@ -240,8 +246,7 @@ def _absorbed_cached_attention(q_nope: jax.Array, q_rot: jax.Array, store: jax.A
             return absorbed_attention_key_blocked(qn, qr, store, kv_kernel[..., :dn], kv_kernel[..., dn:],
                                                   pos, scale)
         mask = jnp.arange(s_max)[None, None, :] <= pos[:, :, None]  # [B, blk, S]
-        return absorbed_attention(qn, qr, store[..., :c], store[..., c:], kv_kernel[..., :dn],
-                                  kv_kernel[..., dn:], mask, scale)
+        return absorbed_attention(qn, qr, store, kv_kernel[..., :dn], kv_kernel[..., dn:], mask, scale)
 
     return map_query_blocks(attend_cached, [q_nope, q_rot, pos_q], QUERY_BLOCK)
 
