@@ -1,14 +1,15 @@
 """The one-token KDA decode step with its prologue in the same Triton kernel: the short conv over the q, k, v
 projections, SiLU, the q / k L2 norm, the gate and beta (:func:`pallas_kernels.kda.reference.decode_prologue`),
-then the state update of :func:`pallas_kernels.kda.gpu.decode_update` on a state pool, in place.
+then the state update of :func:`pallas_kernels.kda.gpu.decode_update`, on one layer of stacked states, in place.
 
 Grid: the plain decode kernel's flat grid (:func:`pallas_kernels.kda.gpu.flat_slice_ids`: V slices fastest, then
 heads, then rows), one program per ``(row b, head h, V slice j)``. Each program convolves and normalises the
 head's whole q and k (``K`` columns; the head's V slices repeat this small work) and its slice of v, forms the
-head's gate and beta, and updates its ``[K, BV]`` state slice. The conv tails are read in place from a pool of
-rows (a stacked cache's rows ``row0 + b``) and the new tails written to a separate output: the programs of one head
-read the same q / k tail, so none may overwrite it (the V slice 0 program writes the head's new q / k tail, every
-program its v slice's).
+head's gate and beta, and updates its ``[K, BV]`` state slice. The states ``[L, B, H, K, V]``, the conv tails
+``[L, B, W-1, C]`` and the conv / gate parameters ``[L, ...]`` are read in place at the layer index (row
+``layer * B + b`` of the flattened stacks); the new tails go to a separate output: the programs of one head read the
+same q / k tail, so none may overwrite it (the V slice 0 program writes the head's new q / k tail, every program its
+v slice's).
 
 Rounding as the layer's unfused path: the fp32 conv sum (tap 0 first) rounded to the projections' dtype, SiLU and
 the L2 norm in fp32, the results rounded to that dtype again before the update reads them in fp32.
