@@ -35,8 +35,9 @@ from pallas_kernels.kda import reference as kda_ref
 HIGHEST = jax.lax.Precision.HIGHEST
 
 AbsorbedAttention = Callable[..., jax.Array]
-"""``attend(q_nope, q_rot, latent, k_rot, w_uk, w_uv, mask [B, Tq, S] bool, scale) -> [B, Tq, H, Dv]`` — the
-layer's absorbed-form MLA attention (``k3_jax.layers.mla.absorbed_attention``)."""
+"""``attend(q_nope, q_rot, store [B, S, C + Dr], w_uk, w_uv, mask [B, Tq, S] bool, scale) -> [B, Tq, H, Dv]`` — the
+layer's absorbed-form MLA attention (``k3_jax.layers.mla.absorbed_attention``; ``store`` = the latent, then the
+shared key part, per position)."""
 
 
 def _ein(eq: str, *xs: jax.Array) -> jax.Array:
@@ -149,21 +150,20 @@ def kda_local(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
 def mla_local(q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array, k_rot: jax.Array, w_uk: jax.Array,
               w_uv: jax.Array, *, axis_name: str, scale: float, attend: AbsorbedAttention,
               segment_ids: jax.Array | None = None) -> jax.Array:
-    """Per-shard causal MLA: all-gather the latent ``[B, T_loc, C]`` and ``k_rot [B, T_loc, Dr]`` over
-    ``axis_name``, attend the local queries ``[B, T_loc, H, *]`` with ``attend`` (absorbed form). Returns
-    ``[B, T_loc, H, Dv]``."""
+    """Per-shard causal MLA: all-gather the latent ``[B, T_loc, C]`` and ``k_rot [B, T_loc, Dr]`` (side by side, one
+    collective) over ``axis_name``, attend the local queries ``[B, T_loc, H, *]`` with ``attend`` (absorbed form).
+    Returns ``[B, T_loc, H, Dv]``."""
     t = q_nope.shape[1]
     rank = jax.lax.axis_index(axis_name)
-    lat_all = jax.lax.all_gather(latent, axis_name, axis=1, tiled=True)  # [B, T, C]
-    rot_all = jax.lax.all_gather(k_rot, axis_name, axis=1, tiled=True)
-    s = lat_all.shape[1]
+    store = jax.lax.all_gather(jnp.concatenate([latent, k_rot], axis=-1), axis_name, axis=1, tiled=True)
+    s = store.shape[1]
     pos_q = rank * t + jnp.arange(t)
     mask = (jnp.arange(s)[None, :] <= pos_q[:, None])[None]  # [1, T_loc, T]
     if segment_ids is not None:
         seg_all = jax.lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
         mask = mask & (segment_ids[:, :, None] == seg_all[:, None, :])
     mask = jnp.broadcast_to(mask, (q_nope.shape[0], t, s))
-    return attend(q_nope, q_rot, lat_all, rot_all, w_uk, w_uv, mask, scale)
+    return attend(q_nope, q_rot, store, w_uk, w_uv, mask, scale)
 
 
 # ----------------------------------------------------------------------------- global wrappers
