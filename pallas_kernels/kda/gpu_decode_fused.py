@@ -41,8 +41,12 @@ def _conv(taps, weights, u, dt):
     return acc.astype(dt).astype(jnp.float32)
 
 
+def _sigmoid(y):
+    return 1.0 / (1.0 + jnp.exp(-y))
+
+
 def _silu(y):
-    return y * (1.0 / (1.0 + jnp.exp(-y)))
+    return y * _sigmoid(y)
 
 
 def _fused_decode_kernel(layer_ref, q_ref, k_ref, v_ref, f_ref, b_ref, tail_ref, wq_ref, wk_ref, wv_ref, alog_ref,
@@ -73,11 +77,11 @@ def _fused_decode_kernel(layer_ref, q_ref, k_ref, v_ref, f_ref, b_ref, tail_ref,
     v, v_tail = branch(2 * hk, v_ref, wv_ref, vs, False)
 
     x = f_ref[b, cols].astype(f32) + dtb_ref[layer, cols]
-    g = lower_bound * (1.0 / (1.0 + jnp.exp(-(jnp.exp(alog_ref[layer, h]) * x))))
+    g = lower_bound * _sigmoid(jnp.exp(alog_ref[layer, h]) * x)
     lo = float(np.nextafter(np.float32(lower_bound), np.float32(0.0)))
     hi = -float(np.finfo(np.float32).tiny)
     g = jnp.minimum(jnp.maximum(g, lo), hi)
-    beta = 1.0 / (1.0 + jnp.exp(-b_ref[b, h].astype(f32)))
+    beta = _sigmoid(b_ref[b, h].astype(f32))
 
     vcols = pl.ds(j * block_v, block_v)
     s = pool_in_ref[row, h, :, vcols]  # [K, BV]

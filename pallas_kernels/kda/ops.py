@@ -475,9 +475,7 @@ def fused_decode_step(
                              f"{W} conv taps, got {list(x.shape)}")
     if scale is None:
         scale = K**-0.5
-    target = target_platform(platform)
-    call = KdaCall(target, jnp.promote_types(q_proj.dtype, v_proj.dtype).name, (B, 1, H, K, V), 64, None,
-                   bool(interpret), target_compute_capability(target))
+    call = make_call(q_proj.reshape(B, 1, H, K), v_proj.reshape(B, 1, H, V), 64, None, interpret, platform)
     impl = DECODE.select(implementation, call).backend
     layer = jnp.asarray(layer, jnp.int32)
     if impl == "triton":
